@@ -1,0 +1,4 @@
+"""OPC UA edge inference appliance."""
+
+__version__ = "0.1.0"
+NAMESPACE_URI = "urn:opcua-inference-appliance"

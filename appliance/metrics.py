@@ -1,0 +1,69 @@
+"""The Prometheus metrics of the contract, in one registry owned by the daemon (no process-global state).
+
+Every metric is created here so that its HELP and TYPE lines are exposed from the start; labelled series appear
+once they have a value. Engine parts receive the `Metrics` object and update it; nothing else registers metrics.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+WATCHDOG_STATES = {"Ok": 0, "Warning": 1, "Critical": 2, "NoGpu": 3}
+
+
+class Metrics:
+    def __init__(self, gpu_present: bool = False):
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests_total = Counter(
+            "appliance_requests", "Method calls answered, by model, method and OPC UA status name",
+            ["model", "method", "status"], registry=r)
+        self.request_duration = Histogram(
+            "appliance_request_duration_seconds", "Time from a method call's arrival to its answer",
+            ["model", "method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "appliance_queue_wait_seconds", "Time a request waited in the queue before its batch ran",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram(
+            "appliance_batch_size", "Samples (tensor models) or sequences (generative models) per executed batch",
+            ["model"], buckets=BATCH_BUCKETS, registry=r)
+        self.queue_depth = Gauge("appliance_queue_depth", "Requests waiting in the model's queue", ["model"],
+                                 registry=r)
+        self.kv_slots_total = Gauge("appliance_kv_slots_total", "KV-cache slots preallocated", registry=r)
+        self.kv_slots_used = Gauge("appliance_kv_slots_used", "KV-cache slots owned by a session", registry=r)
+        self.tokens_total = Counter("appliance_tokens", "Tokens processed, by kind (prompt | generated)",
+                                    ["model", "kind"], registry=r)
+        self.time_to_first_token = Histogram(
+            "appliance_time_to_first_token_seconds", "Time from a Generate call's arrival to its first token",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ua_sessions = Gauge("appliance_ua_sessions", "OPC UA sessions open", registry=r)
+        self.model_info = Gauge("appliance_model_info", "1 for each loaded model, labelled with version and backend",
+                                ["model", "version", "backend"], registry=r)
+        self.model_ready = Gauge("appliance_model_ready", "1 when the model is Ready, else 0", ["model"], registry=r)
+        self.watchdog_state = Gauge("appliance_watchdog_state", "Watchdog state: 0 Ok, 1 Warning, 2 Critical, 3 NoGpu",
+                                    registry=r)
+        self.server_cert_expiry = Gauge("appliance_server_certificate_expiry_seconds",
+                                        "Seconds until the server certificate expires", registry=r)
+        self.server_cert_expiring = Gauge("appliance_server_certificate_expiring",
+                                          "1 when the server certificate expires within 30 days", registry=r)
+        self.audit_errors = Counter("appliance_audit_write_errors", "Audit records that could not be written",
+                                    registry=r)
+        self.gpu_present = gpu_present
+        if gpu_present:
+            self.gpu_temperature = Gauge("appliance_gpu_temperature_celsius", "GPU temperature", ["gpu"], registry=r)
+            self.gpu_memory_used = Gauge("appliance_gpu_memory_used_bytes", "GPU memory in use", ["gpu"], registry=r)
+            self.gpu_utilization = Gauge("appliance_gpu_utilization_ratio", "GPU busy fraction", ["gpu"], registry=r)
+            self.gpu_ecc_errors = Gauge("appliance_gpu_ecc_errors", "Uncorrected ECC errors since boot", ["gpu"],
+                                        registry=r)
+            self.gpu_power = Gauge("appliance_gpu_power_watts", "GPU power draw", ["gpu"], registry=r)
+
+    def set_model_info(self, model: str, version: str, backend: str) -> None:
+        # One series per model: drop the old version's series on reload.
+        for labels in [s.labels for fam in self.model_info.collect() for s in fam.samples]:
+            if labels.get("model") == model:
+                self.model_info.remove(labels["model"], labels["version"], labels["backend"])
+        self.model_info.labels(model, version, backend).set(1)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
