@@ -1,0 +1,283 @@
+"""The `appliance` command line: serve, check-config, certs, users, call, audit.
+
+Every failure ends with a clear message on stderr and exit status 2; nothing prints a stack trace.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import io
+import json
+import logging
+import socket
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path("/etc/appliance/appliance.yaml")
+
+
+def load_config_arg(path: str | None):
+    """--config FILE; without it the installed file if there is one, else the built-in demo."""
+    from .config import demo_config, load_config
+    if path:
+        return load_config(path)
+    if DEFAULT_CONFIG.exists():
+        return load_config(DEFAULT_CONFIG)
+    return demo_config()
+
+
+def _fail(message: str) -> int:
+    print(f"appliance: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_serve(args) -> int:
+    from .daemon import configure_logging, serve
+    config = load_config_arg(args.config)
+    configure_logging(config)
+    return asyncio.run(serve(config))
+
+
+def cmd_check_config(args) -> int:
+    from .config import check_config_main
+    return check_config_main(args.file)
+
+
+def cmd_certs(args) -> int:
+    from certs import cli as certs_cli
+
+    from .daemon import certificate_names
+    config = load_config_arg(args.config)
+    state_dir = Path(config.server.state_dir)
+    action = args.certs_action
+    if action == "init":
+        hostnames, ips = certificate_names(config)
+        return certs_cli.cmd_init(state_dir, config.server.application_uri, hostnames, ips, args.force)
+    if action == "issue":
+        out = Path(args.out) if args.out else None
+        return certs_cli.cmd_issue(state_dir, args.name, args.role, out, socket.gethostname(), args.password)
+    if action == "list":
+        return certs_cli.cmd_list(state_dir)
+    if action == "trust":
+        return certs_cli.cmd_trust(state_dir, Path(args.file))
+    if action == "reject":
+        return certs_cli.cmd_reject(state_dir, Path(args.file))
+    if action == "revoke":
+        return certs_cli.cmd_revoke(state_dir, args.name)
+    if action == "export-server":
+        return certs_cli.cmd_export_server(state_dir, Path(args.out) if args.out else Path.cwd())
+    return _fail(f"unknown certs action {action}")
+
+
+def cmd_users(args) -> int:
+    from .users import cmd_users as run
+    config = load_config_arg(args.config)
+    configured = [(u.name, u.role, u.password_hash) for u in config.users]
+    return run(Path(config.server.state_dir), configured, args.users_action, getattr(args, "name", None),
+               getattr(args, "role", None), None)
+
+
+def cmd_audit(args) -> int:
+    from .audit import cmd_audit_verify
+    config = load_config_arg(args.config)
+    path = Path(args.file) if args.file else (
+        Path(config.audit.path) if config.audit.path else Path(config.server.state_dir) / "audit" / "audit.jsonl")
+    return cmd_audit_verify(path)
+
+
+def parse_floats(text: str) -> list[float]:
+    """JSON (a list, nested lists are flattened) or CSV (a header row of names is skipped)."""
+    text = text.strip()
+    if text.startswith("["):
+        data = json.loads(text)
+
+        def flat(x):
+            if isinstance(x, list):
+                for y in x:
+                    yield from flat(y)
+            elif isinstance(x, (int, float)) and not isinstance(x, bool):
+                yield float(x)
+            else:
+                raise ValueError(f"not a number: {x!r}")
+        return list(flat(data))
+    values: list[float] = []
+    for row_no, row in enumerate(csv.reader(io.StringIO(text)), start=1):
+        cells = [c.strip() for c in row if c.strip()]
+        if not cells:
+            continue
+        try:
+            values.extend(float(c) for c in cells)
+        except ValueError:
+            if row_no == 1 and not values:
+                continue  # a header
+            raise ValueError(f"line {row_no}: not a number in {row!r}") from None
+    return values
+
+
+def cmd_call(args) -> int:
+    from asyncua import ua
+
+    from .client import call_method, connect, model_node
+    config = load_config_arg(args.config)
+    state_dir = Path(config.server.state_dir)
+    if args.cert and args.key:
+        cert, key = Path(args.cert), Path(args.key)
+    elif args.cert or args.key:
+        return _fail("give both --cert and --key")
+    else:
+        cert, key = commissioning_identity(state_dir)
+        if cert is None:
+            return _fail("no client certificate: give --cert and --key (make them with "
+                         "`appliance certs issue NAME --role operator`)")
+    port = config.server.port
+    endpoint = args.endpoint or f"opc.tcp://127.0.0.1:{port}"
+    if args.input is None and args.prompt is None:
+        return _fail("give --input (CSV or JSON, a file or inline) or --prompt TEXT")
+    if args.input is not None:
+        source = Path(args.input)
+        try:
+            text = source.read_text() if source.exists() else args.input
+            values = parse_floats(text)
+        except (ValueError, OSError) as e:
+            where = str(source) if source.exists() else "--input"
+            return _fail(f"{where}: {e}")
+
+    async def run() -> int:
+        try:
+            client = await connect(endpoint, cert, key, timeout=args.timeout)
+        except Exception as e:
+            return _fail(f"cannot connect to {endpoint}: {type(e).__name__}: {e}")
+        try:
+            model, ns = await model_node(client, args.model)
+            if args.input is not None:
+                method = await model.get_child(f"{ns}:Infer")
+                res = await call_method(client, model, method, [ua.Variant(values, ua.VariantType.Float)])
+            else:
+                method = await model.get_child(f"{ns}:Generate")
+                res = await call_method(client, model, method, [
+                    ua.Variant(args.prompt, ua.VariantType.String),
+                    ua.Variant(args.max_tokens, ua.VariantType.UInt32),
+                    ua.Variant(args.temperature, ua.VariantType.Float)])
+            status = res.StatusCode
+            print(f"status: {status.name}")
+            if not status.is_good():
+                bad = [f"argument {i}: {s.name}" for i, s in enumerate(res.InputArgumentResults) if not s.is_good()]
+                if bad:
+                    print("  " + "; ".join(bad))
+                return 1
+            names = (["Output", "ModelVersion"] if args.input is not None else
+                     ["Text", "TokenCount", "FinishReason", "ContextTokens", "ContextLost", "ModelVersion"])
+            for name, var in zip(names, res.OutputArguments):
+                value = var.Value
+                if name == "Output":
+                    value = "[" + ", ".join(f"{v:.6g}" for v in value) + "]"
+                print(f"{name}: {value}")
+            return 0
+        except ua.UaStatusCodeError as e:
+            return _fail(f"{args.model}: {e}")
+        finally:
+            await client.disconnect()
+    return asyncio.run(run())
+
+
+def commissioning_identity(state_dir: Path):
+    """On the appliance itself: an operator certificate for commissioning, issued once by the local CA."""
+    out = state_dir / "clients"
+    cert, key = out / "commissioning.der", out / "commissioning.key.pem"
+    if cert.exists() and key.exists():
+        return cert, key
+    from certs.pki import PKI
+    pki = PKI(state_dir)
+    if not pki.exists():
+        return None, None
+    pki.issue("commissioning", "operator", out, socket.gethostname())
+    return cert, key
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="appliance", description="OPC UA edge inference appliance")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="run the appliance (no --config: the built-in demo)")
+    s.add_argument("--config")
+    s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("check-config", help="validate a configuration file")
+    s.add_argument("file")
+    s.set_defaults(func=cmd_check_config)
+
+    c = sub.add_parser("certs", help="manage the PKI")
+    csub = c.add_subparsers(dest="certs_action", required=True)
+    x = csub.add_parser("init", help="create the CA and the server certificate")
+    x.add_argument("--force", action="store_true", help="replace an existing CA and server certificate")
+    x = csub.add_parser("issue", help="issue a client certificate, trusted and mapped to a role")
+    x.add_argument("name")
+    x.add_argument("--role", required=True, choices=["monitor", "operator", "engineer"])
+    x.add_argument("--out")
+    x.add_argument("--password", help="encrypt the key and the PKCS#12 file with it")
+    csub.add_parser("list", help="trusted, issuer and rejected certificates")
+    x = csub.add_parser("trust", help="trust a client certificate file")
+    x.add_argument("file")
+    x = csub.add_parser("reject", help="move a trusted certificate to rejected")
+    x.add_argument("file")
+    x = csub.add_parser("revoke", help="revoke an issued certificate (takes effect at once)")
+    x.add_argument("name")
+    x = csub.add_parser("export-server", help="the server certificate and CA as DER and PEM")
+    x.add_argument("--out")
+    for action_parser in csub.choices.values():
+        action_parser.add_argument("--config")
+    c.set_defaults(func=cmd_certs)
+
+    u = sub.add_parser("users", help="accounts for clients without user certificates")
+    usub = u.add_subparsers(dest="users_action", required=True)
+    x = usub.add_parser("add")
+    x.add_argument("name")
+    x.add_argument("--role", required=True, choices=["monitor", "operator", "engineer"])
+    x = usub.add_parser("passwd")
+    x.add_argument("name")
+    x = usub.add_parser("remove")
+    x.add_argument("name")
+    usub.add_parser("list")
+    for action_parser in usub.choices.values():
+        action_parser.add_argument("--config")
+    u.set_defaults(func=cmd_users)
+
+    s = sub.add_parser("call", help="call a model as a PLC would (commissioning)")
+    s.add_argument("model")
+    s.add_argument("--config")
+    s.add_argument("--cert")
+    s.add_argument("--key")
+    s.add_argument("--endpoint")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--input", help="CSV or JSON floats: a file or inline text")
+    g.add_argument("--prompt")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--timeout", type=float, default=30.0)
+    s.set_defaults(func=cmd_call)
+
+    a = sub.add_parser("audit", help="the audit trail")
+    asub = a.add_subparsers(dest="audit_action", required=True)
+    x = asub.add_parser("verify", help="check the hash chain; names the first broken line")
+    x.add_argument("file", nargs="?")
+    x.add_argument("--config")
+    a.set_defaults(func=cmd_audit)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .config import ConfigError
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

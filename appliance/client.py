@@ -1,0 +1,66 @@
+"""An OPC UA client set up as a PLC would be: SignAndEncrypt, a client certificate, an X509 or user-name identity.
+
+Used by `appliance call` (commissioning), the benchmarks and the tests.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncua import Client, ua
+from asyncua.crypto import security_policies
+from cryptography import x509
+
+from . import NAMESPACE_URI
+
+POLICY_CLASSES = {
+    "Basic256Sha256": security_policies.SecurityPolicyBasic256Sha256,
+    "Aes128_Sha256_RsaOaep": security_policies.SecurityPolicyAes128Sha256RsaOaep,
+    "Aes256_Sha256_RsaPss": security_policies.SecurityPolicyAes256Sha256RsaPss,
+}
+
+
+def certificate_uri(cert_path: Path) -> str:
+    data = Path(cert_path).read_bytes()
+    cert = (x509.load_pem_x509_certificate(data) if data.lstrip().startswith(b"-----")
+            else x509.load_der_x509_certificate(data))
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    return uris[0] if uris else "urn:appliance:client"
+
+
+async def connect(endpoint: str, cert: Path, key: Path, *, policy: str = "Basic256Sha256",
+                  mode: str = "SignAndEncrypt", username: str | None = None, password: str | None = None,
+                  x509_identity: bool = True, anonymous: bool = False, timeout: float = 30.0,
+                  session_timeout_ms: int = 60_000, key_password: str | None = None) -> Client:
+    """A connected client; the caller disconnects it. Identity: user name if given, else anonymous if asked,
+    else the client certificate as X509 user identity."""
+    client = Client(endpoint, timeout=timeout)
+    client.application_uri = certificate_uri(cert)
+    client.session_timeout = session_timeout_ms
+    client.name = client.description = "appliance client"
+    await client.set_security(POLICY_CLASSES[policy], str(cert), str(key), private_key_password=key_password,
+                              mode=getattr(ua.MessageSecurityMode, mode))
+    if username is not None:
+        client.set_user(username)
+        client.set_password(password or "")
+    elif not anonymous and x509_identity:
+        await client.load_client_certificate(str(cert))
+        await client.load_private_key(str(key), password=key_password)
+    await client.connect()
+    return client
+
+
+async def model_node(client: Client, model: str):
+    ns = await client.get_namespace_index(NAMESPACE_URI)
+    objects = client.nodes.objects
+    return await objects.get_child([f"{ns}:Appliance", f"{ns}:Models", f"{ns}:{model}"]), ns
+
+
+async def call_method(client: Client, parent, method_node, args: list[ua.Variant]) -> ua.CallMethodResult:
+    """Call and return the raw result (status code, argument results, outputs) instead of raising."""
+    request = ua.CallMethodRequest()
+    request.ObjectId = parent.nodeid
+    request.MethodId = method_node.nodeid
+    request.InputArguments = args
+    results = await client.uaclient.call([request])
+    return results[0]

@@ -1,0 +1,34 @@
+"""Small ONNX graphs written at test time (nothing binary is committed for tests)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _save(graph, path: Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def affine_model(path: Path, width: int = 4, scale: float = 2.0, offset: float = 1.0) -> Path:
+    """y = x * scale + offset, one sample = `width` floats."""
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", width])
+    inits = [numpy_helper.from_array(np.array(scale, np.float32), "scale"),
+             numpy_helper.from_array(np.array(offset, np.float32), "offset")]
+    nodes = [helper.make_node("Mul", ["input", "scale"], ["scaled"]),
+             helper.make_node("Add", ["scaled", "offset"], ["output"])]
+    return _save(helper.make_graph(nodes, "affine", [x], [y], inits), path)
+
+
+def log_model(path: Path, width: int = 4) -> Path:
+    """y = log(x): a negative input yields NaN, which the appliance must never hand to a PLC."""
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", width])
+    return _save(helper.make_graph([helper.make_node("Log", ["input"], ["output"])], "log", [x], [y]), path)

@@ -1,0 +1,113 @@
+"""Builds the contract's address space under Objects/Appliance and keeps its values at most one second old.
+
+NodeIds are strings in the appliance namespace, e.g. `Appliance/Models/te-classifier/Infer`, so that a PLC
+programmer can configure them by hand; clients still look the namespace index up in the NamespaceArray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncua import Node, Server, ua
+
+V = ua.VariantType
+
+
+def argument(name: str, vtype: ua.VariantType, array: bool = False, description: str = "") -> ua.Argument:
+    arg = ua.Argument()
+    arg.Name = name
+    arg.DataType = ua.NodeId(vtype.value)
+    if array:  # asyncua needs ValueRank and ArrayDimensions spelled out for arrays
+        arg.ValueRank = 1
+        arg.ArrayDimensions = [0]
+    else:
+        arg.ValueRank = -1
+        arg.ArrayDimensions = []
+    arg.Description = ua.LocalizedText(description)
+    return arg
+
+
+INFER_IN = [argument("Input", V.Float, True, "k samples back to back, 1 <= k <= MaxSamples")]
+INFER_OUT = [argument("Output", V.Float, True, "k results back to back"),
+             argument("ModelVersion", V.String, description="version of the weights that computed Output")]
+GENERATE_IN = [argument("Prompt", V.String, description="non-empty UTF-8, at most 16 KiB"),
+               argument("MaxTokens", V.UInt32, description="1 .. engine.max_new_tokens"),
+               argument("Temperature", V.Float, description="0 (greedy) .. 2")]
+GENERATE_OUT = [argument("Text", V.String), argument("TokenCount", V.UInt32), argument("FinishReason", V.String),
+                argument("ContextTokens", V.UInt32), argument("ContextLost", V.Boolean),
+                argument("ModelVersion", V.String)]
+RELOAD_IN = [argument("Name", V.String, description="the model's name")]
+RELOAD_OUT = [argument("Version", V.String)]
+
+
+@dataclass
+class ModelNodes:
+    obj: Node
+    values: dict[str, Node] = field(default_factory=dict)
+
+
+@dataclass
+class ApplianceNodes:
+    root: Node
+    values: dict[str, Node] = field(default_factory=dict)  # "State", "Engine/QueueDepth", "Health/..."
+    models: dict[str, ModelNodes] = field(default_factory=dict)
+
+
+class AddressSpaceBuilder:
+    def __init__(self, server: Server, ns: int):
+        self.server = server
+        self.ns = ns
+
+    def nid(self, path: str) -> ua.NodeId:
+        return ua.NodeId(path, self.ns)
+
+    async def variable(self, parent: Node, path: str, name: str, value, vtype: ua.VariantType) -> Node:
+        node = await parent.add_variable(self.nid(f"{path}/{name}"), ua.QualifiedName(name, self.ns),
+                                         ua.Variant(value, vtype))
+        return node  # read-only: asyncua variables are not writable unless set_writable() is called
+
+    async def build(self, device: str, models: dict, callbacks: dict) -> ApplianceNodes:
+        objects = self.server.nodes.objects
+        root = await objects.add_object(self.nid("Appliance"), ua.QualifiedName("Appliance", self.ns))
+        nodes = ApplianceNodes(root)
+        nodes.values["State"] = await self.variable(root, "Appliance", "State", "Starting", V.String)
+        nodes.values["Device"] = await self.variable(root, "Appliance", "Device", device, V.String)
+        nodes.values["Heartbeat"] = await self.variable(root, "Appliance", "Heartbeat", 0, V.UInt32)
+
+        models_obj = await root.add_object(self.nid("Appliance/Models"), ua.QualifiedName("Models", self.ns))
+        for name, svc in models.items():
+            path = f"Appliance/Models/{name}"
+            obj = await models_obj.add_object(self.nid(path), ua.QualifiedName(name, self.ns))
+            m = ModelNodes(obj)
+            for key, value, vtype in (("Kind", svc.kind, V.String), ("Version", "", V.String),
+                                      ("Backend", "", V.String), ("State", "Loading", V.String),
+                                      ("RequestCount", 0, V.UInt64), ("ErrorCount", 0, V.UInt64),
+                                      ("LastLatencyMs", 0.0, V.Double)):
+                m.values[key] = await self.variable(obj, path, key, value, vtype)
+            if svc.kind == "tensor":
+                m.values["InputShape"] = await self.variable(obj, path, "InputShape", [], V.UInt32)
+                m.values["OutputShape"] = await self.variable(obj, path, "OutputShape", [], V.UInt32)
+                m.values["MaxSamples"] = await self.variable(obj, path, "MaxSamples", int(svc.max_samples), V.UInt32)
+                await obj.add_method(self.nid(f"{path}/Infer"), ua.QualifiedName("Infer", self.ns),
+                                     callbacks[(name, "Infer")], INFER_IN, INFER_OUT)
+            else:
+                await obj.add_method(self.nid(f"{path}/Generate"), ua.QualifiedName("Generate", self.ns),
+                                     callbacks[(name, "Generate")], GENERATE_IN, GENERATE_OUT)
+                await obj.add_method(self.nid(f"{path}/ResetContext"), ua.QualifiedName("ResetContext", self.ns),
+                                     callbacks[(name, "ResetContext")], [], [])
+            nodes.models[name] = m
+
+        engine = await root.add_object(self.nid("Appliance/Engine"), ua.QualifiedName("Engine", self.ns))
+        for key in ("QueueDepth", "SlotsTotal", "SlotsInUse"):
+            nodes.values[f"Engine/{key}"] = await self.variable(engine, "Appliance/Engine", key, 0, V.UInt32)
+        health = await root.add_object(self.nid("Appliance/Health"), ua.QualifiedName("Health", self.ns))
+        for key, value, vtype in (("WatchdogState", "NoGpu", V.String), ("GpuTemperatureC", 0.0, V.Double),
+                                  ("GpuMemoryUsedBytes", 0, V.UInt64), ("GpuEccErrors", 0, V.UInt64)):
+            nodes.values[f"Health/{key}"] = await self.variable(health, "Appliance/Health", key, value, vtype)
+        admin = await root.add_object(self.nid("Appliance/Admin"), ua.QualifiedName("Admin", self.ns))
+        await admin.add_method(self.nid("Appliance/Admin/ReloadModel"), ua.QualifiedName("ReloadModel", self.ns),
+                               callbacks[("", "ReloadModel")], RELOAD_IN, RELOAD_OUT)
+        return nodes
+
+
+async def write(server: Server, node: Node, value, vtype: ua.VariantType) -> None:
+    await server.write_attribute_value(node.nodeid, ua.DataValue(ua.Variant(value, vtype)))

@@ -1,0 +1,69 @@
+"""Maps an ActivateSession user token to one of the appliance's roles, or refuses it.
+
+X509 user certificates pass the same trust list as application certificates (asyncua checks only proof of
+possession) and need a role mapping; user names are checked against scrypt/argon2 hashes with a per-source back-off;
+anonymous, when enabled, is `monitor`. There is no built-in account.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable
+
+from asyncua.crypto.permission_rules import UserRole
+from asyncua.server.user_managers import UserManager
+from cryptography import x509
+
+from .session import ApplianceUser, activation_context, anonymous_user
+
+log = logging.getLogger(__name__)
+ROLES = ("monitor", "operator", "engineer")
+
+
+class ApplianceUserManager(UserManager):
+    def __init__(self, *, anonymous: bool, user_names: bool, x509_users: bool,
+                 validate_user_certificate: Callable[[bytes], str],
+                 configured_role: Callable[[str, str], str | None],
+                 role_for_certificate: Callable[[bytes], str | None],
+                 authenticate: Callable[[str, str, str], str | None]):
+        self.anonymous = anonymous
+        self.user_names = user_names
+        self.x509_users = x509_users
+        self.validate_user_certificate = validate_user_certificate
+        self.configured_role = configured_role  # the YAML's security.certificate_roles (thumbprint or subject)
+        self.role_for_certificate = role_for_certificate
+        self.authenticate = authenticate
+
+    def get_user(self, iserver, username=None, password=None, certificate=None) -> ApplianceUser | None:
+        ctx = activation_context.get()
+        if ctx is None:  # only our sessions activate; anything else is refused
+            return None
+        if ctx.kind == "anonymous":
+            return anonymous_user() if self.anonymous else None
+        if ctx.kind == "username":
+            if not self.user_names or not username or password is None:
+                return None
+            role = self.authenticate(username, password, ctx.peer.rsplit(":", 1)[0])
+            if role not in ROLES:
+                log.warning("user-name login refused for %r from %s", username, ctx.peer)
+                return None
+            return ApplianceUser(role=UserRole.User, name=username, appliance_role=role, identity=f"user:{username}")
+        if ctx.kind == "x509" and self.x509_users and certificate:
+            status = self.validate_user_certificate(certificate)
+            if status != "Good":
+                log.warning("X509 user certificate refused: %s", status)
+                return None
+            role = self.certificate_role(certificate)
+            if role not in ROLES:
+                log.warning("X509 user certificate has no role mapping")
+                return None
+            thumb = hashlib.sha1(certificate).hexdigest()
+            return ApplianceUser(role=UserRole.User, name=thumb, appliance_role=role, identity=f"x509:{thumb}")
+        return None
+
+    def certificate_role(self, der: bytes) -> str | None:
+        try:
+            subject = x509.load_der_x509_certificate(der).subject.rfc4514_string()
+        except ValueError:
+            return None
+        return self.configured_role(hashlib.sha1(der).hexdigest(), subject) or self.role_for_certificate(der)

@@ -1,0 +1,184 @@
+"""OPC UA method handlers: check the caller's role and the arguments, hand the request to the engine, and turn
+every outcome into the contract's status code (asyncua would answer BadUnexpectedError to anything raised).
+
+Data flows one way: handler -> service (batcher / scheduler) -> runner -> result, and back here.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from asyncua import ua
+
+from appliance.errors import AccessDenied, ApplianceError, EngineFailure, InvalidArgument, NotReady
+
+from .session import ApplianceSession, current_session
+
+log = logging.getLogger(__name__)
+
+ROLE_RANK = {"monitor": 0, "operator": 1, "engineer": 2}
+FLOATS = (ua.VariantType.Float, ua.VariantType.Double)
+
+
+class ArgumentCountError(Exception):
+    def __init__(self, status: str):
+        self.status = status
+
+
+@dataclass
+class CallContext:
+    session: ApplianceSession | None
+    method: str
+    model: str = ""
+    version: str = ""
+    input_digest: str = ""
+    output_digest: str = ""
+    started: float = field(default_factory=time.perf_counter)
+
+
+def status_result(status: str, n_args: int = 0, arg_index: int | None = None,
+                  arg_status: str | None = None) -> ua.CallMethodResult:
+    res = ua.CallMethodResult()
+    res.StatusCode = ua.StatusCode(getattr(ua.StatusCodes, status))
+    if arg_index is not None and n_args:
+        res.InputArgumentResults = [
+            ua.StatusCode(getattr(ua.StatusCodes, arg_status) if i == arg_index else ua.StatusCodes.Good)
+            for i in range(n_args)]
+    return res
+
+
+def check_count(args: tuple, expected: int) -> None:
+    if len(args) < expected:
+        raise ArgumentCountError("BadArgumentsMissing")
+    if len(args) > expected:
+        raise ArgumentCountError("BadTooManyArguments")
+
+
+def require_type(arg: Any, index: int, types: tuple, array: bool) -> Any:
+    """The Variant's value if its built-in type and rank match; else a type mismatch on that argument."""
+    ok = isinstance(arg, ua.Variant) and arg.VariantType in types
+    if ok:
+        is_array = isinstance(arg.Value, list) or arg.is_array
+        ok = is_array == array
+    if not ok:
+        raise InvalidArgument(f"argument {index} has the wrong type", index, "BadTypeMismatch")
+    return arg.Value
+
+
+def require_role(session: ApplianceSession | None, needed: str) -> None:
+    role = session.role if session is not None else None
+    if role is None or ROLE_RANK.get(role, -1) < ROLE_RANK[needed]:
+        raise AccessDenied()
+
+
+class MethodHandlers:
+    """One instance per server; `wrap` turns an async body into an asyncua method callback."""
+
+    def __init__(self, *, metrics, audit, max_array_length: int, max_string_length: int,
+                 request_timeout_s: float):
+        self.metrics = metrics
+        self.audit = audit
+        self.max_array_length = max_array_length
+        self.max_string_length = max_string_length
+        self.request_timeout_s = request_timeout_s
+
+    def wrap(self, method: str, model: str, role: str, n_args: int,
+             body: Callable[[CallContext, tuple], Any]) -> Callable:
+        async def callback(parent: ua.NodeId, *args: ua.Variant):
+            ctx = CallContext(session=current_session.get(), method=method, model=model)
+            status = "Good"
+            try:
+                require_role(ctx.session, role)
+                check_count(args, n_args)
+                result = await body(ctx, args)
+                return result
+            except ArgumentCountError as e:
+                status = e.status
+                return status_result(status)
+            except InvalidArgument as e:
+                status = e.status
+                return status_result(status, len(args), e.index, e.arg_status)
+            except ApplianceError as e:
+                status = e.status
+                return status_result(status)
+            except Exception:
+                log.exception("%s on %s failed", method, model or "appliance")
+                status = "BadInternalError"
+                return status_result(status)
+            finally:
+                self._account(ctx, status)
+        return callback
+
+    def _account(self, ctx: CallContext, status: str) -> None:
+        elapsed = time.perf_counter() - ctx.started
+        if self.metrics is not None:
+            self.metrics.requests_total.labels(ctx.model, ctx.method, status).inc()
+            self.metrics.request_duration.labels(ctx.model, ctx.method).observe(elapsed)
+        if self.audit is not None:
+            s = ctx.session
+            self.audit.record(
+                action=ctx.method, session=s.key if s else "", client=s.client_thumbprint if s else "",
+                user=s.identity if s else "", role=(s.role or "") if s else "", model=ctx.model,
+                version=ctx.version, input_digest=ctx.input_digest, output_digest=ctx.output_digest,
+                status=status, latency_ms=round(elapsed * 1000, 3))
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.request_timeout_s
+
+    # --- argument helpers shared by the bodies ---
+
+    def float_array(self, arg: ua.Variant, index: int) -> np.ndarray:
+        values = require_type(arg, index, FLOATS, array=True)
+        if values is None or len(values) == 0:
+            raise InvalidArgument("the input array is empty", index, "BadOutOfRange")
+        if len(values) > self.max_array_length:
+            raise InvalidArgument("the input array is too long", index, "BadOutOfRange")
+        try:
+            out = np.asarray(values, dtype=np.float32)
+        except (TypeError, ValueError):
+            raise InvalidArgument("the input array holds non-numbers", index, "BadTypeMismatch") from None
+        if out.ndim != 1:
+            raise InvalidArgument("the input must be a one-dimensional array", index, "BadOutOfRange")
+        if not np.all(np.isfinite(out)):
+            raise InvalidArgument("the input holds NaN or Inf", index, "BadOutOfRange")
+        return out
+
+    def text(self, arg: ua.Variant, index: int) -> str:
+        value = require_type(arg, index, (ua.VariantType.String,), array=False)
+        if not value:
+            raise InvalidArgument("the prompt is empty", index, "BadInvalidArgument")
+        try:
+            encoded = value.encode("utf-8")  # asyncua keeps invalid bytes as lone surrogates
+        except UnicodeEncodeError:
+            raise InvalidArgument("the prompt is not valid UTF-8", index, "BadInvalidArgument") from None
+        if len(encoded) > self.max_string_length:
+            raise InvalidArgument("the prompt is too long", index, "BadOutOfRange")
+        return value
+
+    @staticmethod
+    def uint32(arg: ua.Variant, index: int) -> int:
+        return int(require_type(arg, index, (ua.VariantType.UInt32,), array=False))
+
+    @staticmethod
+    def real(arg: ua.Variant, index: int) -> float:
+        value = float(require_type(arg, index, FLOATS, array=False))
+        if math.isnan(value) or math.isinf(value):
+            raise InvalidArgument("the value is not finite", index, "BadOutOfRange")
+        return value
+
+
+def outputs(*variants: ua.Variant) -> list[ua.Variant]:
+    return list(variants)
+
+
+def require_ready(service) -> None:
+    if service.state != "Ready":
+        raise NotReady()
+
+
+__all__ = ["MethodHandlers", "CallContext", "outputs", "require_ready", "status_result", "EngineFailure"]

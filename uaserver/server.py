@@ -1,0 +1,337 @@
+"""The appliance's OPC UA server: secure endpoints only, the contract's address space, method handlers.
+
+Built on asyncua's Server with the hardened processor of processor.py; everything a client sees is set up here
+from the validated configuration. The engine services are passed in; the server never runs inference itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+from asyncua import Server, ua
+from asyncua.common.connection import TransportLimits
+from asyncua.crypto import security_policies
+
+from appliance import NAMESPACE_URI
+from appliance.audit import digest
+from appliance.errors import InvalidArgument
+
+from .address_space import AddressSpaceBuilder, ApplianceNodes, write
+from .identity import ApplianceUserManager
+from .methods import CallContext, MethodHandlers, require_ready, require_type
+from .processor import ChannelGuard, HardenedBinaryServer
+from .session import ApplianceSession
+
+log = logging.getLogger(__name__)
+V = ua.VariantType
+
+POLICIES = {
+    "Basic256Sha256": security_policies.SecurityPolicyBasic256Sha256,
+    "Aes128_Sha256_RsaOaep": security_policies.SecurityPolicyAes128Sha256RsaOaep,
+    "Aes256_Sha256_RsaPss": security_policies.SecurityPolicyAes256Sha256RsaPss,
+}
+POLICY_TYPES = {
+    ("Basic256Sha256", "SignAndEncrypt"): ua.SecurityPolicyType.Basic256Sha256_SignAndEncrypt,
+    ("Basic256Sha256", "Sign"): ua.SecurityPolicyType.Basic256Sha256_Sign,
+    ("Aes128_Sha256_RsaOaep", "SignAndEncrypt"): ua.SecurityPolicyType.Aes128Sha256RsaOaep_SignAndEncrypt,
+    ("Aes128_Sha256_RsaOaep", "Sign"): ua.SecurityPolicyType.Aes128Sha256RsaOaep_Sign,
+    ("Aes256_Sha256_RsaPss", "SignAndEncrypt"): ua.SecurityPolicyType.Aes256Sha256RsaPss_SignAndEncrypt,
+    ("Aes256_Sha256_RsaPss", "Sign"): ua.SecurityPolicyType.Aes256Sha256RsaPss_Sign,
+}
+MODES = {"SignAndEncrypt": ua.MessageSecurityMode.SignAndEncrypt, "Sign": ua.MessageSecurityMode.Sign}
+
+
+class _AsyncuaServer(Server):
+    """asyncua's Server, listening through the hardened binary server."""
+
+    guard: ChannelGuard
+
+    async def start(self) -> None:
+        await self._setup_server_nodes()
+        await self.iserver.start()
+        try:
+            host, port = self._get_bind_socket_info()
+            self.bserver = HardenedBinaryServer(self.iserver, host, port, self.limits)
+            self.bserver.guard = self.guard
+            self.bserver.set_policies(self._policies)
+            await self.bserver.start()
+        except Exception:
+            await self.iserver.stop()
+            raise
+
+
+class ApplianceUaServer:
+    def __init__(self, config, *, pki, trust_list, user_store, services: dict, metrics=None, audit=None,
+                 device: str = "cpu", health: Callable[[], dict] | None = None,
+                 engine_alive: Callable[[], bool] | None = None):
+        self.config = config
+        self.pki = pki
+        self.trust_list = trust_list
+        self.user_store = user_store
+        self.services = services
+        self.metrics = metrics
+        self.audit = audit
+        self.device = device
+        self.health = health or (lambda: {"WatchdogState": "NoGpu", "GpuTemperatureC": 0.0,
+                                          "GpuMemoryUsedBytes": 0, "GpuEccErrors": 0})
+        self.engine_alive = engine_alive or (lambda: True)
+        self.server: _AsyncuaServer | None = None
+        self.nodes: ApplianceNodes | None = None
+        self.ns = 0
+        self._updater: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event_gen = None
+        self.heartbeat = 0
+        self.state = "Starting"
+        limits = config.security.limits
+        self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
+                                       max_string_length=min(limits.max_string_length, 16 * 1024),
+                                       request_timeout_s=config.engine.request_timeout_s)
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        cfg, sec = self.config, self.config.security
+        self._loop = asyncio.get_running_loop()
+        manager = ApplianceUserManager(
+            anonymous=sec.anonymous, user_names=sec.user_names, x509_users=sec.x509_users,
+            validate_user_certificate=lambda der: self.trust_list.validate_user_certificate(der).status,
+            configured_role=sec.role_for_certificate, role_for_certificate=self.pki.role_for_certificate,
+            authenticate=self.user_store.authenticate if self.user_store is not None else (lambda *a: None))
+        server = _AsyncuaServer(user_manager=manager)
+        await server.init()
+        server.allow_remote_admin(False)
+        iserver = server.iserver
+        iserver.certificate_validator = None  # the processor validates against our trust list
+        iserver.create_session = self._session_factory(iserver)
+
+        url = urlparse(cfg.server.endpoint)
+        if cfg.server.advertised_host:
+            # Clients behind NAT: announce the configured address, not the one they dialled.
+            server.set_endpoint(f"opc.tcp://{cfg.server.advertised_host}:{url.port}")
+            server.socket_address = (url.hostname, url.port)
+            iserver.match_discovery_endpoint_url = False
+            iserver.match_discovery_source_ip = False
+        else:
+            server.set_endpoint(cfg.server.endpoint)
+        server.set_server_name(cfg.server.application_name)
+        await server.set_application_uri(cfg.server.application_uri)
+        server.product_uri = NAMESPACE_URI
+        server.manufacturer_name = "OPC UA Inference Appliance"
+        server.application_type = ua.ApplicationType.Server
+        await server.load_certificate(str(self.pki.own_cert_path))
+        await server.load_private_key(str(self.pki.own_key_path))
+        server.set_security_policy([POLICY_TYPES[(p, m)] for p in sec.policies for m in sec.modes])
+        tokens = []
+        if sec.anonymous:
+            tokens.append(ua.AnonymousIdentityToken)
+        if sec.x509_users:
+            tokens.append(ua.X509IdentityToken)
+        if sec.user_names:
+            tokens.append(ua.UserNameIdentityToken)
+        server.set_identity_tokens(tokens)
+
+        lim = sec.limits
+        server.limits = TransportLimits(max_recv_buffer=65535, max_send_buffer=65535,
+                                        max_chunk_count=lim.max_chunk_count, max_message_size=lim.max_message_size)
+        iserver.max_connections = lim.max_secure_channels
+        iserver.max_pending_activation_seconds = lim.session_activation_timeout_s
+        iserver.max_session_timeout_ms = lim.session_timeout_s * 1000
+        iserver.min_session_timeout_ms = min(iserver.min_session_timeout_ms, iserver.max_session_timeout_ms)
+        server.guard = ChannelGuard(
+            allowed=frozenset((POLICIES[p].URI, MODES[m]) for p in sec.policies for m in sec.modes),
+            validate_client_certificate=lambda der, uri: self.trust_list.validate_application_certificate(
+                der, uri).status,
+            max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
+            sessions=lambda: len(iserver._external_sessions))
+
+        self.ns = await server.register_namespace(NAMESPACE_URI)
+        builder = AddressSpaceBuilder(server, self.ns)
+        self.nodes = await builder.build(self.device, self.services, self._callbacks())
+        self._event_gen = await server.get_event_generator()
+        self.server = server
+        await server.start()
+        self._updater = asyncio.create_task(self._update_loop())
+        log.info("OPC UA server listening on %s", cfg.server.endpoint)
+
+    async def stop(self) -> None:
+        if self._updater:
+            self._updater.cancel()
+            try:
+                await self._updater
+            except asyncio.CancelledError:
+                pass
+        if self.server is None:
+            return
+        # asyncua's stop() leaves sessions with subscriptions open: close every session so slots are freed.
+        for session in list(self.server.iserver._external_sessions.values()):
+            try:
+                await session.close_session(True)
+            except Exception:
+                log.exception("closing a session on shutdown failed")
+        await self.server.stop()
+        self.server = None
+
+    @property
+    def port(self) -> int:
+        return self.server.bserver.port if self.server and self.server.bserver else 0
+
+    def _session_factory(self, iserver):
+        def create_session(name, user=None, external=False):
+            session = ApplianceSession(iserver, iserver.aspace, iserver.subscription_service, name,
+                                       external=external)
+            session.on_close = self._session_closed
+            return session
+        return create_session
+
+    def _session_closed(self, session: ApplianceSession) -> None:
+        for svc in self.services.values():
+            if svc.kind == "generative":
+                svc.release(session.key)
+
+    # ---- events ----
+
+    def emit_event(self, message: str, severity: int = 500) -> None:
+        """Raise an OPC UA event on the Server object; callable from any thread."""
+        if self._loop is None or self._event_gen is None:
+            return
+
+        def trigger():
+            asyncio.ensure_future(self._trigger(message, severity))
+        try:
+            self._loop.call_soon_threadsafe(trigger)
+        except RuntimeError:
+            pass  # loop closed: shutting down
+
+    async def _trigger(self, message: str, severity: int) -> None:
+        try:
+            self._event_gen.event.Severity = severity
+            await self._event_gen.trigger(message=message)
+        except Exception:
+            log.exception("event failed")
+
+    # ---- values ----
+
+    def appliance_state(self) -> str:
+        states = [svc.state for svc in self.services.values()]
+        wd = self.health().get("WatchdogState", "NoGpu")
+        if any(s == "Loading" for s in states) and not any(s == "Ready" for s in states):
+            return "Starting"
+        if wd == "Critical" or (states and all(s == "Failed" for s in states)):
+            return "Fault"
+        if wd == "Warning" or any(s != "Ready" for s in states):
+            return "Degraded"
+        return "Ready"
+
+    async def _update_loop(self) -> None:
+        last_beat = time.monotonic()
+        while True:
+            try:
+                now = time.monotonic()
+                if now - last_beat >= 1.0:
+                    last_beat = now
+                    if self.engine_alive():
+                        self.heartbeat = (self.heartbeat + 1) % 2**32
+                await self.publish_values()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("address-space update failed")
+            await asyncio.sleep(0.25)
+
+    async def publish_values(self) -> None:
+        s, n = self.server, self.nodes
+        self.state = self.appliance_state()
+        await write(s, n.values["State"], self.state, V.String)
+        await write(s, n.values["Heartbeat"], self.heartbeat, V.UInt32)
+        queue = slots_total = slots_used = 0
+        for name, svc in self.services.items():
+            m = n.models[name]
+            await write(s, m.values["Version"], svc.version or "", V.String)
+            await write(s, m.values["Backend"], svc.backend_name or "", V.String)
+            await write(s, m.values["State"], svc.state, V.String)
+            await write(s, m.values["RequestCount"], int(svc.request_count), V.UInt64)
+            await write(s, m.values["ErrorCount"], int(svc.error_count), V.UInt64)
+            await write(s, m.values["LastLatencyMs"], float(svc.last_latency_ms), V.Double)
+            if svc.kind == "tensor":
+                await write(s, m.values["InputShape"], [int(d) for d in (svc.input_shape or ())], V.UInt32)
+                await write(s, m.values["OutputShape"], [int(d) for d in (svc.output_shape or ())], V.UInt32)
+            else:
+                slots_total += svc.slots_total
+                slots_used += svc.slots_in_use
+            queue += svc.queue_depth
+        await write(s, n.values["Engine/QueueDepth"], queue, V.UInt32)
+        await write(s, n.values["Engine/SlotsTotal"], slots_total, V.UInt32)
+        await write(s, n.values["Engine/SlotsInUse"], slots_used, V.UInt32)
+        h = self.health()
+        await write(s, n.values["Health/WatchdogState"], h["WatchdogState"], V.String)
+        await write(s, n.values["Health/GpuTemperatureC"], float(h["GpuTemperatureC"]), V.Double)
+        await write(s, n.values["Health/GpuMemoryUsedBytes"], int(h["GpuMemoryUsedBytes"]), V.UInt64)
+        await write(s, n.values["Health/GpuEccErrors"], int(h["GpuEccErrors"]), V.UInt64)
+        if self.metrics is not None:
+            self.metrics.ua_sessions.set(len(self.server.iserver._external_sessions))
+
+    # ---- methods ----
+
+    def _callbacks(self) -> dict:
+        h = self.handlers
+        cbs = {("", "ReloadModel"): h.wrap("ReloadModel", "", "engineer", 1, self._reload)}
+        for name, svc in self.services.items():
+            if svc.kind == "tensor":
+                cbs[(name, "Infer")] = h.wrap("Infer", name, "operator", 1, self._infer_body(svc))
+            else:
+                cbs[(name, "Generate")] = h.wrap("Generate", name, "operator", 3, self._generate_body(svc))
+                cbs[(name, "ResetContext")] = h.wrap("ResetContext", name, "operator", 0, self._reset_body(svc))
+        return cbs
+
+    def _infer_body(self, svc):
+        async def body(ctx: CallContext, args):
+            samples = self.handlers.float_array(args[0], 0)
+            ctx.input_digest = digest(samples)
+            require_ready(svc)
+            out, version = await svc.infer(samples, self.handlers.deadline())
+            ctx.version = version
+            ctx.output_digest = digest(out)
+            return [ua.Variant([float(x) for x in out], V.Float), ua.Variant(version, V.String)]
+        return body
+
+    def _generate_body(self, svc):
+        async def body(ctx: CallContext, args):
+            prompt = self.handlers.text(args[0], 0)
+            max_tokens = self.handlers.uint32(args[1], 1)
+            temperature = self.handlers.real(args[2], 2)
+            ctx.input_digest = digest(prompt)
+            require_ready(svc)
+            r = await svc.generate(ctx.session.key, prompt, max_tokens, temperature, self.handlers.deadline())
+            ctx.version = r.model_version
+            ctx.output_digest = digest(r.text)
+            return [ua.Variant(r.text, V.String), ua.Variant(r.token_count, V.UInt32),
+                    ua.Variant(r.finish_reason, V.String), ua.Variant(r.context_tokens, V.UInt32),
+                    ua.Variant(bool(r.context_lost), V.Boolean), ua.Variant(r.model_version, V.String)]
+        return body
+
+    def _reset_body(self, svc):
+        async def body(ctx: CallContext, args):
+            require_ready(svc)
+            await svc.reset(ctx.session.key)
+            return []
+        return body
+
+    async def _reload(self, ctx: CallContext, args):
+        name = require_type(args[0], 0, (V.String,), array=False)
+        svc = self.services.get(name)
+        if svc is None:
+            raise InvalidArgument("no model of that name", 0, "BadInvalidArgument")
+        ctx.model = name
+        try:
+            version = await svc.reload()
+        except Exception as e:
+            self.emit_event(f"Reloading model {name} failed: {e}", severity=800)
+            raise
+        ctx.version = version
+        self.emit_event(f"Model {name} reloaded, version {version}", severity=300)
+        return [ua.Variant(version, V.String)]
+
