@@ -1,0 +1,227 @@
+"""Backends that run a tensor model on a batch of samples: ONNX Runtime and TorchScript.
+
+torch and onnxruntime are imported inside the loaders, so importing this module costs nothing. Every load ends with
+a probe run on one zero sample: a model that cannot run is refused at load time, not at the first PLC call.
+Error messages never hold the file's path (clients and events see them); the full exception goes to the log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from appliance.errors import EngineFailure
+
+log = logging.getLogger(__name__)
+
+ONNX_SUFFIXES = (".onnx",)
+TORCHSCRIPT_SUFFIXES = (".pt", ".torchscript")
+BACKEND_CHOICES = ("auto", "onnxruntime", "torch", "tensorrt")
+SHAPES_EXTRA_FILE = "shapes.json"  # inside a TorchScript archive: {"input_shape": [...], "output_shape": [...]}
+
+_ORT_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
+class TensorBackend(Protocol):
+    name: str  # "onnxruntime-cpu", "onnxruntime-cuda", "torch-cpu", "torch-cuda"
+    input_shape: tuple[int, ...]  # one sample, without the batch dimension
+    output_shape: tuple[int, ...]
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """(n, *input_shape) float32 -> (n, *output_shape) float32."""
+        ...
+
+
+def load_tensor_backend(path: Path, backend: str = "auto", device: str = "auto", threads: int = 0) -> TensorBackend:
+    """Load the model file at `path` with the backend asked for; EngineFailure (path-free message) if it cannot."""
+    path = Path(path)
+    if backend not in BACKEND_CHOICES:
+        raise EngineFailure(f"unknown backend '{backend}'; expected one of {', '.join(BACKEND_CHOICES)}")
+    if backend == "tensorrt":
+        # The place for the TensorRT engine builder; until it exists, say so instead of pretending.
+        raise EngineFailure("TensorRT backend is not available on this machine")
+    suffix = path.suffix.lower()
+    kind = "onnxruntime" if suffix in ONNX_SUFFIXES else "torch" if suffix in TORCHSCRIPT_SUFFIXES else None
+    if kind is None:
+        raise EngineFailure(f"unsupported model file type '{suffix or '(none)'}'; expected .onnx or .pt (TorchScript)")
+    if backend != "auto" and backend != kind:
+        what = "an ONNX model" if kind == "onnxruntime" else "a TorchScript model"
+        raise EngineFailure(f"the {backend} backend cannot load {what} ({suffix}); use backend '{kind}' or 'auto'")
+    if not path.is_file():
+        raise EngineFailure("the model file does not exist or is not a file")
+    loaded = _load_onnx(path, device, threads) if kind == "onnxruntime" else _load_torchscript(path, device, threads)
+    _probe(loaded)
+    return loaded
+
+
+def _probe(backend: TensorBackend) -> None:
+    """Run one zero sample: fixes the output shape where the file left it open and proves the model runs."""
+    try:
+        out = backend.run(np.zeros((1, *backend.input_shape), dtype=np.float32))
+    except EngineFailure:
+        raise
+    except Exception as exc:
+        log.warning("probe run of a %s model failed", backend.name, exc_info=True)
+        raise EngineFailure(f"the model does not run on one sample of shape {list(backend.input_shape)} "
+                            f"({type(exc).__name__})") from None
+    if out.ndim < 1 or out.shape[0] != 1:
+        raise EngineFailure("the model's output has no batch dimension matching its input")
+    if backend.output_shape and tuple(out.shape[1:]) != tuple(backend.output_shape):
+        raise EngineFailure(f"the model's output shape {list(out.shape[1:])} differs from the declared "
+                            f"{list(backend.output_shape)}")
+    backend.output_shape = tuple(int(d) for d in out.shape[1:])
+
+
+def _load_failure(what: str, exc: BaseException) -> EngineFailure:
+    log.warning("%s", what, exc_info=exc)
+    return EngineFailure(f"{what} ({type(exc).__name__})")
+
+
+# ---- ONNX Runtime ----
+
+@dataclass
+class OnnxRuntimeBackend:
+    name: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]  # empty until the probe run fixes it, when the graph leaves it open
+    session: Any
+    input_name: str
+    output_name: str
+    input_dtype: Any
+    one_at_a_time: bool  # the graph's batch dimension is fixed at 1
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=self.input_dtype)
+        if self.one_at_a_time:
+            outs = [self.session.run([self.output_name], {self.input_name: x[i:i + 1]})[0] for i in range(len(x))]
+            out = np.concatenate(outs, axis=0)
+        else:
+            out = self.session.run([self.output_name], {self.input_name: x})[0]
+        return np.asarray(out, dtype=np.float32)
+
+
+def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads > 0:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    providers = ["CPUExecutionProvider"]
+    if device != "cpu":
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            cuda_options = {"device_id": _cuda_index(device)}
+            providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
+        elif device.startswith("cuda"):
+            raise EngineFailure("device cuda was asked for, but ONNX Runtime has no CUDA provider here")
+    try:
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:
+        raise _load_failure("the ONNX model could not be loaded", exc) from None
+    on_cuda = session.get_providers()[0] == "CUDAExecutionProvider"
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    if len(inputs) != 1:
+        raise EngineFailure(f"the ONNX model has {len(inputs)} inputs; a tensor model takes exactly one")
+    graph_in = inputs[0]
+    if graph_in.type not in _ORT_FLOAT_TYPES:
+        raise EngineFailure(f"the ONNX model's input is {graph_in.type}; expected a float tensor")
+    float_outputs = [o for o in outputs if o.type in _ORT_FLOAT_TYPES]
+    if not float_outputs:
+        raise EngineFailure("the ONNX model has no float output")
+    graph_out = float_outputs[0]  # e.g. a classifier with (label, probabilities): serve the first float output
+    in_dims = list(graph_in.shape)
+    if not in_dims:
+        raise EngineFailure("the ONNX model's input has no batch dimension")
+    batch_dim, sample_dims = in_dims[0], in_dims[1:]
+    if isinstance(batch_dim, int) and batch_dim != 1:
+        raise EngineFailure(f"the ONNX model's batch dimension is fixed at {batch_dim}; it must be dynamic or 1")
+    if not all(isinstance(d, int) and d > 0 for d in sample_dims):
+        raise EngineFailure("the ONNX model's input dimensions after the batch dimension must be fixed")
+    out_dims = list(graph_out.shape)[1:]
+    declared_out = tuple(out_dims) if all(isinstance(d, int) and d > 0 for d in out_dims) else ()
+    return OnnxRuntimeBackend(
+        name="onnxruntime-cuda" if on_cuda else "onnxruntime-cpu",
+        input_shape=tuple(sample_dims), output_shape=declared_out, session=session,
+        input_name=graph_in.name, output_name=graph_out.name, input_dtype=_ORT_FLOAT_TYPES[graph_in.type],
+        one_at_a_time=batch_dim == 1)
+
+
+def _cuda_index(device: str) -> int:
+    _, _, index = device.partition(":")
+    return int(index) if index.isdigit() else 0
+
+
+# ---- TorchScript ----
+
+@dataclass
+class TorchScriptBackend:
+    name: str
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    module: Any
+    device: str
+    torch: Any = field(repr=False)
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        torch = self.torch
+        with torch.inference_mode():
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if not x.flags.writeable:
+                x = x.copy()  # torch.from_numpy wants a writable buffer (arrays from network bytes are not)
+            inp = torch.from_numpy(x).to(self.device)
+            out = self.module(inp)
+            if isinstance(out, (tuple, list)):
+                out = out[0]
+            if not isinstance(out, torch.Tensor):
+                raise EngineFailure("the TorchScript model returned no tensor")
+            return out.detach().to("cpu", torch.float32).numpy()
+
+
+def _load_torchscript(path: Path, device: str, threads: int) -> TorchScriptBackend:
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineFailure("device cuda was asked for, but torch has no CUDA device here")
+    if threads > 0:
+        torch.set_num_threads(threads)  # process-wide in torch: the last model loaded sets it
+    extra = {SHAPES_EXTRA_FILE: ""}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit is deprecated, still the portable format
+            module = torch.jit.load(str(path), map_location=device, _extra_files=extra)
+    except Exception as exc:
+        raise _load_failure("the TorchScript model could not be loaded", exc) from None
+    module.eval()
+    shapes = _torchscript_shapes(path, extra[SHAPES_EXTRA_FILE])
+    return TorchScriptBackend(
+        name="torch-cuda" if device.startswith("cuda") else "torch-cpu",
+        input_shape=shapes[0], output_shape=shapes[1], module=module, device=device, torch=torch)
+
+
+def _torchscript_shapes(path: Path, embedded: bytes | str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes from a sidecar `<file>.json` (or `<stem>.json`), else from shapes.json inside the archive."""
+    text: bytes | str = embedded
+    for sidecar in (path.with_name(path.name + ".json"), path.with_suffix(".json")):
+        if sidecar.is_file():
+            text = sidecar.read_bytes()
+            break
+    if not text:
+        raise EngineFailure("a TorchScript model needs its sample shapes: a sidecar <file>.json or shapes.json "
+                            "inside the archive, holding {\"input_shape\": [...], \"output_shape\": [...]}")
+    try:
+        doc = json.loads(text)
+        input_shape = tuple(int(d) for d in doc["input_shape"])
+        output_shape = tuple(int(d) for d in doc.get("output_shape", ()))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise EngineFailure(f"the TorchScript model's shapes are not valid JSON with input_shape "
+                            f"({type(exc).__name__})") from None
+    if not input_shape or not all(d > 0 for d in input_shape + output_shape):
+        raise EngineFailure("the TorchScript model's shapes must be lists of positive integers")
+    return input_shape, output_shape

@@ -1,0 +1,220 @@
+"""One served tensor model: its backend, its dynamic batcher, its state, counters and hot reload.
+
+The backend and its version live in one `_Loaded` reference. Each batch reads that reference once, so a reload
+swaps weights atomically: batches already running finish on the old weights and report the old version.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from appliance.engine.batcher import BatchPolicy, DynamicBatcher
+from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
+from appliance.engine.versioning import content_version
+from appliance.errors import ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    backend: TensorBackend
+    version: str
+
+
+class TensorModelService:
+    kind = "tensor"
+
+    def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
+                 max_samples: int, policy: BatchPolicy, metrics: Metrics | None,
+                 on_event: Callable[[str, str], None] | None = None):
+        self.name = name
+        self.path = Path(path)
+        self.backend_choice = backend
+        self.device = device
+        self.threads = threads
+        self.version_label = version_label
+        self.max_samples = max_samples
+        self.policy = policy
+        self.metrics = metrics
+        self.on_event = on_event
+        self.state = "Loading"
+        self.failure_reason: str | None = None
+        self.request_count = 0
+        self.error_count = 0
+        self.last_latency_ms = 0.0
+        self._loaded: _Loaded | None = None
+        self._stopped = False
+        self._reload_lock = asyncio.Lock()
+        # One inference thread per model: the batcher runs one batch at a time; loads use other threads.
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
+        self._batcher = DynamicBatcher(name, policy, self._execute, metrics, self._executor)
+
+    # ---- what the address space shows ----
+
+    @property
+    def version(self) -> str:
+        return self._loaded.version if self._loaded else ""
+
+    @property
+    def backend_name(self) -> str:
+        return self._loaded.backend.name if self._loaded else ""
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self._loaded.backend.input_shape) if self._loaded else ()
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return tuple(self._loaded.backend.output_shape) if self._loaded else ()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._batcher.queue_depth
+
+    # ---- life cycle ----
+
+    async def start(self) -> None:
+        """Load the weights in a thread. Ends Ready or Failed; never raises."""
+        async with self._reload_lock:
+            self._set_state("Loading")
+            try:
+                self._loaded = await asyncio.to_thread(self._load)
+            except Exception as exc:
+                reason = _reason(exc)
+                self.failure_reason = reason
+                self._set_state("Failed")
+                log.error("model %s failed to load: %s", self.name, reason)
+                self._emit("ModelLoadFailed", reason)
+                return
+            self.failure_reason = None
+            self._publish_loaded()
+            self._set_state("Ready")
+
+    async def reload(self) -> str:
+        """Load the weights anew from the same path and swap them in; returns the version now serving.
+
+        A failed load leaves the old weights serving (state unchanged), calls on_event("ModelReloadFailed", reason)
+        and raises EngineFailure with the reason.
+        """
+        async with self._reload_lock:
+            if self._stopped:
+                raise NotReady("the model is stopped")
+            try:
+                loaded = await asyncio.to_thread(self._load)
+                if self._loaded is not None:
+                    _check_same_shapes(self._loaded.backend, loaded.backend)
+            except Exception as exc:
+                reason = _reason(exc)
+                log.error("model %s reload failed, %s: %s", self.name,
+                          "old weights keep serving" if self._loaded else "still not loaded", reason)
+                if self._loaded is None:
+                    self.failure_reason = reason
+                self._emit("ModelReloadFailed", reason)
+                raise EngineFailure(f"reload failed: {reason}") from None
+            self._loaded = loaded  # the swap: the next batch to start uses it
+            self.failure_reason = None
+            self._publish_loaded()
+            self._set_state("Ready")
+            log.info("model %s now serves version %s on %s", self.name, loaded.version, loaded.backend.name)
+            return loaded.version
+
+    async def stop(self) -> None:
+        self._stopped = True
+        await self._batcher.close()
+        self._executor.shutdown(wait=False)
+        if self.metrics is not None:
+            self.metrics.model_ready.labels(self.name).set(0)
+
+    # ---- inference ----
+
+    async def infer(self, flat: np.ndarray, deadline: float) -> tuple[np.ndarray, str]:
+        """k samples back to back in a 1-D array -> (k results back to back, the version that computed them)."""
+        started = time.monotonic()
+        self.request_count += 1
+        try:
+            samples = self._validate(flat)
+            outputs, version = await self._batcher.submit(samples, deadline)
+        except Exception:  # a cancelled call (client gone) is no error of the model
+            self.error_count += 1
+            raise
+        self.last_latency_ms = (time.monotonic() - started) * 1000.0
+        return np.ascontiguousarray(outputs, dtype=np.float32).reshape(-1), version
+
+    def _validate(self, flat: np.ndarray) -> np.ndarray:
+        loaded = self._loaded
+        if self._stopped or self.state != "Ready" or loaded is None:
+            raise NotReady(f"model {self.name} is not Ready")
+        try:
+            flat = np.asarray(flat, dtype=np.float32)  # Double[] is accepted and converted
+        except (TypeError, ValueError):
+            raise InvalidArgument("Input must be an array of Float or Double", 0, "BadTypeMismatch") from None
+        if flat.ndim != 1:
+            raise InvalidArgument("Input must be a one-dimensional array", 0, "BadOutOfRange")
+        sample_len = math.prod(loaded.backend.input_shape)
+        if flat.size == 0 or flat.size % sample_len:
+            raise InvalidArgument(f"Input length {flat.size} is not a positive multiple of the sample length "
+                                  f"{sample_len}", 0, "BadOutOfRange")
+        k = flat.size // sample_len
+        if k > self.max_samples:
+            raise InvalidArgument(f"Input holds {k} samples; at most {self.max_samples} are allowed", 0,
+                                  "BadOutOfRange")
+        if not np.isfinite(flat).all():
+            raise InvalidArgument("Input holds NaN or Inf", 0, "BadOutOfRange")
+        return flat.reshape((k, *loaded.backend.input_shape))
+
+    def _execute(self, batch: np.ndarray) -> tuple[np.ndarray, str]:
+        loaded = self._loaded  # read once per batch: a reload during the run does not touch this batch
+        return loaded.backend.run(batch), loaded.version
+
+    # ---- helpers ----
+
+    def _load(self) -> _Loaded:
+        """In a worker thread: the version is hashed before loading, so it names the bytes that were loaded
+        unless the file is replaced in between (replace files atomically: write beside, then rename)."""
+        version = self.version_label or content_version(self.path)
+        backend = load_tensor_backend(self.path, self.backend_choice, self.device, self.threads)
+        return _Loaded(backend, version)
+
+    def _publish_loaded(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_model_info(self.name, self._loaded.version, self._loaded.backend.name)
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        if self.metrics is not None:
+            self.metrics.model_ready.labels(self.name).set(1 if state == "Ready" else 0)
+
+    def _emit(self, event: str, reason: str) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(event, reason)
+        except Exception:  # a broken listener must not turn a handled failure into a crash
+            log.exception("event listener failed for %s", event)
+
+
+def _check_same_shapes(old: TensorBackend, new: TensorBackend) -> None:
+    # PLC programs have fixed-size arrays for Input and Output: a shape change needs a restart, not a hot swap.
+    if tuple(old.input_shape) != tuple(new.input_shape) or tuple(old.output_shape) != tuple(new.output_shape):
+        raise EngineFailure(f"the new weights change the sample shapes ({list(old.input_shape)} -> "
+                            f"{list(new.input_shape)}, {list(old.output_shape)} -> {list(new.output_shape)}); "
+                            "restart the appliance to serve a model of another shape")
+
+
+def _reason(exc: BaseException) -> str:
+    """A reason safe to show a client: our own errors carry path-free messages; anything else only its type."""
+    if isinstance(exc, ApplianceError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        return f"the model file could not be read ({type(exc).__name__})"
+    return f"loading failed ({type(exc).__name__})"
