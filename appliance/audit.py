@@ -1,0 +1,346 @@
+"""Append-only JSON Lines audit log of every method call and administrative action, hash-chained.
+
+Each line is one record: {"seq", "time", ...fields..., "prev", "hash"} where "prev" is the SHA-256 of the previous
+line (its bytes, without the newline) and "hash" the SHA-256 of the record's canonical JSON without "hash".
+`verify()` walks the rotated files oldest to newest and names the file and line of every broken link.
+
+What the chain does and does not prove (honestly):
+- It detects editing, deleting, inserting or reordering records *inside* the log by someone who does not rewrite
+  everything after the change.
+- It does not detect truncation of the end of the log, nor a rewrite of the whole chain from some record onward,
+  by someone who can write the file: there is no secret key. `AuditLog.head()` returns the hash of the last line;
+  ship it elsewhere (a SCADA historian, a syslog host) now and then, and a later truncation or rewrite shows up as
+  a head that is no longer in the chain.
+- Rotation drops the oldest files beyond `keep_files`; the oldest remaining record then anchors the chain, so
+  records removed from the start of the oldest file are indistinguishable from rotation.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("appliance.audit")
+
+GENESIS = "0" * 64  # the "prev" of the very first record
+FSYNC_INTERVAL_S = 1.0
+_TAIL_BLOCK = 64 * 1024
+_FIELDS = ("action", "session", "client", "user", "role", "model", "version", "input_digest", "output_digest",
+           "status", "latency_ms", "detail")
+
+
+def _canonical(obj: dict) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _utc_now() -> str:
+    now = datetime.now(timezone.utc)
+    return now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+
+
+def digest(data: bytes | str | list[float] | np.ndarray) -> str:
+    """"sha256:<hex of the first 16 bytes>" of a canonical encoding: a type tag, then the bytes, the UTF-8 text,
+    or the values as little-endian float64 (so a list and an array of the same numbers digest alike)."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        encoded = b"bytes\0" + bytes(data)
+    elif isinstance(data, str):
+        encoded = b"str\0" + data.encode("utf-8", "surrogatepass")
+    else:
+        values = np.asarray(data, dtype="<f8").ravel()
+        values = np.where(np.isnan(values), np.nan, values)  # one NaN bit pattern
+        encoded = b"f64\0" + values.astype("<f8").tobytes()
+    return "sha256:" + hashlib.sha256(encoded).hexdigest()[:32]
+
+
+def _rotated(path: Path, index: int) -> Path:
+    return path.with_name(f"{path.name}.{index}")
+
+
+def _chain_files(path: Path) -> list[Path]:
+    """The log's files oldest first: audit.jsonl.N ... audit.jsonl.1, audit.jsonl."""
+    indexes = []
+    for p in path.parent.glob(path.name + ".*"):
+        suffix = p.name[len(path.name) + 1:]
+        if suffix.isdigit():
+            indexes.append(int(suffix))
+    files = [_rotated(path, i) for i in sorted(indexes, reverse=True)]
+    return files + [path] if path.exists() else files
+
+
+def _tail(path: Path) -> tuple[bytes | None, bytes, int]:
+    """(the last complete line or None, the torn fragment after it (b"" when the file ends with a newline),
+    the fragment's 1-based line number or 0). Reads only the end of the file, except to number a torn line."""
+    with open(path, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        if size == 0:
+            return None, b"", 0
+        block = _TAIL_BLOCK
+        while True:
+            start = max(0, size - block)
+            fh.seek(start)
+            body, newline, fragment = fh.read().rpartition(b"\n")
+            line_start = body.rfind(b"\n")
+            if start == 0 or line_start >= 0:
+                last = body[line_start + 1:] if newline else None
+                break
+            block *= 2  # a record longer than the block: look further back
+        torn_line = 0
+        if fragment:
+            fh.seek(0)
+            torn_line = sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b"")) + 1
+    return last, fragment, torn_line
+
+
+class AuditLog:
+    """Thread-safe writer. `record()` never raises into its caller: an I/O error is logged and counted in
+    `metrics.audit_errors`, and the next record reopens the file and resumes the chain from what is on disk."""
+
+    def __init__(self, path: Path, max_bytes: int = 10 * 1024 * 1024, keep_files: int = 10, metrics=None):
+        self.path = Path(path)
+        self.max_bytes, self.keep_files = int(max_bytes), int(keep_files)
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._fh = None
+        self._seq = 0
+        self._prev = GENESIS
+        self._last_fsync = 0.0
+        self._fsync_timer: threading.Timer | None = None
+        self._closed = False
+        with self._lock:
+            self._open_locked()
+
+    # ---- opening and resuming ---------------------------------------------------------------------------------
+
+    def _open_locked(self) -> bool:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            torn_note = self._resume_locked()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._fh = os.fdopen(fd, "ab")
+            if torn_note:
+                self._fh.write(b"\n")  # close the torn fragment so the next record starts on its own line
+                self._write_locked({**dict.fromkeys(_FIELDS, ""), "action": "audit_resume", "user": "system",
+                                    "status": "TornLine", "latency_ms": 0.0, "detail": torn_note})
+            return True
+        except Exception as exc:  # noqa: BLE001 - the audit log must never take the server down
+            self._fail(f"cannot open audit log: {exc}")
+            self._fh = None
+            return False
+
+    def _resume_locked(self) -> str:
+        """Continue the chain from the newest complete line on disk; returns a note when the current file ends in
+        a torn (newline-less) line, which is then reported, closed and acknowledged by an audit_resume record."""
+        note = ""
+        for p in reversed(_chain_files(self.path)):
+            last, fragment, torn_line = _tail(p)
+            if fragment and p == self.path:
+                note = (f"{p.name}:{torn_line}: incomplete last line found at start (the process stopped "
+                        "mid-write); the chain resumes from the complete line before it")
+                self._fail(f"audit log {note}")
+            if last is None:
+                continue
+            self._prev = _sha256(last)
+            try:
+                self._seq = int(json.loads(last)["seq"])
+            except (ValueError, KeyError, TypeError):
+                log.error("audit log %s: last record unreadable; numbering continues from 0", p.name)
+            break
+        return note
+
+    # ---- writing ------------------------------------------------------------------------------------------------
+
+    def record(self, *, action: str, session: str, client: str, user: str, role: str, model: str = "",
+               version: str = "", input_digest: str = "", output_digest: str = "", status: str,
+               latency_ms: float = 0.0, detail: str = "") -> None:
+        try:
+            latency = round(float(latency_ms), 3)
+            text = {"action": action, "session": session, "client": client, "user": user, "role": role,
+                    "model": model, "version": version, "input_digest": input_digest,
+                    "output_digest": output_digest, "status": status, "detail": detail}
+            # Text from clients may hold lone surrogates (undecodable bytes): store them as U+FFFD, not lose the record.
+            fields = {k: str(v).encode("utf-8", "replace").decode("utf-8") for k, v in text.items()}
+            fields["latency_ms"] = latency if math.isfinite(latency) else -1.0
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("audit log closed")
+                if self._fh is None and not self._open_locked():
+                    return
+                self._write_locked(fields)
+        except Exception as exc:  # noqa: BLE001 - never into the caller
+            self._fail(f"cannot write audit record ({action}): {exc}")
+            with self._lock:
+                self._drop_handle_locked()
+
+    def _write_locked(self, fields: dict) -> None:
+        rec = {"seq": self._seq + 1, "time": _utc_now(), **fields, "prev": self._prev}
+        rec["hash"] = _sha256(_canonical(rec))
+        line = _canonical(rec)
+        if self._fh.tell() > 0 and self._fh.tell() + len(line) + 1 > self.max_bytes:
+            self._rotate_locked()
+        self._fh.write(line + b"\n")
+        # Flush every record to the OS (survives a crash of this process); fsync (survives power loss) at most
+        # once a second: on the SD/eMMC storage of edge boxes an fsync per call costs milliseconds and wears the
+        # flash, while a power cut loses at most the last second, and a timer makes sure that second gets synced.
+        self._fh.flush()
+        self._seq, self._prev = rec["seq"], _sha256(line)
+        self._maybe_fsync_locked()
+
+    def _maybe_fsync_locked(self) -> None:
+        now = time.monotonic()
+        if now - self._last_fsync >= FSYNC_INTERVAL_S:
+            os.fsync(self._fh.fileno())
+            self._last_fsync = now
+        elif self._fsync_timer is None:
+            self._fsync_timer = threading.Timer(FSYNC_INTERVAL_S - (now - self._last_fsync), self._deferred_fsync)
+            self._fsync_timer.daemon = True
+            self._fsync_timer.start()
+
+    def _deferred_fsync(self) -> None:
+        try:
+            with self._lock:
+                self._fsync_timer = None
+                if self._fh is not None:
+                    os.fsync(self._fh.fileno())
+                    self._last_fsync = time.monotonic()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(f"cannot sync audit log: {exc}")
+
+    def _rotate_locked(self) -> None:
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        self._fh = None
+        oldest = _rotated(self.path, self.keep_files)
+        if oldest.exists():
+            oldest.unlink()
+        for i in range(self.keep_files - 1, 0, -1):
+            if _rotated(self.path, i).exists():
+                os.replace(_rotated(self.path, i), _rotated(self.path, i + 1))
+        if self.keep_files > 0:
+            os.replace(self.path, _rotated(self.path, 1))
+        else:
+            self.path.unlink()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._fh = os.fdopen(fd, "ab")
+        log.info("audit log rotated at seq %d", self._seq)
+
+    def _drop_handle_locked(self) -> None:
+        if self._fh is not None:
+            try:
+                self._fh.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._fh = None
+
+    def _fail(self, message: str) -> None:
+        log.error("%s", message)
+        if self._metrics is not None:
+            self._metrics.audit_errors.inc()
+
+    # ---- reading back -------------------------------------------------------------------------------------------
+
+    def head(self) -> str:
+        """SHA-256 of the last line written: ship it elsewhere to detect a later truncation or rewrite."""
+        with self._lock:
+            return self._prev
+
+    @property
+    def seq(self) -> int:
+        with self._lock:
+            return self._seq
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._fsync_timer is not None:
+                self._fsync_timer.cancel()
+                self._fsync_timer = None
+            if self._fh is not None:
+                try:
+                    self._fh.flush()
+                    os.fsync(self._fh.fileno())
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(f"cannot sync audit log on close: {exc}")
+                self._drop_handle_locked()
+
+
+def verify(path: Path) -> tuple[bool, list[str]]:
+    """Check the chain across the rotated files, oldest to newest. Returns (ok, problems), each problem naming its
+    file and 1-based line. The first record of the oldest file anchors the chain (older files may be rotated away)."""
+    path = Path(path)
+    problems: list[str] = []
+    prev_line_hash: str | None = None
+    prev_seq: int | None = None
+    last_edited = ""  # the previous line, when its own hash failed: explains the next line's broken link
+    for p in _chain_files(path):
+        try:
+            data = p.read_bytes()
+        except OSError as exc:
+            problems.append(f"{p.name}: cannot be read ({exc.strerror})")
+            continue
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        for number, line in enumerate(lines, start=1):
+            where = f"{p.name}:{number}"
+            after_edit, last_edited = last_edited, ""
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError
+            except ValueError:
+                problems.append(f"{where}: not a complete JSON record (a torn write, see the audit_resume record "
+                                "after it, or an edit)")
+                continue
+            claimed = rec.pop("hash", None)
+            if claimed != _sha256(_canonical(rec)):
+                problems.append(f"{where}: record hash does not match its content (edited?)")
+                last_edited = where
+            elif prev_line_hash is not None and rec.get("prev") != prev_line_hash:
+                cause = (f"the line before it, {after_edit}, was altered" if after_edit
+                         else "a record before it was deleted or reordered")
+                problems.append(f"{where}: previous-hash link broken ({cause})")
+            elif prev_seq is not None and rec.get("seq") != prev_seq + 1:
+                problems.append(f"{where}: sequence number {rec.get('seq')} does not follow {prev_seq}")
+            prev_line_hash = _sha256(line)
+            prev_seq = rec.get("seq") if isinstance(rec.get("seq"), int) else None
+    return not problems, problems
+
+
+def count_records(path: Path) -> tuple[int, int]:
+    """(records, files) of the log, counting non-empty lines."""
+    files = _chain_files(Path(path))
+    records = 0
+    for p in files:
+        with open(p, "rb") as fh:
+            records += sum(1 for line in fh if line.strip())
+    return records, len(files)
+
+
+def cmd_audit_verify(path: Path) -> int:
+    """`appliance audit verify`: "OK: N records in K files", or every problem; exit 0 or 2."""
+    path = Path(path)
+    if not _chain_files(path):
+        print(f"error: no audit log at {path}")
+        return 2
+    ok, problems = verify(path)
+    records, files = count_records(path)
+    if ok:
+        print(f"OK: {records} records in {files} files")
+        return 0
+    for problem in problems:
+        print(problem)
+    print(f"FAILED: {len(problems)} problem(s) in {records} records in {files} files")
+    return 2

@@ -1,0 +1,410 @@
+"""User name + password accounts, for OPC UA clients that cannot present a user certificate (an S7-1500 cannot).
+
+Passwords are stored only as hashes: scrypt (created by default, `scrypt$n=16384,r=8,p=1$<salt b64>$<hash b64>`)
+or argon2id (`$argon2id$...`, verified when argon2-cffi is installed). No account exists until an engineer makes one.
+
+Accounts come from two places:
+- `state_dir/access/users.json` (mode 0600), managed by `appliance users ...`; re-read whenever it changes on disk,
+  so CLI edits take effect in a running server without a restart;
+- the YAML `users:` section, read-only here (the CLI refuses to change those and says to edit the file).
+
+The CLI reads passwords with getpass (twice), or from the environment variable APPLIANCE_PASSWORD when it is set
+(for scripts and tests; it is visible to other processes of the same user, so prefer the prompt interactively).
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import getpass
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+log = logging.getLogger("appliance.users")
+
+ROLES = ("monitor", "operator", "engineer")
+PASSWORD_ENV = "APPLIANCE_PASSWORD"
+MIN_PASSWORD_CHARS = 8
+MAX_PASSWORD_CHARS = 1024  # bounds the hashing work one login attempt can cause
+# Letters, digits and a few separators: safe in a PLC's STRING, a shell and a log line (same rule as the YAML).
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 16384, 8, 1
+_SCRYPT_SALT_BYTES, _SCRYPT_KEY_BYTES = 16, 32
+_SCRYPT_MAX_N = 1 << 20  # a stored hash may not ask for more than ~1 GiB of scrypt work
+
+
+class UserError(ValueError):
+    """A refused account operation; the message is meant for the engineer at the CLI."""
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _scrypt(password: str, salt: bytes, n: int, r: int, p: int, dklen: int) -> bytes:
+    return hashlib.scrypt(password.encode("utf-8"), salt=salt, n=n, r=r, p=p, dklen=dklen,
+                          maxmem=128 * n * r * p + (1 << 20))
+
+
+def hash_password(password: str) -> str:
+    salt = secrets.token_bytes(_SCRYPT_SALT_BYTES)
+    key = _scrypt(password, salt, SCRYPT_N, SCRYPT_R, SCRYPT_P, _SCRYPT_KEY_BYTES)
+    return f"scrypt$n={SCRYPT_N},r={SCRYPT_R},p={SCRYPT_P}${_b64(salt)}${_b64(key)}"
+
+
+def _parse_scrypt(stored: str) -> tuple[int, int, int, bytes, bytes]:
+    scheme, params, salt_b64, key_b64 = stored.split("$")
+    if scheme != "scrypt":
+        raise ValueError("not scrypt")
+    values = dict(item.split("=", 1) for item in params.split(","))
+    n, r, p = int(values["n"]), int(values["r"]), int(values["p"])
+    if set(values) != {"n", "r", "p"} or n < 2 or n & (n - 1) or n > _SCRYPT_MAX_N or not (1 <= r <= 32) \
+            or not (1 <= p <= 16):
+        raise ValueError("scrypt parameters out of range")
+    salt, key = base64.b64decode(salt_b64, validate=True), base64.b64decode(key_b64, validate=True)
+    if not salt or len(key) < 16:
+        raise ValueError("scrypt salt or key too short")
+    return n, r, p, salt, key
+
+
+def is_password_hash(stored: str) -> bool:
+    """True when `stored` is a hash this module can verify (for the configuration checker)."""
+    if not isinstance(stored, str):
+        return False
+    if stored.startswith(("$argon2id$", "$argon2i$", "$argon2d$")):
+        return True
+    try:
+        _parse_scrypt(stored)
+        return True
+    except (ValueError, KeyError):
+        return False
+
+
+def verify_password(password: str, stored: str) -> bool:
+    """Constant-time check of `password` against a stored scrypt or argon2id hash; False for anything malformed."""
+    if not isinstance(password, str) or len(password) > MAX_PASSWORD_CHARS:
+        return False
+    if stored.startswith("$argon2"):
+        try:
+            from argon2 import PasswordHasher  # optional: only needed when a YAML lists argon2 hashes
+            from argon2.exceptions import InvalidHashError, VerificationError, VerifyMismatchError
+        except ImportError:
+            log.error("an argon2 password hash is configured but argon2-cffi is not installed")
+            return False
+        try:
+            return PasswordHasher().verify(stored, password)  # argon2-cffi compares in constant time
+        except (VerifyMismatchError, VerificationError, InvalidHashError):
+            return False
+    try:
+        n, r, p, salt, key = _parse_scrypt(stored)
+    except (ValueError, KeyError):
+        return False
+    return hmac.compare_digest(_scrypt(password, salt, n, r, p, len(key)), key)
+
+
+@dataclass(frozen=True)
+class Account:
+    name: str
+    role: str
+    password_hash: str
+    source: str  # "cli" (users.json) or "config" (YAML)
+
+
+@dataclass
+class _SourceState:
+    """Failed-login bookkeeping for one peer address."""
+    lock: threading.Lock = field(default_factory=threading.Lock)  # one verification at a time per peer
+    failures: int = 0
+    blocked_until: float = 0.0
+    holders: int = 0  # threads inside authenticate() for this peer; the entry is dropped when 0 and clean
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise UserError(f"invalid user name {name!r}: 1-64 characters A-Z a-z 0-9 _ . @ -")
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise UserError(f"invalid role {role!r}: one of {', '.join(ROLES)}")
+
+
+def _check_password(password: str) -> None:
+    if not isinstance(password, str) or len(password) < MIN_PASSWORD_CHARS:
+        raise UserError(f"password too short: at least {MIN_PASSWORD_CHARS} characters")
+    if len(password) > MAX_PASSWORD_CHARS:
+        raise UserError(f"password too long: at most {MAX_PASSWORD_CHARS} characters")
+
+
+class UserStore:
+    """Accounts and login checks. Thread-safe: the UA layer may call authenticate() from worker threads."""
+
+    def __init__(self, state_dir: Path, configured: Iterable[tuple[str, str, str]] = (), *,
+                 backoff_s: float = 1.0, backoff_max_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic, max_tracked_sources: int = 4096):
+        self.path = Path(state_dir) / "access" / "users.json"
+        self.backoff_s, self.backoff_max_s = float(backoff_s), float(backoff_max_s)
+        self._clock = clock
+        self._max_tracked_sources = max_tracked_sources
+        self._configured: dict[str, Account] = {}
+        for name, role, password_hash in configured:
+            _check_name(name)
+            _check_role(role)
+            if not is_password_hash(password_hash):
+                raise UserError(f"user {name!r} in the configuration: the password hash is not a scrypt or "
+                                "argon2id hash (make one with `appliance users add` and copy it from users.json)")
+            self._configured[name] = Account(name, role, password_hash, "config")
+        self._lock = threading.Lock()
+        self._file_accounts: dict[str, Account] = {}
+        self._file_stamp: tuple | None = None
+        self._sources: dict[str, _SourceState] = {}
+        self._dummy_hash: str | None = None
+
+    # ---- the accounts file -------------------------------------------------------------------------------------
+
+    def _reload_if_changed(self) -> None:
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = None
+        with self._lock:
+            if stamp == self._file_stamp:
+                return
+            if stamp is None:
+                self._file_accounts, self._file_stamp = {}, None
+                return
+            try:
+                accounts = self._read_file()
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                # Writes are atomic (rename), so this is a hand edit gone wrong: keep the last good accounts.
+                log.error("accounts file %s unreadable, keeping the previous accounts: %s", self.path, exc)
+                self._file_stamp = stamp
+                return
+            self._file_accounts, self._file_stamp = accounts, stamp
+
+    def _read_file(self) -> dict[str, Account]:
+        data = json.loads(self.path.read_text(encoding="utf-8"))
+        accounts = {}
+        for name, entry in data["users"].items():
+            if entry["role"] not in ROLES or not is_password_hash(entry["hash"]):
+                raise ValueError(f"bad entry for user {name!r}")
+            accounts[name] = Account(name, entry["role"], entry["hash"], "cli")
+        return accounts
+
+    def _write_file(self, accounts: dict[str, Account]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        data = {"version": 1, "users": {a.name: {"role": a.role, "hash": a.password_hash}
+                                        for a in sorted(accounts.values(), key=lambda a: a.name)}}
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(data, fh, indent=2)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, self.path)  # atomic: a running server never reads half a file
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @contextlib.contextmanager
+    def _editing(self):
+        """Read-modify-write of users.json under an exclusive file lock (two CLI runs at once stay consistent)."""
+        import fcntl
+
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock_fd = os.open(self.path.with_name("users.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            try:
+                accounts = self._read_file() if self.path.exists() else {}
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise UserError(f"the accounts file {self.path} is damaged ({exc}); fix or remove it") from exc
+            yield accounts
+            self._write_file(accounts)
+        finally:
+            os.close(lock_fd)
+        self._reload_if_changed()
+
+    def _refuse_configured(self, name: str) -> None:
+        if name in self._configured:
+            raise UserError(f"user {name!r} is defined in the configuration file (users: section); "
+                            "edit that file to change or remove it")
+
+    # ---- administration (the CLI) ------------------------------------------------------------------------------
+
+    def add(self, name: str, role: str, password: str) -> None:
+        _check_name(name)
+        _check_role(role)
+        _check_password(password)
+        self._refuse_configured(name)
+        with self._editing() as accounts:
+            if name in accounts:
+                raise UserError(f"user {name!r} already exists (use `appliance users passwd {name}`)")
+            accounts[name] = Account(name, role, hash_password(password), "cli")
+
+    def passwd(self, name: str, password: str) -> None:
+        _check_password(password)
+        self._refuse_configured(name)
+        with self._editing() as accounts:
+            if name not in accounts:
+                raise UserError(f"no user {name!r}")
+            accounts[name] = Account(name, accounts[name].role, hash_password(password), "cli")
+
+    def remove(self, name: str) -> None:
+        self._refuse_configured(name)
+        with self._editing() as accounts:
+            if accounts.pop(name, None) is None:
+                raise UserError(f"no user {name!r}")
+
+    def list(self) -> list[tuple[str, str, str]]:
+        """(name, role, source) for every account, source "config" or "cli"; a YAML user hides a file user."""
+        self._reload_if_changed()
+        with self._lock:
+            merged = {**self._file_accounts, **self._configured}
+        return [(a.name, a.role, a.source) for a in sorted(merged.values(), key=lambda a: a.name)]
+
+    def role_of(self, name: str) -> str | None:
+        self._reload_if_changed()
+        account = self._lookup(name)
+        return account.role if account else None
+
+    def _lookup(self, name: str) -> Account | None:
+        with self._lock:
+            return self._configured.get(name) or self._file_accounts.get(name)
+
+    # ---- login ------------------------------------------------------------------------------------------------
+
+    def authenticate(self, name: str, password: str, source: str) -> str | None:
+        """The account's role when name and password match, else None.
+
+        Per peer (`source`, its IP): after a failure, attempts within the back-off window fail without checking;
+        the window starts at backoff_s and doubles with each consecutive failure up to backoff_max_s; a success
+        resets it, and so does a quiet period of backoff_max_s after the window ends. Unknown names are verified
+        against a dummy hash so they take as long as known ones (no user enumeration by timing).
+        """
+        with self._lock:
+            state = self._sources.get(source)
+            if state is None:
+                self._prune_sources()
+                state = self._sources[source] = _SourceState()
+            state.holders += 1
+        try:
+            with state.lock:  # a burst of parallel guesses from one peer is checked one by one
+                now = self._clock()
+                if now < state.blocked_until:
+                    log.warning("login refused for user %r from %s: back-off (%.1f s left)",
+                                name, source, state.blocked_until - now)
+                    return None
+                if state.failures and now >= state.blocked_until + self.backoff_max_s:
+                    state.failures = 0  # quiet long enough: forget old failures
+                role = self._check(name, password)
+                if role is None:
+                    state.failures += 1
+                    window = min(self.backoff_s * 2 ** (state.failures - 1), self.backoff_max_s)
+                    state.blocked_until = self._clock() + window
+                    log.warning("login failed for user %r from %s (%d in a row; next attempt in %.1f s)",
+                                name, source, state.failures, window)
+                else:
+                    state.failures, state.blocked_until = 0, 0.0
+                return role
+        finally:
+            with self._lock:
+                state.holders -= 1
+                if state.holders == 0 and state.failures == 0:
+                    self._sources.pop(source, None)
+
+    def _check(self, name: str, password: str) -> str | None:
+        self._reload_if_changed()
+        account = self._lookup(name) if isinstance(name, str) else None
+        if account is None:
+            if self._dummy_hash is None:
+                self._dummy_hash = hash_password(secrets.token_urlsafe(16))
+            verify_password(password if isinstance(password, str) else "", self._dummy_hash)
+            return None
+        return account.role if verify_password(password, account.password_hash) else None
+
+    def _prune_sources(self) -> None:
+        """Bound memory under a spray from many addresses: drop idle peers whose window ended long ago."""
+        if len(self._sources) < self._max_tracked_sources:
+            return
+        now = self._clock()
+        for src, st in list(self._sources.items()):
+            if st.holders == 0 and now >= st.blocked_until + self.backoff_max_s:
+                del self._sources[src]
+
+
+# ---- `appliance users ...` --------------------------------------------------------------------------------------
+
+def _read_new_password(prompt: Callable[[str], str]) -> str:
+    env = os.environ.get(PASSWORD_ENV)
+    if env is not None:
+        return env
+    first = prompt("Password: ")
+    if first != prompt("Repeat password: "):
+        raise UserError("the passwords do not match")
+    return first
+
+
+def cmd_users(state_dir: Path, configured: Iterable[tuple[str, str, str]], action: str, name: str | None,
+              role: str | None, password_source: Callable[[str], str] | None = None) -> int:
+    """`appliance users add NAME --role ROLE | passwd NAME | remove NAME | list`; returns 0, or 2 with a message.
+
+    `password_source` prompts for a password (default getpass.getpass); APPLIANCE_PASSWORD, when set, wins.
+    """
+    prompt = password_source or getpass.getpass
+    try:
+        store = UserStore(Path(state_dir), configured)
+        if action == "list":
+            rows = store.list()
+            if not rows:
+                print("no user accounts (create one with `appliance users add NAME --role ROLE`)")
+            for user, user_role, source in rows:
+                print(f"{user:<24} {user_role:<10} {'configuration file' if source == 'config' else 'users.json'}")
+            return 0
+        if action not in ("add", "passwd", "remove"):
+            raise UserError(f"unknown action {action!r}: add, passwd, remove or list")
+        if not name:
+            raise UserError(f"`users {action}` needs a user name")
+        if action == "add":
+            if not role:
+                raise UserError(f"`users add` needs --role ({', '.join(ROLES)})")
+            _check_name(name)
+            _check_role(role)
+            store._refuse_configured(name)
+            store.add(name, role, _read_new_password(prompt))
+            print(f"user {name!r} added with role {role}")
+        elif action == "passwd":
+            store._refuse_configured(name)
+            if store.role_of(name) is None:
+                raise UserError(f"no user {name!r}")
+            store.passwd(name, _read_new_password(prompt))
+            print(f"password of user {name!r} changed")
+        else:
+            store.remove(name)
+            print(f"user {name!r} removed")
+        return 0
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (EOFError, KeyboardInterrupt):
+        print("error: no password given", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot update the accounts file: {exc.strerror or exc}", file=sys.stderr)
+        return 2

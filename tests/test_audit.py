@@ -1,0 +1,221 @@
+"""The hash-chained audit log: records, tamper detection with file and line, rotation, resume, torn lines."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import stat
+import threading
+
+import numpy as np
+
+from appliance.audit import GENESIS, AuditLog, cmd_audit_verify, digest, verify
+from appliance.metrics import Metrics
+
+
+def write(log: AuditLog, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        log.record(action="Infer", session=f"s{i % 3}", client="ab" * 20, user="user:plc1", role="operator",
+                   model="te_classifier", version="v1", input_digest=digest([float(i)] * 4),
+                   output_digest=digest([0.5] * 21), status="Good", latency_ms=1.25 + i, detail="")
+
+
+def lines_of(path) -> list[bytes]:
+    return path.read_bytes().splitlines()
+
+
+def errors_total(metrics: Metrics) -> float:
+    return metrics.registry.get_sample_value("appliance_audit_write_errors_total")
+
+
+def test_records_are_chained_json_lines(tmp_path):
+    path = tmp_path / "audit" / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 5)
+    log.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    lines = lines_of(path)
+    assert len(lines) == 5
+    prev = GENESIS
+    for n, line in enumerate(lines, start=1):
+        rec = json.loads(line)
+        assert rec["seq"] == n and rec["prev"] == prev
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", rec["time"])
+        assert rec["user"] == "user:plc1" and rec["status"] == "Good" and rec["model"] == "te_classifier"
+        body = {k: v for k, v in rec.items() if k != "hash"}
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        assert rec["hash"] == hashlib.sha256(canonical).hexdigest()
+        prev = hashlib.sha256(line).hexdigest()
+    assert log.head() == prev
+    assert verify(path) == (True, [])
+
+
+def test_an_edited_field_is_named_by_line(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 6)
+    log.close()
+    lines = lines_of(path)
+    lines[2] = lines[2].replace(b'"status":"Good"', b'"status":"Bad"')
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    ok, problems = verify(path)
+    assert not ok
+    assert problems == ["audit.jsonl:3: record hash does not match its content (edited?)",
+                        "audit.jsonl:4: previous-hash link broken (the line before it, audit.jsonl:3, was altered)"]
+
+
+def test_a_deleted_line_is_named(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 6)
+    log.close()
+    lines = lines_of(path)
+    del lines[3]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    ok, problems = verify(path)
+    assert not ok
+    assert problems[0].startswith("audit.jsonl:4: previous-hash link broken")
+
+
+def test_reordered_lines_are_named(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 6)
+    log.close()
+    lines = lines_of(path)
+    lines[1], lines[2] = lines[2], lines[1]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    ok, problems = verify(path)
+    assert not ok
+    assert [p.split(": ")[0] for p in problems] == ["audit.jsonl:2", "audit.jsonl:3", "audit.jsonl:4"]
+    assert all("previous-hash link broken" in p for p in problems)
+
+
+def test_rotation_keeps_the_chain_and_drops_the_oldest(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, max_bytes=2000, keep_files=3)
+    write(log, 60)
+    log.close()
+    rotated = sorted(p.name for p in tmp_path.iterdir())
+    assert rotated == ["audit.jsonl", "audit.jsonl.1", "audit.jsonl.2", "audit.jsonl.3"]
+    for p in tmp_path.iterdir():
+        assert p.stat().st_size <= 2000
+    # The first record of each newer file links to the last line of the older one.
+    older, newer = lines_of(tmp_path / "audit.jsonl.1"), lines_of(path)
+    assert json.loads(newer[0])["prev"] == hashlib.sha256(older[-1]).hexdigest()
+    assert json.loads(newer[0])["seq"] == json.loads(older[-1])["seq"] + 1
+    oldest_seq = json.loads(lines_of(tmp_path / "audit.jsonl.3")[0])["seq"]
+    assert oldest_seq > 1  # older files were dropped
+    assert json.loads(newer[-1])["seq"] == 60
+    assert verify(path) == (True, [])
+
+
+def test_tampering_in_a_rotated_file_names_that_file(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, max_bytes=2000, keep_files=5)
+    write(log, 40)
+    log.close()
+    target = tmp_path / "audit.jsonl.2"
+    lines = lines_of(target)
+    lines[1] = lines[1].replace(b'"role":"operator"', b'"role":"engineer"')
+    target.write_bytes(b"\n".join(lines) + b"\n")
+    ok, problems = verify(path)
+    assert problems[0] == "audit.jsonl.2:2: record hash does not match its content (edited?)"
+    assert problems[1].startswith("audit.jsonl.2:3: previous-hash link broken") and len(problems) == 2
+    # Deleting a whole rotated file in the middle breaks the link at the next file's first line.
+    target.unlink()
+    ok, problems = verify(path)
+    assert not ok and problems[0].startswith("audit.jsonl.1:1: previous-hash link broken")
+
+
+def test_a_restart_resumes_the_chain(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 3)
+    head = log.head()
+    log.close()
+    log = AuditLog(path)
+    assert log.head() == head and log.seq == 3
+    write(log, 2, start=3)
+    log.close()
+    assert [json.loads(line)["seq"] for line in lines_of(path)] == [1, 2, 3, 4, 5]
+    assert verify(path) == (True, [])
+    # After a rotation left the current file empty, the chain resumes from the rotated file.
+    log = AuditLog(path, max_bytes=1)
+    write(log, 1, start=5)
+    log.close()
+    assert json.loads(lines_of(tmp_path / "audit.jsonl.1")[-1])["seq"] == 5
+    assert verify(path) == (True, [])
+
+
+def test_a_torn_last_line_is_reported_and_the_chain_resumes(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 4)
+    log.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"seq":5,"time":"2025-01-01T00:00:00.000Z","act')  # power cut mid-write
+    metrics = Metrics()
+    log = AuditLog(path, metrics=metrics)
+    assert errors_total(metrics) == 1
+    write(log, 2, start=5)
+    log.close()
+    lines = lines_of(path)
+    resume = json.loads(lines[5])
+    assert resume["action"] == "audit_resume" and resume["seq"] == 5 and "audit.jsonl:5" in resume["detail"]
+    assert resume["prev"] == hashlib.sha256(lines[3]).hexdigest()
+    assert set(resume) == set(json.loads(lines[0]))  # same schema as every other record
+    ok, problems = verify(path)
+    assert not ok and len(problems) == 1 and problems[0].startswith("audit.jsonl:5: not a complete JSON record")
+
+
+def test_record_never_raises_and_counts_errors(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    metrics = Metrics()
+    log = AuditLog(blocker / "audit.jsonl", metrics=metrics)  # cannot create a file under a file
+    write(log, 2)
+    assert errors_total(metrics) >= 2
+    log.close()
+    log.record(action="after-close", session="", client="", user="", role="", status="Good")
+
+
+def test_concurrent_writers_keep_one_chain(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, max_bytes=20_000, keep_files=50)
+    threads = [threading.Thread(target=write, args=(log, 50, k * 50)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log.close()
+    assert verify(path) == (True, [])
+    seqs = [json.loads(line)["seq"] for p in sorted(tmp_path.iterdir(), key=lambda p: (-len(p.suffix), p.name))
+            for line in lines_of(p)]
+    assert sorted(seqs) == list(range(1, 201))
+
+
+def test_digest_is_canonical():
+    values = [0.25, -1.5, 3.0]
+    assert digest(values) == digest(np.array(values, dtype=np.float32)) == digest(np.array([values]))
+    assert re.fullmatch(r"sha256:[0-9a-f]{32}", digest(values))
+    assert digest(values) != digest([0.25, -1.5, 3.5])
+    assert digest("abc") != digest(b"abc")
+    assert digest("abc") == digest("abc")
+    assert digest([float("nan")]) == digest(np.array([np.nan], dtype=np.float32))
+
+
+def test_cmd_audit_verify(tmp_path, capsys):
+    path = tmp_path / "audit.jsonl"
+    assert cmd_audit_verify(path) == 2
+    log = AuditLog(path, max_bytes=2000)
+    write(log, 20)
+    log.close()
+    files = len(list(tmp_path.iterdir()))
+    assert cmd_audit_verify(path) == 0
+    assert capsys.readouterr().out.strip().endswith(f"OK: 20 records in {files} files")
+    rotated = tmp_path / "audit.jsonl.1"
+    lines = lines_of(rotated)
+    rotated.write_bytes(b"\n".join(lines[:1] + lines[2:]) + b"\n")
+    assert cmd_audit_verify(path) == 2
+    assert "audit.jsonl.1:2: previous-hash link broken" in capsys.readouterr().out
