@@ -44,11 +44,36 @@ def cmd_check_config(args) -> int:
     return check_config_main(args.file)
 
 
+def audit_admin(config, action: str, detail: str, code: int) -> None:
+    """Administrative CLI actions go to their own hash chain (admin.jsonl): the running daemon owns audit.jsonl,
+    and two writers on one chain would break it."""
+    import getpass
+    if not config.audit.enabled:
+        return
+    from .audit import AuditLog
+    log = AuditLog(Path(config.audit.path).with_name("admin.jsonl"), max_bytes=config.audit.max_bytes,
+                   keep_files=config.audit.keep_files)
+    try:
+        log.record(action=action, session="", client="", user=f"cli:{getpass.getuser()}", role="engineer",
+                   status="Good" if code == 0 else "Bad", detail=detail)
+    finally:
+        log.close()
+
+
 def cmd_certs(args) -> int:
+    config = load_config_arg(args.config)
+    code = _certs(args, config)
+    if args.certs_action not in ("list", "export-server"):
+        subject = getattr(args, "name", None) or getattr(args, "file", None) or ""
+        role = f" role={args.role}" if getattr(args, "role", None) else ""
+        audit_admin(config, f"certs {args.certs_action}", f"{subject}{role}", code)
+    return code
+
+
+def _certs(args, config) -> int:
     from certs import cli as certs_cli
 
     from .daemon import certificate_names
-    config = load_config_arg(args.config)
     state_dir = Path(config.server.state_dir)
     action = args.certs_action
     if action == "init":
@@ -74,16 +99,24 @@ def cmd_users(args) -> int:
     from .users import cmd_users as run
     config = load_config_arg(args.config)
     configured = [(u.name, u.role, u.password_hash) for u in config.users]
-    return run(Path(config.server.state_dir), configured, args.users_action, getattr(args, "name", None),
+    code = run(Path(config.server.state_dir), configured, args.users_action, getattr(args, "name", None),
                getattr(args, "role", None), None)
+    if args.users_action != "list":
+        role = f" role={args.role}" if getattr(args, "role", None) else ""
+        audit_admin(config, f"users {args.users_action}", f"{args.name}{role}", code)
+    return code
 
 
 def cmd_audit(args) -> int:
     from .audit import cmd_audit_verify
+    if args.file:
+        return cmd_audit_verify(Path(args.file))
     config = load_config_arg(args.config)
-    path = Path(args.file) if args.file else (
-        Path(config.audit.path) if config.audit.path else Path(config.server.state_dir) / "audit" / "audit.jsonl")
-    return cmd_audit_verify(path)
+    main_log = Path(config.audit.path)
+    codes = [cmd_audit_verify(p) for p in (main_log, main_log.with_name("admin.jsonl")) if p.exists()]
+    if not codes:
+        return _fail(f"no audit log at {main_log}")
+    return max(codes)
 
 
 def parse_floats(text: str) -> list[float]:
