@@ -143,3 +143,26 @@ def test_address_space(app):
             assert await read(c, "Heartbeat") >= beat + 1
             assert await read(c, "Models", "affine", "RequestCount") >= 0
     run(go())
+
+
+def test_endpoints_offer_only_secure_policies_and_present_the_chain(app):
+    from asyncua import Client
+
+    async def endpoints(url):
+        c = Client(url)
+        return await c.connect_and_get_server_endpoints()
+
+    eps = run(endpoints(app.endpoint))
+    offered = {(e.SecurityPolicyUri.rsplit("#", 1)[1], e.SecurityMode.name) for e in eps}
+    assert offered == {("Basic256Sha256", "SignAndEncrypt"), ("Aes128_Sha256_RsaOaep", "SignAndEncrypt"),
+                       ("Aes256_Sha256_RsaPss", "SignAndEncrypt")}
+    own = app.pki.own_cert_path.read_bytes()
+    ca = app.pki.ca_cert_path.read_bytes()
+    for e in eps:
+        assert e.ServerCertificate == own + ca  # its certificate, then the appliance CA
+        assert e.Server.ApplicationUri == app.config.server.application_uri
+        token_types = {t.TokenType.name for t in e.UserIdentityTokens}
+        assert token_types == {"Certificate", "UserName"}  # anonymous is off by default
+    # GetEndpoints answers with the host the client dialled
+    eps = run(endpoints(f"opc.tcp://localhost:{app.port}"))
+    assert all(e.EndpointUrl == f"opc.tcp://localhost:{app.port}" for e in eps)

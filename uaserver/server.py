@@ -14,6 +14,8 @@ from urllib.parse import urlparse
 from asyncua import Server, ua
 from asyncua.common.connection import TransportLimits
 from asyncua.crypto import security_policies
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
@@ -48,9 +50,18 @@ class _AsyncuaServer(Server):
     """asyncua's Server, listening through the hardened binary server."""
 
     guard: ChannelGuard
+    ca_certificate = None  # x509.Certificate of the appliance CA, presented after the server certificate
 
     async def start(self) -> None:
         await self._setup_server_nodes()
+        if self.ca_certificate is not None:
+            # Present the chain (server certificate, then CA) so a client that trusts the CA can verify us.
+            ca_der = self.ca_certificate.public_bytes(serialization.Encoding.DER)
+            for factory in self._policies:
+                factory.certificate_chain = [self.ca_certificate]
+            for edp in self.iserver.endpoints:
+                if edp.ServerCertificate:
+                    edp.ServerCertificate = edp.ServerCertificate + ca_der
         await self.iserver.start()
         try:
             host, port = self._get_bind_socket_info()
@@ -124,6 +135,7 @@ class ApplianceUaServer:
         server.application_type = ua.ApplicationType.Server
         await server.load_certificate(str(self.pki.own_cert_path))
         await server.load_private_key(str(self.pki.own_key_path))
+        server.ca_certificate = x509.load_der_x509_certificate(self.pki.ca_cert_path.read_bytes())
         server.set_security_policy([POLICY_TYPES[(p, m)] for p in sec.policies for m in sec.modes])
         tokens = []
         if sec.anonymous:
