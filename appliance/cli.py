@@ -78,7 +78,8 @@ def _certs(args, config) -> int:
     action = args.certs_action
     if action == "init":
         hostnames, ips = certificate_names(config)
-        return certs_cli.cmd_init(state_dir, config.server.application_uri, hostnames, ips, args.force)
+        return certs_cli.cmd_init(state_dir, config.server.application_uri, hostnames, ips, args.force,
+                                 new_ca=args.new_ca)
     if action == "issue":
         out = Path(args.out) if args.out else None
         return certs_cli.cmd_issue(state_dir, args.name, args.role, out, socket.gethostname(), args.password)
@@ -243,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("certs", help="manage the PKI")
     csub = c.add_subparsers(dest="certs_action", required=True)
     x = csub.add_parser("init", help="create the CA and the server certificate")
-    x.add_argument("--force", action="store_true", help="replace an existing CA and server certificate")
+    x.add_argument("--force", action="store_true", help="replace the server certificate (the CA is kept)")
+    x.add_argument("--new-ca", action="store_true", help="with --force: also replace the CA (every client must "
+                   "trust the new one and be issued anew)")
     x = csub.add_parser("issue", help="issue a client certificate, trusted and mapped to a role")
     x.add_argument("name")
     x.add_argument("--role", required=True, choices=["monitor", "operator", "engineer"])
@@ -302,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("asyncua").setLevel(logging.ERROR)  # its client warns about every client certificate
     from .config import ConfigError
     try:
         return args.func(args)
