@@ -1,0 +1,231 @@
+"""The language model's tokenizer plus its chat template: text <-> token ids, and the tokens of one chat turn.
+
+Built from a HF `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`) or from GGUF metadata
+(`tokenizer.ggml.*`, byte-level BPE only). The chat template is rendered the way HF does: a sandboxed jinja2
+environment with trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now` and a `tojson` that keeps unicode.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+GGUF_TOKEN_TYPE_CONTROL = 3
+GGUF_TOKEN_TYPE_USER_DEFINED = 4
+
+# llama.cpp's `tokenizer.ggml.pre` names whose split differs from GPT-2's regex (which ByteLevel applies itself).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_BY_GGUF_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+# Stands in for the user's text to find where a template puts it (private-use characters: in no real prompt).
+_CONTENT_MARKER = "\ue000content\ue001"
+
+
+class ChatTokenizer:
+    """Token ids for text and chat turns. Thread-safe for encode/decode (the `tokenizers` objects are)."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None, bos_token_id: int | None,
+                 eos_token_ids: set[int], template_tokens: dict[str, str] | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or None
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # bos_token, eos_token, ... as strings: chat templates refer to them.
+        self.template_tokens = dict(template_tokens or {})
+        # A twin that reads special-token text as plain text, for what a user typed (see turn_tokens).
+        self._literal = Tokenizer.from_str(tokenizer.to_str())
+        self._literal.encode_special_tokens = True
+        self._template = _compile_template(self.chat_template) if self.chat_template else None
+
+    # ---- construction ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_directory(cls, directory: Path, extra_eos_ids: set[int] | None = None) -> "ChatTokenizer":
+        """From an HF model directory: tokenizer.json, tokenizer_config.json and, if there, chat_template.jinja."""
+        tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+        cfg_path = directory / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        template = _template_from_config(cfg.get("chat_template"))
+        jinja_path = directory / "chat_template.jinja"  # transformers 5 saves the template on its own
+        if jinja_path.exists():
+            template = jinja_path.read_text(encoding="utf-8")
+        names = {k: _token_content(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        names = {k: v for k, v in names.items() if v is not None}
+        bos_id = tokenizer.token_to_id(names["bos_token"]) if "bos_token" in names else None
+        eos_ids = set(extra_eos_ids or ())
+        if "eos_token" in names and tokenizer.token_to_id(names["eos_token"]) is not None:
+            eos_ids.add(tokenizer.token_to_id(names["eos_token"]))
+        return cls(tokenizer, template, bos_id, eos_ids, names)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "ChatTokenizer":
+        """From a GGUF file's metadata (values as `ReaderField.contents()` gives them)."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+        tokenizer = build_byte_level_bpe(tokens, merges, types, meta.get("tokenizer.ggml.pre"))
+
+        def token_at(key: str) -> tuple[int | None, str | None]:
+            idx = meta.get(f"tokenizer.ggml.{key}")
+            return (int(idx), tokens[int(idx)]) if idx is not None and 0 <= int(idx) < len(tokens) else (None, None)
+
+        bos_id, bos = token_at("bos_token_id")
+        eos_id, eos = token_at("eos_token_id")
+        eot_id, _ = token_at("eot_token_id")  # end-of-turn, where a file names one
+        names = {"bos_token": bos, "eos_token": eos, "unk_token": token_at("unknown_token_id")[1],
+                 "pad_token": token_at("padding_token_id")[1]}
+        eos_ids = {i for i in (eos_id, eot_id) if i is not None}
+        return cls(tokenizer, meta.get("tokenizer.chat_template"), bos_id, eos_ids,
+                   {k: v for k, v in names.items() if v is not None})
+
+    # ---- text <-> ids ----------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text`; nothing added. Special-token text (e.g. "<|im_start|>") becomes the special token."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ---- chat ------------------------------------------------------------------------------------------------
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to `messages`. Without a template: the contents concatenated (documented
+        fallback for base models; no roles, no generation prompt)."""
+        if self._template is None:
+            return "".join(str(m.get("content", "")) for m in messages)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.template_tokens)
+
+    def turn_tokens(self, history: list[dict], user_text: str, system_prompt: str | None) -> list[int]:
+        """Tokens to append to a slot holding the rendering of `history` so that it then holds the rendering of
+        history + this user turn + the generation prompt. Empty history: the whole prompt (the template's default
+        system prompt included, or `system_prompt` when given).
+
+        Assumes a prefix-stable template (rendering more messages only appends text), true of Llama/SmolLM2/ChatML
+        templates; an AssertionError says a template breaks it. What the user typed is tokenized as plain text:
+        "<|im_end|>" inside a prompt is not the control token, so a prompt cannot forge turns.
+        """
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(history)
+        before = self.render(messages, add_generation_prompt=False) if history else ""
+
+        def suffix_with(content: str) -> str:
+            after = self.render(messages + [{"role": "user", "content": content}], add_generation_prompt=True)
+            assert after.startswith(before), "chat template is not prefix-stable"
+            return after[len(before):]
+
+        suffix = suffix_with(user_text)
+        # Where the template put the user's text: render once more with a marker in its place.
+        marked = suffix_with(_CONTENT_MARKER)
+        if marked.count(_CONTENT_MARKER) == 1:
+            head, tail = marked.split(_CONTENT_MARKER)
+            if head + user_text + tail == suffix:  # inserted verbatim
+                return (self.encode(head) + self._literal.encode(user_text, add_special_tokens=False).ids
+                        + self.encode(tail))
+        return self.encode(suffix)  # the template altered the text (e.g. trimmed it): tokenize it whole
+
+    def assistant_suffix_tokens(self) -> list[int]:
+        """What the template writes after an assistant reply's text, e.g. the ids of "<|im_end|>\\n". When the
+        template ends replies with an eos token, this starts with that token (a slot whose generation stopped on
+        it needs only the rest). Empty without a template."""
+        if self._template is None:
+            return []
+        marker = "\x00reply\x00"
+        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                           add_generation_prompt=False)
+        return self.encode(text[text.rindex(marker) + len(marker):])
+
+
+def build_byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], token_types: list[int],
+                         pre: str | None = None) -> Tokenizer:
+    """A GPT-2-style byte-level BPE `tokenizers.Tokenizer` from a GGUF vocabulary, as transformers builds it:
+    CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens."""
+    alphabet = _byte_alphabet()
+    spelling = _bytes_to_unicode()
+    # Tokens stored as raw text (outside the byte alphabet) are respelled in it, as transformers does.
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+             for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                               end_of_word_suffix="", fuse_unk=False))
+    split = _SPLIT_BY_GGUF_PRE.get(pre or "")
+    if split:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel: skip it (transformers does).
+    special = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, token_types)
+               if ty == GGUF_TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    if special:
+        tok.add_special_tokens(special)
+    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types)
+            if ty == GGUF_TOKEN_TYPE_USER_DEFINED and t in vocab]
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+@lru_cache(maxsize=1)
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> frozenset[str]:
+    return frozenset(_bytes_to_unicode().values())
+
+
+def _token_content(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _template_from_config(value: Any) -> str | None:
+    if isinstance(value, list):  # HF named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    # jinja's own tojson HTML-escapes; HF's keeps the text as is.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

@@ -1,0 +1,142 @@
+"""Load a Llama-family language model's weights, config and tokenizer from disk: an HF safetensors directory or
+a GGUF file.
+
+safetensors are memory-mapped: when the file's dtype is the one asked for, every tensor is a view of the map (the
+page cache holds the weights, no private copy); another dtype costs one cast copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models.gguf_loader import load_gguf
+from models.llama_config import LlamaConfig
+from models.tokenizer import ChatTokenizer
+
+FINGERPRINT_EDGE_BYTES = 1 << 20
+_LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
+
+
+@dataclass
+class LoadedWeights:
+    config: LlamaConfig
+    tensors: dict[str, torch.Tensor]  # HF checkpoint names; no "lm_head.weight" when embeddings are tied
+    tokenizer: ChatTokenizer
+    version: str  # 12 hex digits of `fingerprint` over the files read
+    source_format: str  # "safetensors" | "gguf"
+
+
+def load_weights(path: Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+    """A directory (config.json, *.safetensors [+ model.safetensors.index.json], tokenizer.json
+    [+ tokenizer_config.json, chat_template.jinja, generation_config.json]) or a .gguf file."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        config, tensors, tokenizer = load_gguf(path, dtype)
+        _check_tensors(config, tensors)
+        return LoadedWeights(config, tensors, tokenizer, fingerprint([path]), "gguf")
+    if not path.is_dir():
+        raise ValueError(f"model path {path.name!r} is neither a directory nor a .gguf file")
+    return _load_safetensors_dir(path, dtype)
+
+
+def fingerprint(files: list[Path]) -> str:
+    """A FAST fingerprint, not a full hash: sha256 over each file's name, size and first and last 1 MiB.
+    It changes when a file is replaced by a retrained or re-quantised one (sizes or edges differ), not
+    necessarily when bytes in the middle of a file are edited in place."""
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda p: p.name):
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(FINGERPRINT_EDGE_BYTES))
+            if size > FINGERPRINT_EDGE_BYTES:
+                fh.seek(max(FINGERPRINT_EDGE_BYTES, size - FINGERPRINT_EDGE_BYTES))
+                h.update(fh.read())
+    return h.hexdigest()[:12]
+
+
+def _load_safetensors_dir(directory: Path, dtype: torch.dtype) -> LoadedWeights:
+    hf = _read_json(directory / "config.json")
+    if hf is None:
+        raise ValueError("model directory has no config.json")
+    if hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"model_type {hf.get('model_type')!r} is not supported (only 'llama')")
+    config = LlamaConfig.from_hf_dict(hf)
+    generation = _read_json(directory / "generation_config.json") or {}
+    eos_ids = set(config.eos_token_ids) | set(_id_list(generation.get("eos_token_id")))
+    if not (directory / "tokenizer.json").exists():
+        raise ValueError("model directory has no tokenizer.json")
+    tokenizer = ChatTokenizer.from_directory(directory, extra_eos_ids=eos_ids)
+    config.eos_token_ids = sorted(tokenizer.eos_token_ids)  # one set of stop ids, wherever each was declared
+    if config.bos_token_id is None:
+        config.bos_token_id = tokenizer.bos_token_id
+
+    files = _safetensors_files(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # old checkpoints store the rotary table; we compute it
+                    continue
+                t = st.get_tensor(name)  # a view of the file's memory map
+                tensors[name] = t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    _check_tensors(config, tensors)
+    extras = [directory / n for n in ("config.json", "generation_config.json", "tokenizer.json",
+                                      "tokenizer_config.json", "chat_template.jinja",
+                                      "model.safetensors.index.json") if (directory / n).exists()]
+    return LoadedWeights(config, tensors, tokenizer, fingerprint(files + extras), "safetensors")
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = _read_json(directory / "model.safetensors.index.json")
+    if index is not None:
+        names = sorted(set(index["weight_map"].values()))
+        files = [directory / n for n in names]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError("model directory lacks its .safetensors weight files")
+    return files
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama model of `config` has, with its shape."""
+    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
+    q, ffn = config.num_attention_heads * config.head_dim, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    per_layer = dict(zip(_LAYER_PARTS, [(q, h), (kv, h), (kv, h), (h, q), (ffn, h), (ffn, h), (h, ffn), (h,), (h,)]))
+    for i in range(config.num_hidden_layers):
+        for part, shape in per_layer.items():
+            shapes[f"model.layers.{i}.{part}.weight"] = shape
+    return shapes
+
+
+def _check_tensors(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
+    expected = expected_shapes(config)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"weight {name} has shape {tuple(tensors[name].shape)}, the config implies {shape}")
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def _id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
