@@ -42,8 +42,8 @@ def app(tmp_path_factory):
 
 
 def te_windows(n: int) -> np.ndarray:
-    x, _ = load_te_test_windows(1)
-    return x[:n].astype(np.float32)
+    x, y = load_te_test_windows(1)
+    return x[y == 1][:n].astype(np.float32)  # windows after the fault's onset
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -168,7 +168,7 @@ def test_default_security_refuses_anonymous_user_names_and_untrusted_certificate
     assert run(refused(username="admin", password="admin")) is not None
     assert run(refused(username="plc1", password="whatever")) is not None
     # an untrusted (self-signed) client certificate: refused, and copied to pki/rejected for an engineer to trust
-    cert, key = make_test_certificate(tmp_path, "rogue", self_signed=True)
+    cert, key = make_test_certificate("rogue", application_uri="urn:rogue:client").write(tmp_path, "rogue")
     before = set(os.listdir(app.state_dir / "pki" / "rejected"))
 
     async def rogue():
@@ -194,7 +194,8 @@ def test_independent_node_opcua_client(app):
     proc = subprocess.run(["node", str(ROOT / "tests" / "node" / "infer.js"), app.endpoint, str(cert_pem), str(key),
                            uri, str(app.state_dir / "node-pki"), "te-classifier", json.dumps(sample)],
                           capture_output=True, text=True, timeout=120)
-    line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    line = lines[-1] if lines else ""
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     result = json.loads(line)
     assert result["status"] == "Good", result
