@@ -3,12 +3,19 @@
 X509 user certificates pass the same trust list as application certificates (asyncua checks only proof of
 possession) and need a role mapping; user names are checked against scrypt/argon2 hashes with a per-source back-off;
 anonymous, when enabled, is `monitor`. There is no built-in account.
+
+asyncua calls get_user synchronously inside ActivateSession, and a scrypt check takes ~70 ms: the processor runs
+check_password in a worker thread first and hands the verdict over in `login_verdict` (the same task, so the
+contextvar reaches here); get_user falls back to checking on the spot only when no verdict applies.
 """
 from __future__ import annotations
 
+import contextvars
 import hashlib
+import hmac
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from asyncua.crypto.permission_rules import UserRole
 from asyncua.server.user_managers import UserManager
@@ -18,6 +25,22 @@ from .session import ApplianceUser, activation_context, anonymous_user
 
 log = logging.getLogger(__name__)
 ROLES = ("monitor", "operator", "engineer")
+
+
+@dataclass(frozen=True)
+class LoginVerdict:
+    """A password already checked in a worker thread for this one ActivateSession (see processor.py)."""
+
+    username: str
+    password: str
+    role: str | None
+
+    def applies_to(self, username: str, password: str) -> bool:
+        return self.username == username and hmac.compare_digest(self.password.encode(), password.encode())
+
+
+# Set by the processor around one ActivateSession; asyncua then calls get_user synchronously in the same task.
+login_verdict: contextvars.ContextVar[LoginVerdict | None] = contextvars.ContextVar("login_verdict", default=None)
 
 
 class ApplianceUserManager(UserManager):
@@ -43,7 +66,11 @@ class ApplianceUserManager(UserManager):
         if ctx.kind == "username":
             if not self.user_names or not username or password is None:
                 return None
-            role = self.authenticate(username, password, ctx.peer.rsplit(":", 1)[0])
+            verdict = login_verdict.get()
+            if verdict is not None and verdict.applies_to(username, password):
+                role = verdict.role  # checked off the event loop, back-off included
+            else:
+                role = self.check_password(username, password, ctx.peer)
             if role not in ROLES:
                 log.warning("user-name login refused for %r from %s", username, ctx.peer)
                 return None
@@ -60,6 +87,10 @@ class ApplianceUserManager(UserManager):
             thumb = hashlib.sha1(certificate).hexdigest()
             return ApplianceUser(role=UserRole.User, name=thumb, appliance_role=role, identity=f"x509:{thumb}")
         return None
+
+    def check_password(self, username: str, password: str, peer: str) -> str | None:
+        """The account's role or None; blocking (~70 ms of scrypt), thread-safe. peer is "ip:port"."""
+        return self.authenticate(username, password, peer.rsplit(":", 1)[0])
 
     def certificate_role(self, der: bytes) -> str | None:
         try:

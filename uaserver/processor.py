@@ -7,20 +7,30 @@
 - Write and node management are refused to every client (the address space is read-only by design).
 - Method calls run as tasks, so a client's parallel calls (an S7-1500 sends up to 5) reach the batcher together;
   at most `max_requests_per_session` are outstanding per session.
+- User names and passwords only over SignAndEncrypt; the password hash is checked in a worker thread (scrypt takes
+  ~70 ms: on the event loop it would stall every client), its verdict handed to the user manager.
+- Malformed traffic closes the connection with a TCP ErrorMessage: a first message other than Hello, a chunk header
+  larger than the negotiated buffer (asyncua would buffer up to 4 GiB waiting for its body), a request header that
+  does not decode, a message nesting deeper than security.limits.max_nesting_depth (see limits.py), anything the
+  transport layer cannot handle. asyncua alone logs such errors and keeps reading, leaving the client waiting.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncua import ua
-from asyncua.common.utils import ServiceError
+from asyncua.common.utils import NotEnoughData, ServiceError
 from asyncua.server.binary_server_asyncio import BinaryServer, OPCUAProtocol
 from asyncua.server.uaprocessor import UaProcessor
-from asyncua.ua.ua_binary import struct_from_binary
+from asyncua.ua.ua_binary import nodeid_from_binary, struct_from_binary, uatcp_to_binary
+from cryptography.exceptions import InvalidSignature
 
+from .identity import LoginVerdict, login_verdict
+from .limits import DEFAULT_MAX_NESTING_DEPTH, install_nesting_limit
 from .session import ApplianceSession, current_session
 
 log = logging.getLogger(__name__)
@@ -64,10 +74,84 @@ class ChannelGuard:
     max_sessions: int
     max_requests_per_session: int
     sessions: Callable[[], int]  # open external sessions now
+    max_nesting_depth: int = DEFAULT_MAX_NESTING_DEPTH
+    max_array_length: int | None = None  # bounds the elements a Variant's ArrayDimensions may declare
+    # Check passwords in a worker thread (False: on the event loop, as asyncua would; kept for measurements).
+    offload_password_check: bool = True
+
+
+def error_message(status: int, reason: str) -> bytes:
+    """A UA TCP ErrorMessage (Part 6, 7.1.2.5): the server's last word before it closes a connection."""
+    return uatcp_to_binary(ua.MessageType.Error, ua.ErrorMessage(ua.StatusCode(status), reason))
+
+
+def transport_status(exc: BaseException) -> int:
+    """The status code for an error the transport layer raised; never reveals more than its name."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code
+    if isinstance(exc, InvalidSignature):
+        return ua.StatusCodes.BadSecurityChecksFailed
+    if isinstance(exc, ua.UaError) and "No matching policy" in str(exc):
+        return ua.StatusCodes.BadSecurityPolicyRejected
+    return ua.StatusCodes.BadDecodingError
 
 
 class HardenedProcessor(UaProcessor):
     guard: ChannelGuard
+    _hello_seen: bool = False
+
+    def close_with_error(self, status: int, reason: str) -> bool:
+        """Answer an ErrorMessage and tell the protocol to close (False, as asyncua's process() does)."""
+        try:
+            self._transport.write(error_message(status, reason))
+        except Exception:  # the transport may be gone already
+            pass
+        return False
+
+    async def process(self, header, body):
+        if not self._hello_seen:
+            if header.MessageType != ua.MessageType.Hello:
+                log.warning("connection from %s did not start with Hello", self.name)
+                return self.close_with_error(ua.StatusCodes.BadTcpMessageTypeInvalid, "expected Hello")
+            self._hello_seen = True
+        elif header.MessageType == ua.MessageType.Hello:
+            return self.close_with_error(ua.StatusCodes.BadTcpMessageTypeInvalid, "unexpected Hello")
+        try:
+            return await super().process(header, body)
+        except Exception as exc:  # asyncua would log it and keep reading from a peer that sends garbage
+            status = transport_status(exc)
+            log.warning("closing the connection from %s: %s (%s)", self.name, type(exc).__name__,
+                        ua.StatusCode(status).name)
+            return self.close_with_error(status, ua.StatusCode(status).name)
+
+    async def process_message(self, seqhdr, body):
+        try:
+            typeid = nodeid_from_binary(body)
+            requesthdr = struct_from_binary(ua.RequestHeader, body)
+        except Exception as exc:  # no request handle to answer with: close instead
+            status = transport_status(exc) if isinstance(exc, ua.UaStatusCodeError) else ua.StatusCodes.BadDecodingError
+            log.warning("undecodable request header from %s (%s)", self.name, type(exc).__name__)
+            return self.close_with_error(status, ua.StatusCode(status).name)
+        return await self._process_decoded(typeid, requesthdr, seqhdr, body)
+
+    async def _process_decoded(self, typeid, requesthdr, seqhdr, body):
+        try:
+            return await self._process_message(typeid, requesthdr, seqhdr, body)
+        except (ServiceError, ua.uaerrors.UaStatusCodeError) as e:
+            status = ua.StatusCode(e.code)
+            if not isinstance(e, ServiceError) or status.value != ua.StatusCodes.BadSecurityPolicyRejected:
+                log.info("service fault to %s: %s", self.name, status.name)
+        except (NotEnoughData, struct.error, UnicodeDecodeError, RecursionError) as e:  # a body that lies
+            log.info("undecodable %s from %s: %s", typeid, self.name, type(e).__name__)
+            status = ua.StatusCode(ua.StatusCodes.BadDecodingError)
+        except Exception:
+            log.exception("request from %s failed", self.name)
+            status = ua.StatusCode(ua.StatusCodes.BadInternalError)
+        response = ua.ServiceFault()
+        response.ResponseHeader.ServiceResult = status
+        self.send_response(requesthdr.RequestHandle, seqhdr, response)
+        return True
 
     def _secure_enough(self) -> bool:
         policy = self._connection.security_policy
@@ -110,24 +194,58 @@ class HardenedProcessor(UaProcessor):
         return result
 
     async def _activate_session(self, typeid, requesthdr, seqhdr, body):
+        params = struct_from_binary(ua.ActivateSessionParameters, body.copy())
         reconnect = self.session is None
+        session = self.session
         if reconnect:
-            existing = self.iserver.lookup_external_session(requesthdr.AuthenticationToken)
+            session = self.iserver.lookup_external_session(requesthdr.AuthenticationToken)
             channel_cert = leaf_certificate(self._connection.security_policy.peer_certificate)
-            if (not isinstance(existing, ApplianceSession) or channel_cert is None
-                    or existing.channel_certificate != channel_cert):
+            if (not isinstance(session, ApplianceSession) or channel_cert is None
+                    or session.channel_certificate != channel_cert):
                 raise ServiceError(ua.StatusCodes.BadSessionIdInvalid)
+        verdict = None
+        if isinstance(params.UserIdentityToken, ua.UserNameIdentityToken):
+            if self._connection.security_policy.Mode != ua.MessageSecurityMode.SignAndEncrypt:
+                # Passwords only over an encrypted channel (the contract), whatever the token's own encryption.
+                raise ServiceError(ua.StatusCodes.BadSecurityModeInsufficient)
+            if self.guard.offload_password_check:
+                verdict = await self._check_password(session, params.UserIdentityToken)
+        # asyncua re-points a live session's subscriptions at this connection before it checks anything: remember
+        # where they pointed, so that a failed re-activation leaves them with their owner.
+        subscriptions = [(sub, sub.pub_result_callback, sub.pub_request_callback)
+                         for sub in self.iserver.subscription_service.subscriptions.values()
+                         if reconnect and sub.session_id == session.session_id]
         watchdog_before = self._session_watchdog_task
+        verdict_token = login_verdict.set(verdict)
         try:
             return await super()._process_message(typeid, requesthdr, seqhdr, body)
         except BaseException:
             if reconnect:
                 # asyncua bound the session to this connection before activating it: undo that.
                 self.session = None
+                for sub, on_result, on_request in subscriptions:
+                    sub.pub_result_callback, sub.pub_request_callback = on_result, on_request
                 if self._session_watchdog_task is not watchdog_before and self._session_watchdog_task:
                     self._session_watchdog_task.cancel()
                     self._session_watchdog_task = watchdog_before
             raise
+        finally:
+            login_verdict.reset(verdict_token)
+
+    async def _check_password(self, session: ApplianceSession, token: ua.UserNameIdentityToken):
+        """Decrypt the token and verify the password off the event loop; None leaves it to the user manager."""
+        manager = self.iserver.user_manager
+        check = getattr(manager, "check_password", None)
+        if check is None:
+            return None
+        try:
+            username, password = self.iserver.decrypt_user_token(session, token)
+        except Exception:
+            return None  # asyncua's own path answers BadIdentityTokenInvalid
+        if not isinstance(username, str) or not isinstance(password, str):
+            return None
+        role = await asyncio.to_thread(check, username, password, session.peer)
+        return LoginVerdict(username=username, password=password, role=role)
 
     def _start_call(self, requesthdr, seqhdr, body) -> bool:
         session = self.session
@@ -164,6 +282,37 @@ class HardenedProcessor(UaProcessor):
 class HardenedProtocol(OPCUAProtocol):
     guard: ChannelGuard
 
+    def data_received(self, data: bytes) -> None:
+        # asyncua reads a chunk's declared size and buffers until it has arrived, whatever the size: refuse a
+        # header that announces more than the negotiated receive buffer before buffering anything for it.
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self._refuse_oversized(self._buffer[:8] if len(self._buffer) >= 8 else self._buffer + data[:8]):
+            return
+        super().data_received(data)
+        # what is left over starts the next chunk: check its header now, not when more bytes arrive
+        if self.transport is not None and not self.transport.is_closing():
+            self._refuse_oversized(self._buffer[:8])
+
+    def _refuse_oversized(self, head: bytes) -> bool:
+        if len(head) < 8:
+            return False
+        size = int.from_bytes(head[4:8], "little")  # Part 6, 7.1.2.2: type(3) chunk(1) size(4)
+        if 8 <= size <= self._max_chunk_size():
+            return False
+        log.warning("closing the connection from %s: a chunk header announces %d bytes", self.peer_name, size)
+        status = ua.StatusCodes.BadTcpMessageTooLarge if size > 8 else ua.StatusCodes.BadDecodingError
+        self.transport.write(error_message(status, "chunk size"))
+        self.transport.close()
+        self._buffer = b""
+        return True
+
+    def _max_chunk_size(self) -> int:
+        configured = self.limits.max_recv_buffer
+        if self.processor is not None and self.processor._limits.max_recv_buffer > 0:
+            return min(configured, self.processor._limits.max_recv_buffer)
+        return configured
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         if self.processor is not None:
@@ -175,6 +324,10 @@ class HardenedProtocol(OPCUAProtocol):
 
 class HardenedBinaryServer(BinaryServer):
     guard: ChannelGuard
+
+    async def start(self) -> None:
+        install_nesting_limit(self.guard.max_nesting_depth, self.guard.max_array_length)
+        await super().start()
 
     def _make_protocol(self) -> OPCUAProtocol:
         protocol = HardenedProtocol(iserver=self.iserver, policies=self._policies, clients=self.clients,

@@ -158,7 +158,8 @@ class ApplianceUaServer:
             validate_client_certificate=lambda der, uri: self.trust_list.validate_application_certificate(
                 der, uri).status,
             max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
-            sessions=lambda: len(iserver._external_sessions))
+            sessions=lambda: len(iserver._external_sessions), max_nesting_depth=lim.max_nesting_depth,
+            max_array_length=lim.max_array_length)
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)

@@ -85,7 +85,7 @@ class ApplianceSession(InternalSession):
         return thumbprint(self.channel_certificate)
 
     def activate_session(self, params: ua.ActivateSessionParameters, peer_certificate: bytes | None):
-        previous_user, was_active = self.user, self.is_activated()
+        previous_user, previous_nonce, was_active = self.user, self.nonce, self.is_activated()
         token = params.UserIdentityToken
         kind = ("x509" if isinstance(token, ua.X509IdentityToken) else
                 "username" if isinstance(token, ua.UserNameIdentityToken) else "anonymous")
@@ -95,8 +95,8 @@ class ApplianceSession(InternalSession):
         finally:
             activation_context.reset(ctx)
         if was_active and self.identity != getattr(previous_user, "identity", None):
-            # Re-activation may renew a session, never hand it to another user.
-            self.user = previous_user
+            # Re-activation may renew a session, never hand it to another user; the owner's nonce stays valid.
+            self.user, self.nonce = previous_user, previous_nonce
             raise ServiceError(ua.StatusCodes.BadUserAccessDenied)
         return result
 

@@ -5,9 +5,10 @@
 "use strict";
 const fs = require("fs");
 const {
-  OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType, OPCUACertificateManager,
+  OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType,
   DataType, VariantArrayType, makeBrowsePath,
 } = require("node-opcua-client");
+const { OPCUACertificateManager } = require("node-opcua-certificate-manager");
 
 async function main() {
   const [endpoint, certFile, keyFile, applicationUri, pkiDir, model, input] = process.argv.slice(2);
