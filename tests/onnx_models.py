@@ -32,3 +32,23 @@ def log_model(path: Path, width: int = 4) -> Path:
     x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", width])
     y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", width])
     return _save(helper.make_graph([helper.make_node("Log", ["input"], ["output"])], "log", [x], [y]), path)
+
+
+def heavy_model(path: Path, width: int = 4, size: int = 2048, products: int = 8) -> Path:
+    """y = x + mean(W @ W @ ... ) * 0: correct shapes, but each batch costs `products` dense size x size matrix
+    products (a few hundred ms per batch even with AMX), so deadlines and full queues can be reached on purpose."""
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", width])
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    # the first factor depends on the input, so nothing can be constant-folded at load
+    nodes, prev = [helper.make_node("ReduceSum", ["input"], ["s"], keepdims=0),
+                   helper.make_node("Mul", ["W", "s"], ["Ws"])], "Ws"
+    for i in range(products):
+        nodes.append(helper.make_node("MatMul", [prev, "W"], [f"p{i}"]))
+        prev = f"p{i}"
+    nodes += [helper.make_node("ReduceMean", [prev], ["m"], keepdims=0),
+              helper.make_node("Mul", ["m", "zero"], ["z"]),
+              helper.make_node("Add", ["input", "z"], ["output"])]
+    return _save(helper.make_graph(nodes, "heavy", [x], [y], inits), path)
