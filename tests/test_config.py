@@ -52,7 +52,7 @@ def test_minimal_file_names_only_its_models_and_everything_else_takes_the_contra
         "te-classifier", "tensor", "builtin:te-classifier", None, "auto")
     assert model.max_samples == 64 and model.max_text_chars == 1024 and model.top_p == 0.95
     assert model.effective_max_batch_size(cfg.engine) == 32
-    assert model.effective_max_queue_delay_ms(cfg.engine) == 2.0
+    assert model.effective_max_queue_delay_ms(cfg.engine) == 0.0
 
     assert cfg.server.endpoint == "opc.tcp://0.0.0.0:4840"
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 4840)
@@ -76,7 +76,7 @@ def test_minimal_file_names_only_its_models_and_everything_else_takes_the_contra
 
     assert cfg.users == []
     eng = cfg.engine
-    assert (eng.device, eng.threads, eng.max_batch_size, eng.max_queue_delay_ms) == ("auto", 0, 32, 2.0)
+    assert (eng.device, eng.threads, eng.max_batch_size, eng.max_queue_delay_ms) == ("auto", 0, 32, 0.0)
     assert (eng.max_queue_size, eng.request_timeout_s, eng.kv_slots) == (256, 30.0, 8)
     assert (eng.max_seq_len, eng.max_new_tokens, eng.slot_policy) == (2048, 512, "evict_lru")
     assert (eng.prefill_chunk, eng.dtype, eng.seed) == (256, "auto", 0)
