@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import shutil
 import subprocess
 import sys
@@ -59,6 +60,9 @@ def test_every_call_is_recorded_with_its_caller_and_outcome(app):
 
     before, outcomes = run(go())
     assert outcomes == ["Good", "BadInvalidArgument", "BadInvalidArgument", "BadUserAccessDenied"]
+    deadline = time.monotonic() + 5  # records are written by the audit thread, a moment after the answer
+    while len([r for r in records(app)[before:] if r["action"] == "Infer"]) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
     new = [r for r in records(app)[before:] if r["action"] == "Infer"]
     assert [r["status"] for r in new] == outcomes
     operator_thumb = hashlib.sha1(app.operator[0].read_bytes()).hexdigest()

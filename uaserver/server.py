@@ -187,6 +187,7 @@ class ApplianceUaServer:
                 log.exception("closing a session on shutdown failed")
         await self.server.stop()
         self.server = None
+        self.handlers.close()
 
     @property
     def port(self) -> int:
