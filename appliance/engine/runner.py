@@ -1,0 +1,56 @@
+"""Executes a step plan on the model: one forward for the prefill chunks (ragged rows, padded to the longest chunk)
+and one batched decode forward for every generating sequence (each at its own position), then samples."""
+from __future__ import annotations
+
+import torch
+
+from appliance.engine.sampling import make_generator, sample
+from appliance.engine.scheduler import StepPlan
+from appliance.engine.sequence import Sequence
+from models.llama import KVCache, LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache):
+        self.model = model
+        self.cache = cache
+        self._generators: dict[int, torch.Generator] = {}
+
+    def run(self, plan: StepPlan) -> dict[int, int]:
+        """request_id -> sampled token, for every decode row and every prefill chunk that completes its prompt."""
+        sampled: dict[int, int] = {}
+        if plan.prefill:
+            chunks = plan.prefill
+            width = max(len(c.tokens) for c in chunks)
+            ids = torch.zeros(len(chunks), width, dtype=torch.long)
+            for i, c in enumerate(chunks):
+                ids[i, :len(c.tokens)] = torch.tensor(c.tokens, dtype=torch.long)
+            logits = self.model.forward(
+                self.cache, ids, torch.tensor([c.slot for c in chunks]),
+                torch.tensor([c.start_pos for c in chunks]), torch.tensor([len(c.tokens) for c in chunks]))
+            rows = [i for i, c in enumerate(chunks) if c.last]
+            if rows:
+                self._sample(logits[rows], [chunks[i].seq for i in rows], sampled)
+        if plan.decode:
+            rows = sorted(plan.decode, key=lambda r: r.slot)  # consecutive slots attend over a cache view
+            logits = self.model.forward(
+                self.cache, torch.tensor([[r.token] for r in rows]), torch.tensor([r.slot for r in rows]),
+                torch.tensor([r.pos for r in rows]), torch.ones(len(rows), dtype=torch.long))
+            self._sample(logits, [r.seq for r in rows], sampled)
+        return sampled
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], out: dict[int, int]) -> None:
+        gens = [self._generator(s) if s.temperature > 0 else None for s in seqs]
+        tokens = sample(logits, [s.temperature for s in seqs], [s.top_p for s in seqs], gens)
+        for s, t in zip(seqs, tokens):
+            out[s.request_id] = t
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        g = self._generators.get(seq.request_id)
+        if g is None:
+            g = self._generators[seq.request_id] = make_generator(seq.seed)
+        return g
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence ended: drop its random stream."""
+        self._generators.pop(seq.request_id, None)

