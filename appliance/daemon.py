@@ -119,7 +119,13 @@ class Appliance:
             reasons.append("OPC UA server is not running")
         if self.watchdog is not None and self.watchdog.state == "Critical":
             reasons.append("watchdog is Critical")
+        if not self.engine_alive():
+            reasons.append("an engine thread has stopped")
         return (not reasons), reasons
+
+    def engine_alive(self) -> bool:
+        """Every Ready model's engine thread runs (the Heartbeat stops when one does not)."""
+        return all(getattr(s, "engine_alive", True) for s in self.services.values() if s.state == "Ready")
 
     def health(self) -> dict:
         wd = self.watchdog
@@ -167,8 +173,13 @@ class Appliance:
 
         self.services = self.build_services(device)
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
-                                    metrics=self.metrics, audit=self.audit, device=device, health=self.health)
+                                    metrics=self.metrics, audit=self.audit, device=device, health=self.health,
+                                    engine_alive=self.engine_alive)
         await self.ua.start()
+        if self.metrics.server_cert_expiring._value.get():
+            self.ua.emit_event("The server certificate expires within "
+                               f"{cfg.security.cert_expiry_warning_days} days: renew it with "
+                               "`appliance certs init --force`", severity=700)
         if cfg.metrics.enabled:
             self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics, self.readiness)
             await self.http.start()
