@@ -249,6 +249,10 @@ def configure_logging(config: ApplianceConfig) -> None:
 
 
 async def serve(config: ApplianceConfig) -> int:
+    import sys
+    # The event loop shares the GIL with the inference and audit threads; after a blocking call (a socket send)
+    # it waits up to the switch interval to get the GIL back. 5 ms by default is longer than a whole call here.
+    sys.setswitchinterval(0.0005)
     app = Appliance(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
