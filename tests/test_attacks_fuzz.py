@@ -30,7 +30,7 @@ TCP_TYPES = [b"HEL", b"ACK", b"ERR", b"RHE", b"OPN", b"CLO", b"MSG"]
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    from test_llm_service import make_model_dir  # a tiny random Llama, saved as an HF directory
+    from tiny_llm import make_model_dir  # a tiny random Llama, saved as an HF directory
     d = tmp_path_factory.mktemp("attacks_fuzz")
     make_model_dir(d / "tiny")
     a = start_appliance(d, {"models": {"gen": {"kind": "generative", "path": str(d / "tiny")}},

@@ -12,7 +12,7 @@ from harness import RunningAppliance
 from uaclient import arg_statuses, call, read, run, session, status_name
 
 pytest.importorskip("transformers")
-from test_llm_service import make_model_dir  # noqa: E402
+from tiny_llm import make_model_dir  # noqa: E402
 
 V = ua.VariantType
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from asyncua import ua
 
 from harness import RunningAppliance
 from onnx_models import affine_model

@@ -1,7 +1,6 @@
 """load_weights on HF safetensors directories written by transformers itself."""
 from __future__ import annotations
 
-import gc
 import json
 import sys
 import subprocess

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from asyncua import ua
 
-from appliance.errors import AccessDenied, ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.errors import AccessDenied, ApplianceError, InvalidArgument, NotReady
 
 from .session import ApplianceSession, current_session
 
@@ -180,13 +180,7 @@ class MethodHandlers:
         return value
 
 
-def outputs(*variants: ua.Variant) -> list[ua.Variant]:
-    return list(variants)
-
-
 def require_ready(service) -> None:
     if service.state != "Ready":
         raise NotReady()
 
-
-__all__ = ["MethodHandlers", "CallContext", "outputs", "require_ready", "status_result", "EngineFailure"]

@@ -28,6 +28,7 @@ from appliance.engine.sequence import FinishReason, Sequence
 from appliance.engine.slots import POLICIES, Acquired, Slot, SlotManager
 from appliance.errors import (ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
                               ResourceUnavailable)
+from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -133,25 +134,14 @@ class _Reply:
             pass
 
 
-class GenerativeModelService:
+class GenerativeModelService(ModelStatus):
     kind = "generative"
 
     def __init__(self, name: str, path: Path, settings: GenerativeSettings, *, version_label: str | None = None,
                  metrics: Metrics | None = None, on_event: Callable[[str, str], None] | None = None):
-        self.name = name
-        self.path = Path(path)
+        super().__init__(name, path, version_label=version_label, metrics=metrics, on_event=on_event)
         self.settings = settings
-        self.version_label = version_label
-        self.metrics = metrics
-        self.on_event = on_event
-        self.state = "Loading"
-        self.failure_reason: str | None = None
-        self.request_count = 0
-        self.error_count = 0
-        self.last_latency_ms = 0.0
         self._engine: _Engine | None = None
-        self._stopped = False
-        self._reload_lock = asyncio.Lock()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._session_locks: dict[str, list] = {}  # session -> [asyncio.Lock, users]
@@ -565,19 +555,6 @@ class GenerativeModelService:
     def _publish_loaded(self) -> None:
         if self.metrics is not None and self._engine is not None:
             self.metrics.set_model_info(self.name, self._engine.version, self._engine.backend)
-
-    def _set_state(self, state: str) -> None:
-        self.state = state
-        if self.metrics is not None:
-            self.metrics.model_ready.labels(self.name).set(1 if state == "Ready" else 0)
-
-    def _emit(self, event: str, reason: str) -> None:
-        if self.on_event is None:
-            return
-        try:
-            self.on_event(event, reason)
-        except Exception:
-            log.exception("event listener failed for %s", event)
 
 
 async def _in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -20,6 +20,7 @@ from appliance.engine.batcher import BatchPolicy, DynamicBatcher
 from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
 from appliance.engine.versioning import content_version
 from appliance.errors import ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -31,30 +32,19 @@ class _Loaded:
     version: str
 
 
-class TensorModelService:
+class TensorModelService(ModelStatus):
     kind = "tensor"
 
     def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
                  max_samples: int, policy: BatchPolicy, metrics: Metrics | None,
                  on_event: Callable[[str, str], None] | None = None):
-        self.name = name
-        self.path = Path(path)
+        super().__init__(name, path, version_label=version_label, metrics=metrics, on_event=on_event)
         self.backend_choice = backend
         self.device = device
         self.threads = threads
-        self.version_label = version_label
         self.max_samples = max_samples
         self.policy = policy
-        self.metrics = metrics
-        self.on_event = on_event
-        self.state = "Loading"
-        self.failure_reason: str | None = None
-        self.request_count = 0
-        self.error_count = 0
-        self.last_latency_ms = 0.0
         self._loaded: _Loaded | None = None
-        self._stopped = False
-        self._reload_lock = asyncio.Lock()
         # One inference thread per model: the batcher runs one batch at a time; loads use other threads.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
         self._batcher = DynamicBatcher(name, policy, self._execute, metrics, self._executor)
@@ -188,19 +178,6 @@ class TensorModelService:
     def _publish_loaded(self) -> None:
         if self.metrics is not None:
             self.metrics.set_model_info(self.name, self._loaded.version, self._loaded.backend.name)
-
-    def _set_state(self, state: str) -> None:
-        self.state = state
-        if self.metrics is not None:
-            self.metrics.model_ready.labels(self.name).set(1 if state == "Ready" else 0)
-
-    def _emit(self, event: str, reason: str) -> None:
-        if self.on_event is None:
-            return
-        try:
-            self.on_event(event, reason)
-        except Exception:  # a broken listener must not turn a handled failure into a crash
-            log.exception("event listener failed for %s", event)
 
 
 def _check_same_shapes(old: TensorBackend, new: TensorBackend) -> None:
