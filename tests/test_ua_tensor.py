@@ -169,3 +169,37 @@ def test_endpoints_offer_only_secure_policies_and_present_the_chain(app):
     # GetEndpoints answers with the host the client dialled
     eps = run(endpoints(f"opc.tcp://localhost:{app.port}"))
     assert all(e.EndpointUrl == f"opc.tcp://localhost:{app.port}" for e in eps)
+
+
+def test_failed_reload_keeps_old_weights_and_raises_an_event(app):
+    path = app.config.models["affine"].resolved_path
+    good = path.read_bytes()
+
+    class Handler:
+        def __init__(self):
+            self.messages = []
+
+        def event_notification(self, event):
+            self.messages.append(str(event.Message.Text))
+
+    async def go():
+        handler = Handler()
+        async with session(app, *app.engineer) as c:
+            sub = await c.create_subscription(50, handler)
+            await sub.subscribe_events(c.nodes.server)
+            path.write_bytes(b"not a model any more")
+            try:
+                r = await call(c, "", "ReloadModel", [ua.Variant("affine", V.String)])
+            finally:
+                path.write_bytes(good)
+            assert status_name(r) == "BadInternalError"
+            r = await call(c, "affine", "Infer", [floats([1, 1, 1, 1])])
+            assert status_name(r) == "Good" and r.OutputArguments[1].Value == "v1"
+            assert np.allclose(r.OutputArguments[0].Value, [3, 3, 3, 3])
+            for _ in range(40):
+                if any("affine" in m and "fail" in m.lower() for m in handler.messages):
+                    break
+                await asyncio.sleep(0.1)
+            assert any("affine" in m and "fail" in m.lower() for m in handler.messages), handler.messages
+            assert not any(str(path.parent) in m for m in handler.messages)  # no paths in events
+    run(go())
