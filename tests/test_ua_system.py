@@ -215,3 +215,36 @@ def test_cli_call_with_csv_and_json(app, tmp_path):
     assert p.returncode == 1 and "BadInvalidArgument" in p.stdout and "BadOutOfRange" in p.stdout
     p = subprocess.run(base + ["--input", "[1, oops]"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--input" in p.stderr
+
+
+def test_anonymous_when_enabled_is_monitor(tmp_path):
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}},
+                         {"security": {"anonymous": True}})
+    try:
+        cert = a.issue("panel", "operator")  # the application certificate; the user is anonymous
+
+        async def go():
+            async with session(a, *cert, anonymous=True) as c:
+                assert await read(c, "Models", "affine", "State") == "Ready"
+                r = await call(c, "affine", "Infer", [floats([1, 2, 3, 4])])
+                assert status_name(r) == "BadUserAccessDenied"
+        run(go())
+    finally:
+        a.stop()
+
+
+def test_users_cli_account_logs_in_with_its_role(app):
+    env = dict(os.environ, APPLIANCE_PASSWORD="s7-line3-secret")
+    p = subprocess.run([sys.executable, "-m", "appliance", "users", "add", "s7line3", "--role", "operator",
+                        "--config", str(app.config_path)], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    stored = (app.state_dir / "access" / "users.json").read_text()
+    assert "s7-line3-secret" not in stored and "scrypt$" in stored
+
+    async def go():
+        async with session(app, *app.operator, username="s7line3", password="s7-line3-secret") as c:
+            assert status_name(await call(c, "affine", "Infer", [floats([1, 2, 3, 4])])) == "Good"
+    run(go())
+    admin_log = app.state_dir / "audit" / "admin.jsonl"
+    assert "users add" in admin_log.read_text() and "s7line3" in admin_log.read_text()
