@@ -49,6 +49,7 @@ class RunningAppliance:
         self.run(self.app.start(), timeout=60)
         if wait_ready:
             self.run(self.app.wait_ready(180), timeout=200)
+            self.run(self.app.ua.publish_values())  # the address space shows it now, not within 0.25 s
 
     def run(self, coro, timeout: float = 60):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

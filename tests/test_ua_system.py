@@ -248,3 +248,23 @@ def test_users_cli_account_logs_in_with_its_role(app):
     run(go())
     admin_log = app.state_dir / "audit" / "admin.jsonl"
     assert "users add" in admin_log.read_text() and "s7line3" in admin_log.read_text()
+
+
+def test_advertised_host_for_clients_behind_nat(tmp_path):
+    from asyncua import Client
+    from cryptography import x509
+
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}},
+                         {"server": {"advertised_host": "line3-gw.plant.example"}})
+    try:
+        async def endpoints():
+            return await Client(a.endpoint).connect_and_get_server_endpoints()
+        eps = run(endpoints())
+        assert eps and all(e.EndpointUrl == f"opc.tcp://line3-gw.plant.example:{a.port}" for e in eps)
+        cert = x509.load_der_x509_certificate(a.pki.own_cert_path.read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert "line3-gw.plant.example" in san.get_values_for_type(x509.DNSName)
+        assert a.config.server.application_uri in san.get_values_for_type(x509.UniformResourceIdentifier)
+    finally:
+        a.stop()
