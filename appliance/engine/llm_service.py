@@ -188,11 +188,7 @@ class GenerativeModelService(ModelStatus):
             try:
                 engine = await _in_fresh_thread(self._load, None)
             except Exception as exc:
-                reason = _reason(exc)
-                self.failure_reason = reason
-                self._set_state("Failed")
-                log.error("model %s failed to load: %s", self.name, reason)
-                self._emit("ModelLoadFailed", reason)
+                self._load_failed(_reason(exc))
                 return
             self._engine = engine
             self._thread = threading.Thread(target=self._engine_main, args=(engine,), name=f"llm-{self.name}",

@@ -34,6 +34,13 @@ class ModelStatus:
         if self.metrics is not None:
             self.metrics.model_ready.labels(self.name).set(1 if state == "Ready" else 0)
 
+    def _load_failed(self, reason: str) -> None:
+        """A first load failed: the model is Failed with a reason safe to show clients, and an event says so."""
+        self.failure_reason = reason
+        self._set_state("Failed")
+        log.error("model %s failed to load: %s", self.name, reason)
+        self._emit("ModelLoadFailed", reason)
+
     def _emit(self, event: str, reason: str) -> None:
         if self.on_event is None:
             return

@@ -80,11 +80,7 @@ class TensorModelService(ModelStatus):
             try:
                 self._loaded = await asyncio.to_thread(self._load)
             except Exception as exc:
-                reason = _reason(exc)
-                self.failure_reason = reason
-                self._set_state("Failed")
-                log.error("model %s failed to load: %s", self.name, reason)
-                self._emit("ModelLoadFailed", reason)
+                self._load_failed(_reason(exc))
                 return
             self.failure_reason = None
             self._publish_loaded()
