@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 from asyncua import ua
 
-from appliance.errors import AccessDenied, ApplianceError, InvalidArgument, NotReady
+from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
 
 from .session import ApplianceSession, current_session
+from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,10 @@ FLOATS = (ua.VariantType.Float, ua.VariantType.Double)
 class ArgumentCountError(Exception):
     def __init__(self, status: str):
         self.status = status
+
+
+class AccessDenied(Exception):
+    """The caller's role lacks the right (BadUserAccessDenied)."""
 
 
 @dataclass
@@ -67,7 +72,7 @@ def require_type(arg: Any, index: int, types: tuple, array: bool) -> Any:
         is_array = isinstance(arg.Value, list) or arg.is_array
         ok = is_array == array
     if not ok:
-        raise InvalidArgument(f"argument {index} has the wrong type", index, "BadTypeMismatch")
+        raise InvalidArgument(f"argument {index} has the wrong type", index, TYPE_MISMATCH)
     return arg.Value
 
 
@@ -108,11 +113,14 @@ class MethodHandlers:
             except ArgumentCountError as e:
                 status = e.status
                 return status_result(status)
+            except AccessDenied:
+                status = "BadUserAccessDenied"
+                return status_result(status)
             except InvalidArgument as e:
-                status = e.status
-                return status_result(status, len(args), e.index, e.arg_status)
+                status = status_for(e)
+                return status_result(status, len(args), e.index, ARGUMENT_STATUS_FOR_KIND[e.kind])
             except ApplianceError as e:
-                status = e.status
+                status = status_for(e)
                 return status_result(status)
             except Exception:
                 log.exception("%s on %s failed", method, model or "appliance")
@@ -143,29 +151,29 @@ class MethodHandlers:
     def float_array(self, arg: ua.Variant, index: int) -> np.ndarray:
         values = require_type(arg, index, FLOATS, array=True)
         if values is None or len(values) == 0:
-            raise InvalidArgument("the input array is empty", index, "BadOutOfRange")
+            raise InvalidArgument("the input array is empty", index, OUT_OF_RANGE)
         if len(values) > self.max_array_length:
-            raise InvalidArgument("the input array is too long", index, "BadOutOfRange")
+            raise InvalidArgument("the input array is too long", index, OUT_OF_RANGE)
         try:
             out = np.asarray(values, dtype=np.float32)
         except (TypeError, ValueError):
-            raise InvalidArgument("the input array holds non-numbers", index, "BadTypeMismatch") from None
+            raise InvalidArgument("the input array holds non-numbers", index, TYPE_MISMATCH) from None
         if out.ndim != 1:
-            raise InvalidArgument("the input must be a one-dimensional array", index, "BadOutOfRange")
+            raise InvalidArgument("the input must be a one-dimensional array", index, OUT_OF_RANGE)
         if not np.all(np.isfinite(out)):
-            raise InvalidArgument("the input holds NaN or Inf", index, "BadOutOfRange")
+            raise InvalidArgument("the input holds NaN or Inf", index, OUT_OF_RANGE)
         return out
 
     def text(self, arg: ua.Variant, index: int) -> str:
         value = require_type(arg, index, (ua.VariantType.String,), array=False)
         if not value:
-            raise InvalidArgument("the prompt is empty", index, "BadInvalidArgument")
+            raise InvalidArgument("the prompt is empty", index, INVALID)
         try:
             encoded = value.encode("utf-8")  # asyncua keeps invalid bytes as lone surrogates
         except UnicodeEncodeError:
-            raise InvalidArgument("the prompt is not valid UTF-8", index, "BadInvalidArgument") from None
+            raise InvalidArgument("the prompt is not valid UTF-8", index, INVALID) from None
         if len(encoded) > self.max_string_length:
-            raise InvalidArgument("the prompt is too long", index, "BadOutOfRange")
+            raise InvalidArgument("the prompt is too long", index, OUT_OF_RANGE)
         return value
 
     @staticmethod
@@ -176,7 +184,7 @@ class MethodHandlers:
     def real(arg: ua.Variant, index: int) -> float:
         value = float(require_type(arg, index, FLOATS, array=False))
         if math.isnan(value) or math.isinf(value):
-            raise InvalidArgument("the value is not finite", index, "BadOutOfRange")
+            raise InvalidArgument("the value is not finite", index, OUT_OF_RANGE)
         return value
 
 

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import serialization
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
-from appliance.errors import InvalidArgument
+from appliance.errors import INVALID, InvalidArgument
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
 from .identity import ApplianceUserManager
@@ -338,7 +338,7 @@ class ApplianceUaServer:
         name = require_type(args[0], 0, (V.String,), array=False)
         svc = self.services.get(name)
         if svc is None:
-            raise InvalidArgument("no model of that name", 0, "BadInvalidArgument")
+            raise InvalidArgument("no model of that name", 0, INVALID)
         ctx.model = name
         try:
             version = await svc.reload()

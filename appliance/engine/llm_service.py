@@ -26,7 +26,7 @@ from appliance.engine.sampling import request_seed
 from appliance.engine.scheduler import Scheduler, StepPlan
 from appliance.engine.sequence import FinishReason, Sequence
 from appliance.engine.slots import POLICIES, Acquired, Slot, SlotManager
-from appliance.errors import (ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
+from appliance.errors import (INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
                               ResourceUnavailable)
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
@@ -297,21 +297,21 @@ class GenerativeModelService(ModelStatus):
     # ---- event-loop helpers --------------------------------------------------------------------------------
     def _validate(self, prompt: Any, max_tokens: Any, temperature: Any) -> None:
         if not isinstance(prompt, str) or not prompt:
-            raise InvalidArgument("Prompt must be a non-empty string", 0, "BadInvalidArgument")
+            raise InvalidArgument("Prompt must be a non-empty string", 0, INVALID)
         try:
             size = len(prompt.encode("utf-8"))
         except UnicodeEncodeError:
-            raise InvalidArgument("Prompt is not valid UTF-8", 0, "BadInvalidArgument") from None
+            raise InvalidArgument("Prompt is not valid UTF-8", 0, INVALID) from None
         if size > MAX_PROMPT_BYTES:
             raise InvalidArgument(f"Prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are allowed", 0,
-                                  "BadOutOfRange")
+                                  OUT_OF_RANGE)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
                 or not 1 <= max_tokens <= self.settings.max_new_tokens:
             raise InvalidArgument(f"MaxTokens must be between 1 and {self.settings.max_new_tokens}", 1,
-                                  "BadOutOfRange")
+                                  OUT_OF_RANGE)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or math.isnan(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise InvalidArgument(f"Temperature must be between 0 and {MAX_TEMPERATURE:g}", 2, "BadOutOfRange")
+            raise InvalidArgument(f"Temperature must be between 0 and {MAX_TEMPERATURE:g}", 2, OUT_OF_RANGE)
 
     def _require_ready(self) -> None:
         if self._stopped or self.state != "Ready" or self._engine is None:

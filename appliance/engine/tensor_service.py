@@ -19,7 +19,7 @@ import numpy as np
 from appliance.engine.batcher import BatchPolicy, DynamicBatcher
 from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
 from appliance.engine.versioning import content_version
-from appliance.errors import ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.errors import OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, EngineFailure, InvalidArgument, NotReady
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 
@@ -143,19 +143,19 @@ class TensorModelService(ModelStatus):
         try:
             flat = np.asarray(flat, dtype=np.float32)  # Double[] is accepted and converted
         except (TypeError, ValueError):
-            raise InvalidArgument("Input must be an array of Float or Double", 0, "BadTypeMismatch") from None
+            raise InvalidArgument("Input must be an array of Float or Double", 0, TYPE_MISMATCH) from None
         if flat.ndim != 1:
-            raise InvalidArgument("Input must be a one-dimensional array", 0, "BadOutOfRange")
+            raise InvalidArgument("Input must be a one-dimensional array", 0, OUT_OF_RANGE)
         sample_len = math.prod(loaded.backend.input_shape)
         if flat.size == 0 or flat.size % sample_len:
             raise InvalidArgument(f"Input length {flat.size} is not a positive multiple of the sample length "
-                                  f"{sample_len}", 0, "BadOutOfRange")
+                                  f"{sample_len}", 0, OUT_OF_RANGE)
         k = flat.size // sample_len
         if k > self.max_samples:
             raise InvalidArgument(f"Input holds {k} samples; at most {self.max_samples} are allowed", 0,
-                                  "BadOutOfRange")
+                                  OUT_OF_RANGE)
         if not np.isfinite(flat).all():
-            raise InvalidArgument("Input holds NaN or Inf", 0, "BadOutOfRange")
+            raise InvalidArgument("Input holds NaN or Inf", 0, OUT_OF_RANGE)
         return flat.reshape((k, *loaded.backend.input_shape))
 
     def _execute(self, batch: np.ndarray) -> tuple[np.ndarray, str]:
