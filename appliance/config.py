@@ -387,6 +387,8 @@ class ServerConfig:
     dns_names: list[str] = setting([], ListOf(text("a DNS name", lambda v: bool(_DNS_NAME.fullmatch(v))),
                                                       "DNS names"))
     ip_addresses: list[str] = setting([], ListOf(Scalar("an IPv4 or IPv6 address", _ip_check), "IP addresses"))
+    # SIGTERM: calls in flight may finish for this long; then they answer BadTimeout
+    drain_timeout_s: float = setting(10.0, number(0, 3600))
 
     def __post_init__(self) -> None:
         if self.application_uri is None:
@@ -484,6 +486,13 @@ class EngineConfig:
     prefill_chunk: int = setting(256, integer(1))
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
     seed: int = setting(0, integer(0, 2**63 - 1))
+    # Worker processes (one per model, or per `worker` group): liveness, memory and restarts.
+    worker_timeout_s: float = setting(5.0, number(0.2, 3600))
+    worker_memory_mb: int = setting(0, integer(0))  # 0: no limit
+    worker_max_restarts: int = setting(5, integer(0, 1000))
+    worker_restart_window_s: float = setting(300.0, number(1, 86400))
+    worker_restart_backoff_s: float = setting(0.25, number(0, 3600))
+    worker_restart_backoff_max_s: float = setting(30.0, number(0, 86400))
 
 
 TENSOR_ONLY = ("max_samples",)
@@ -504,6 +513,9 @@ class ModelConfig:
     max_text_chars: int = setting(1024, integer(1, 16382))  # generative: an S7 WSTRING holds up to 16382
     system_prompt: str | None = setting(None, optional(text("a string", lambda v: True, max_len=16384)))
     top_p: float = setting(0.95, number(0, 1, lo_open=True))
+    # models with the same worker name share one worker process; default: a process of its own
+    worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
+                                                     lambda v: bool(_MODEL_NAME.fullmatch(v)))))
     # filled by the loader, not YAML keys
     name: str = ""
     resolved_path: Path | None = None

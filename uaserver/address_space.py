@@ -50,6 +50,7 @@ class ApplianceNodes:
     root: Node
     values: dict[str, Node] = field(default_factory=dict)  # "State", "Engine/QueueDepth", "Health/..."
     models: dict[str, ModelNodes] = field(default_factory=dict)
+    alarms: dict[str, Node] = field(default_factory=dict)  # Alarms/<name> Booleans
 
 
 class AddressSpaceBuilder:
@@ -65,7 +66,7 @@ class AddressSpaceBuilder:
                                          ua.Variant(value, vtype))
         return node  # read-only: asyncua variables are not writable unless set_writable() is called
 
-    async def build(self, device: str, models: dict, callbacks: dict) -> ApplianceNodes:
+    async def build(self, device: str, models: dict, callbacks: dict, alarms: tuple[str, ...] = ()) -> ApplianceNodes:
         objects = self.server.nodes.objects
         root = await objects.add_object(self.nid("Appliance"), ua.QualifiedName("Appliance", self.ns))
         nodes = ApplianceNodes(root)
@@ -74,19 +75,21 @@ class AddressSpaceBuilder:
         nodes.values["Heartbeat"] = await self.variable(root, "Appliance", "Heartbeat", 0, V.UInt32)
 
         models_obj = await root.add_object(self.nid("Appliance/Models"), ua.QualifiedName("Models", self.ns))
-        for name, svc in models.items():
+        for name, model in models.items():
+            st = model.status()
             path = f"Appliance/Models/{name}"
             obj = await models_obj.add_object(self.nid(path), ua.QualifiedName(name, self.ns))
             m = ModelNodes(obj)
-            for key, value, vtype in (("Kind", svc.kind, V.String), ("Version", "", V.String),
+            for key, value, vtype in (("Kind", st.kind, V.String), ("Version", "", V.String),
                                       ("Backend", "", V.String), ("State", "Loading", V.String),
                                       ("RequestCount", 0, V.UInt64), ("ErrorCount", 0, V.UInt64),
-                                      ("LastLatencyMs", 0.0, V.Double)):
+                                      ("LastLatencyMs", 0.0, V.Double), ("Heartbeat", 0, V.UInt32),
+                                      ("WorkerRestarts", 0, V.UInt32)):
                 m.values[key] = await self.variable(obj, path, key, value, vtype)
-            if svc.kind == "tensor":
+            if st.kind == "tensor":
                 m.values["InputShape"] = await self.variable(obj, path, "InputShape", [], V.UInt32)
                 m.values["OutputShape"] = await self.variable(obj, path, "OutputShape", [], V.UInt32)
-                m.values["MaxSamples"] = await self.variable(obj, path, "MaxSamples", int(svc.max_samples), V.UInt32)
+                m.values["MaxSamples"] = await self.variable(obj, path, "MaxSamples", int(st.max_samples), V.UInt32)
                 await obj.add_method(self.nid(f"{path}/Infer"), ua.QualifiedName("Infer", self.ns),
                                      callbacks[(name, "Infer")], INFER_IN, INFER_OUT)
             else:
@@ -103,6 +106,9 @@ class AddressSpaceBuilder:
         for key, value, vtype in (("WatchdogState", "NoGpu", V.String), ("GpuTemperatureC", 0.0, V.Double),
                                   ("GpuMemoryUsedBytes", 0, V.UInt64), ("GpuEccErrors", 0, V.UInt64)):
             nodes.values[f"Health/{key}"] = await self.variable(health, "Appliance/Health", key, value, vtype)
+        alarms_obj = await root.add_object(self.nid("Appliance/Alarms"), ua.QualifiedName("Alarms", self.ns))
+        for alarm in alarms:
+            nodes.alarms[alarm] = await self.variable(alarms_obj, "Appliance/Alarms", alarm, False, V.Boolean)
         admin = await root.add_object(self.nid("Appliance/Admin"), ua.QualifiedName("Admin", self.ns))
         await admin.add_method(self.nid("Appliance/Admin/ReloadModel"), ua.QualifiedName("ReloadModel", self.ns),
                                callbacks[("", "ReloadModel")], RELOAD_IN, RELOAD_OUT)

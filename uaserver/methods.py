@@ -92,6 +92,8 @@ class MethodHandlers:
         self.max_array_length = max_array_length
         self.max_string_length = max_string_length
         self.request_timeout_s = request_timeout_s
+        self.in_flight = 0  # calls being handled now
+        self.draining = False  # shutting down: new calls answer BadInvalidState
         # Audit records are written in order by one thread: hashing, JSON and the periodic fsync stay off the
         # event loop (at 1 call in flight they overlap the client's round trip instead of adding to it).
         self._audit_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
@@ -105,7 +107,10 @@ class MethodHandlers:
         async def callback(parent: ua.NodeId, *args: ua.Variant):
             ctx = CallContext(session=current_session.get(), method=method, model=model)
             status = "Good"
+            self.in_flight += 1
             try:
+                if self.draining:
+                    raise NotReady("the appliance is shutting down")
                 require_role(ctx.session, role)
                 check_count(args, n_args)
                 result = await body(ctx, args)
@@ -127,6 +132,7 @@ class MethodHandlers:
                 status = "BadInternalError"
                 return status_result(status)
             finally:
+                self.in_flight -= 1
                 self._account(ctx, status)
         return callback
 
@@ -188,7 +194,7 @@ class MethodHandlers:
         return value
 
 
-def require_ready(service) -> None:
-    if service.state != "Ready":
+def require_ready(model) -> None:
+    if model.status().state != "Ready":
         raise NotReady()
 

@@ -77,7 +77,8 @@ class _AsyncuaServer(Server):
 class ApplianceUaServer:
     def __init__(self, config, *, pki, trust_list, user_store, services: dict, metrics=None, audit=None,
                  device: str = "cpu", health: Callable[[], dict] | None = None,
-                 engine_alive: Callable[[], bool] | None = None):
+                 supervision_alive: Callable[[], bool] | None = None,
+                 alarms: Callable[[], dict[str, bool]] | None = None):
         self.config = config
         self.pki = pki
         self.trust_list = trust_list
@@ -88,7 +89,8 @@ class ApplianceUaServer:
         self.device = device
         self.health = health or (lambda: {"WatchdogState": "NoGpu", "GpuTemperatureC": 0.0,
                                           "GpuMemoryUsedBytes": 0, "GpuEccErrors": 0})
-        self.engine_alive = engine_alive or (lambda: True)
+        self.supervision_alive = supervision_alive or (lambda: True)
+        self.alarms = alarms or (lambda: {})
         self.server: _AsyncuaServer | None = None
         self.nodes: ApplianceNodes | None = None
         self.ns = 0
@@ -163,7 +165,7 @@ class ApplianceUaServer:
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
-        self.nodes = await builder.build(self.device, self.services, self._callbacks())
+        self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()))
         self._event_gen = await server.get_event_generator()
         self.server = server
         await server.start()
@@ -202,9 +204,9 @@ class ApplianceUaServer:
         return create_session
 
     def _session_closed(self, session: ApplianceSession) -> None:
-        for svc in self.services.values():
-            if svc.kind == "generative":
-                svc.release(session.key)
+        for model in self.services.values():
+            if model.kind == "generative":
+                model.release(session.key)
 
     # ---- events ----
 
@@ -229,10 +231,12 @@ class ApplianceUaServer:
 
     # ---- values ----
 
-    def appliance_state(self) -> str:
-        states = [svc.state for svc in self.services.values()]
+    def appliance_state(self, statuses: list | None = None) -> str:
+        statuses = statuses if statuses is not None else [m.status() for m in self.services.values()]
+        states = [st.state for st in statuses]
         wd = self.health().get("WatchdogState", "NoGpu")
-        if any(s == "Loading" for s in states) and not any(s == "Ready" for s in states):
+        restarted = any(st.restarting or st.worker_restarts for st in statuses)
+        if not restarted and any(s == "Loading" for s in states) and not any(s == "Ready" for s in states):
             return "Starting"
         if wd == "Critical" or (states and all(s == "Failed" for s in states)):
             return "Fault"
@@ -247,7 +251,7 @@ class ApplianceUaServer:
                 now = time.monotonic()
                 if now - last_beat >= 1.0:
                     last_beat = now
-                    if self.engine_alive():
+                    if self.supervision_alive():
                         self.heartbeat = (self.heartbeat + 1) % 2**32
                 await self.publish_values()
             except asyncio.CancelledError:
@@ -258,25 +262,31 @@ class ApplianceUaServer:
 
     async def publish_values(self) -> None:
         s, n = self.server, self.nodes
-        self.state = self.appliance_state()
+        statuses = [model.status() for model in self.services.values()]
+        self.state = self.appliance_state(statuses)
         await write(s, n.values["State"], self.state, V.String)
         await write(s, n.values["Heartbeat"], self.heartbeat, V.UInt32)
         queue = slots_total = slots_used = 0
-        for name, svc in self.services.items():
-            m = n.models[name]
-            await write(s, m.values["Version"], svc.version or "", V.String)
-            await write(s, m.values["Backend"], svc.backend_name or "", V.String)
-            await write(s, m.values["State"], svc.state, V.String)
-            await write(s, m.values["RequestCount"], int(svc.request_count), V.UInt64)
-            await write(s, m.values["ErrorCount"], int(svc.error_count), V.UInt64)
-            await write(s, m.values["LastLatencyMs"], float(svc.last_latency_ms), V.Double)
-            if svc.kind == "tensor":
-                await write(s, m.values["InputShape"], [int(d) for d in (svc.input_shape or ())], V.UInt32)
-                await write(s, m.values["OutputShape"], [int(d) for d in (svc.output_shape or ())], V.UInt32)
+        for st in statuses:
+            m = n.models[st.name]
+            await write(s, m.values["Version"], st.version, V.String)
+            await write(s, m.values["Backend"], st.backend, V.String)
+            await write(s, m.values["State"], st.state, V.String)
+            await write(s, m.values["RequestCount"], int(st.request_count), V.UInt64)
+            await write(s, m.values["ErrorCount"], int(st.error_count), V.UInt64)
+            await write(s, m.values["LastLatencyMs"], float(st.last_latency_ms), V.Double)
+            await write(s, m.values["Heartbeat"], int(st.heartbeat), V.UInt32)
+            await write(s, m.values["WorkerRestarts"], int(st.worker_restarts) % 2**32, V.UInt32)
+            if st.kind == "tensor":
+                await write(s, m.values["InputShape"], [int(d) for d in st.input_shape], V.UInt32)
+                await write(s, m.values["OutputShape"], [int(d) for d in st.output_shape], V.UInt32)
             else:
-                slots_total += svc.slots_total
-                slots_used += svc.slots_in_use
-            queue += svc.queue_depth
+                slots_total += st.slots_total
+                slots_used += st.slots_in_use
+            queue += st.queue_depth
+        for alarm, active in self.alarms().items():
+            if alarm in n.alarms:
+                await write(s, n.alarms[alarm], bool(active), V.Boolean)
         await write(s, n.values["Engine/QueueDepth"], queue, V.UInt32)
         await write(s, n.values["Engine/SlotsTotal"], slots_total, V.UInt32)
         await write(s, n.values["Engine/SlotsInUse"], slots_used, V.UInt32)
@@ -306,10 +316,10 @@ class ApplianceUaServer:
             samples = self.handlers.float_array(args[0], 0)
             ctx.input_digest = digest(samples)
             require_ready(svc)
-            out, version = await svc.infer(samples, self.handlers.deadline())
-            ctx.version = version
-            ctx.output_digest = digest(out)
-            return [ua.Variant([float(x) for x in out], V.Float), ua.Variant(version, V.String)]
+            r = await svc.infer(samples, self.handlers.deadline())
+            ctx.version = r.model_version
+            ctx.output_digest = digest(r.output)
+            return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
         return body
 
     def _generate_body(self, svc):

@@ -28,43 +28,15 @@ from appliance.engine.sequence import FinishReason, Sequence
 from appliance.engine.slots import POLICIES, Acquired, Slot, SlotManager
 from appliance.errors import (INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
                               ResourceUnavailable)
+from appliance.engine.liveness import Liveness
+from appliance.engine.llm_settings import DTYPES, MAX_PROMPT_BYTES, MAX_TEMPERATURE, MEMORY_HEADROOM, GenerativeSettings
+from appliance.model_port import GenerateResult
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
-MAX_PROMPT_BYTES = 16 * 1024
-MAX_TEMPERATURE = 2.0
-MEMORY_HEADROOM = 0.8  # the KV cache may take at most this share of the memory available at load
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 IDLE_POLL_S = 0.02  # how often a blocked engine re-checks queued requests' deadlines
-
-
-@dataclass
-class GenerateResult:
-    text: str
-    token_count: int  # tokens of the reply (an end-of-sequence token is not counted)
-    finish_reason: str  # stop | length | context_full
-    context_tokens: int  # every token the session's slot holds after this turn, template tokens included
-    context_lost: bool
-    model_version: str
-
-
-@dataclass
-class GenerativeSettings:
-    kv_slots: int = 4
-    max_seq_len: int = 2048
-    max_new_tokens: int = 512
-    slot_policy: str = "evict_lru"  # evict_lru | reject
-    prefill_chunk: int = 256
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    seed: int = 0
-    max_text_chars: int = 1024
-    system_prompt: str | None = None
-    top_p: float = 0.95
-    max_queue_size: int = 64
 
 
 @dataclass
@@ -138,9 +110,11 @@ class GenerativeModelService(ModelStatus):
     kind = "generative"
 
     def __init__(self, name: str, path: Path, settings: GenerativeSettings, *, version_label: str | None = None,
-                 metrics: Metrics | None = None, on_event: Callable[[str, str], None] | None = None):
+                 metrics: Metrics | None = None, on_event: Callable[[str, str], None] | None = None,
+                 liveness: Liveness | None = None):
         super().__init__(name, path, version_label=version_label, metrics=metrics, on_event=on_event)
         self.settings = settings
+        self.liveness = liveness or Liveness()
         self._engine: _Engine | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -426,19 +400,18 @@ class GenerativeModelService(ModelStatus):
         self._drain_commands(block=not sched.has_work and self._pending_swap is None)
         if self._exit:
             return
-        if self._pending_swap is not None and not sched.running:
-            self._swap()
-        plan = sched.schedule()
-        for seq, error in plan.failed:
-            self._answer(seq, error=error)
-        self._running = len(sched.running)
-        if plan.empty:
-            if sched.has_work or self._pending_swap is not None:
-                self._drain_commands(block=True, timeout=IDLE_POLL_S)
-            self._publish_slots()
-            return
-        self._step(plan)
-        self._running = len(sched.running)
+        with self.liveness.busy():  # scheduling tokenizes prompts: a template stuck in a loop counts too
+            if self._pending_swap is not None and not sched.running:
+                self._swap()
+            plan = sched.schedule()
+            for seq, error in plan.failed:
+                self._answer(seq, error=error)
+            self._running = len(sched.running)
+            if not plan.empty:
+                self._step(plan)
+                self._running = len(sched.running)
+        if plan.empty and (sched.has_work or self._pending_swap is not None):
+            self._drain_commands(block=True, timeout=IDLE_POLL_S)
         self._publish_slots()
 
     def _step(self, plan: StepPlan) -> None:

@@ -20,6 +20,7 @@ from appliance.engine.batcher import BatchPolicy, DynamicBatcher
 from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
 from appliance.engine.versioning import content_version
 from appliance.errors import OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.engine.liveness import Liveness
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 
@@ -37,8 +38,9 @@ class TensorModelService(ModelStatus):
 
     def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
                  max_samples: int, policy: BatchPolicy, metrics: Metrics | None,
-                 on_event: Callable[[str, str], None] | None = None):
+                 on_event: Callable[[str, str], None] | None = None, liveness: Liveness | None = None):
         super().__init__(name, path, version_label=version_label, metrics=metrics, on_event=on_event)
+        self.liveness = liveness or Liveness()
         self.backend_choice = backend
         self.device = device
         self.threads = threads
@@ -160,7 +162,8 @@ class TensorModelService(ModelStatus):
 
     def _execute(self, batch: np.ndarray) -> tuple[np.ndarray, str]:
         loaded = self._loaded  # read once per batch: a reload during the run does not touch this batch
-        return loaded.backend.run(batch), loaded.version
+        with self.liveness.busy():
+            return loaded.backend.run(batch), loaded.version
 
     # ---- helpers ----
 
