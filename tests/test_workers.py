@@ -92,7 +92,7 @@ def test_hung_forward_pass_is_answered_and_the_worker_replaced(app):
             answered = time.monotonic() - started
             assert status_name(r) == "BadInternalError"
             # killed once its forward pass ran longer than worker_timeout_s; the caller hears at once
-            assert TIMEOUT_S <= answered <= TIMEOUT_S + 2.0, answered
+            assert TIMEOUT_S - 0.5 <= answered <= TIMEOUT_S + 2.0, answered  # last healthy answer + timeout
             # the other model and the appliance never stopped
             r = await call(c, "affine", "Infer", [floats([1, 1, 1, 1])])
             assert status_name(r) == "Good"

@@ -208,3 +208,17 @@ def test_soak_with_worker_kills_and_reloads(app):
     serve_rss1, serve_fds1 = after["serve"]
     assert serve_rss1 - serve_rss0 < 80, (serve_rss0, serve_rss1)  # MB, bound stated in the README
     assert serve_fds1 - serve_fds0 < 20, (serve_fds0, serve_fds1)
+
+
+def test_a_session_whose_worker_died_sees_context_lost_once(app):
+    async def go():
+        async with session(app, *app.operator) as c:
+            r = await call(c, "chat", "Generate", gen_args("Remember valve 7"))
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is False
+            _, at = kill_worker(app, "chat")
+            await answers_again(app, "chat", at)
+            r = await call(c, "chat", "Generate", gen_args("Which valve?"))
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is True  # ContextLost
+            r = await call(c, "chat", "Generate", gen_args("And now?"))
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is False
+    run(go())

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,33 @@ def require_role(session: ApplianceSession | None, needed: str) -> None:
         raise AccessDenied()
 
 
+class _AuditWriter:
+    """Writes audit records in call order on one thread, off the event loop. A plain queue rather than an executor:
+    no future per call, and one wake-up drains every record queued meanwhile (profiled: the executor's submit and
+    wake-ups were 20% of the serve process's CPU at 16 clients)."""
+
+    def __init__(self, audit):
+        self._audit = audit
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="audit", daemon=True)
+        self._thread.start()
+
+    def put(self, fields: dict) -> None:
+        self._queue.put(fields)
+
+    def close(self) -> None:
+        """Write what is queued, then stop."""
+        self._queue.put(None)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        while True:
+            fields = self._queue.get()
+            if fields is None:
+                return
+            self._audit.record(**fields)
+
+
 class MethodHandlers:
     """One instance per server; `wrap` turns an async body into an asyncua method callback."""
 
@@ -96,11 +124,12 @@ class MethodHandlers:
         self.draining = False  # shutting down: new calls answer BadInvalidState
         # Audit records are written in order by one thread: hashing, JSON and the periodic fsync stay off the
         # event loop (at 1 call in flight they overlap the client's round trip instead of adding to it).
-        self._audit_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="audit")
+        self._audit_writer = _AuditWriter(audit) if audit is not None else None
 
     def close(self) -> None:
         """Write what is queued; called once the server stopped taking calls."""
-        self._audit_writer.shutdown(wait=True)
+        if self._audit_writer is not None:
+            self._audit_writer.close()
 
     def wrap(self, method: str, model: str, role: str, n_args: int,
              body: Callable[[CallContext, tuple], Any]) -> Callable:
@@ -143,11 +172,11 @@ class MethodHandlers:
             self.metrics.request_duration.labels(ctx.model, ctx.method).observe(elapsed)
         if self.audit is not None:
             s = ctx.session
-            self._audit_writer.submit(
-                self.audit.record, action=ctx.method, session=s.key if s else "",
+            self._audit_writer.put(dict(
+                action=ctx.method, session=s.key if s else "",
                 client=s.client_thumbprint if s else "", user=s.identity if s else "", role=(s.role or "") if s else "", model=ctx.model,
                 version=ctx.version, input_digest=ctx.input_digest, output_digest=ctx.output_digest,
-                status=status, latency_ms=round(elapsed * 1000, 3))
+                status=status, latency_ms=round(elapsed * 1000, 3)))
 
     def deadline(self) -> float:
         return time.monotonic() + self.request_timeout_s

@@ -38,7 +38,8 @@ class TensorModelService(ModelStatus):
 
     def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
                  max_samples: int, policy: BatchPolicy, metrics: Metrics | None,
-                 on_event: Callable[[str, str], None] | None = None, liveness: Liveness | None = None):
+                 on_event: Callable[[str, str], None] | None = None, liveness: Liveness | None = None,
+                 inline: bool = False):
         super().__init__(name, path, version_label=version_label, metrics=metrics, on_event=on_event)
         self.liveness = liveness or Liveness()
         self.backend_choice = backend
@@ -47,9 +48,11 @@ class TensorModelService(ModelStatus):
         self.max_samples = max_samples
         self.policy = policy
         self._loaded: _Loaded | None = None
-        # One inference thread per model: the batcher runs one batch at a time; loads use other threads.
+        # One inference thread per model: the batcher runs one batch at a time; loads use other threads. `inline`
+        # (in a worker process of its own): a lone request of a fast model runs on the worker's loop; a batch that
+        # hangs there is seen the same way, as liveness checks left unanswered.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
-        self._batcher = DynamicBatcher(name, policy, self._execute, metrics, self._executor)
+        self._batcher = DynamicBatcher(name, policy, self._execute, metrics, self._executor, inline_fast_path=inline)
 
     # ---- what the address space shows ----
 

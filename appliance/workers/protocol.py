@@ -157,6 +157,7 @@ class Channel:
         self._writer = writer
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(incoming)
+        self._outbox: list[bytes] = []
 
     @classmethod
     async def open(cls, sock, incoming: type) -> "Channel":
@@ -164,13 +165,24 @@ class Channel:
         return cls(reader, writer, incoming)
 
     def send(self, message: _Msg) -> None:
-        """Queue a message; the transport writes it at once when the socket takes it."""
+        """Queue a message; the messages of one loop turn leave in one write at its end (profiled: a socket write
+        per message was a third of the serve process's CPU at 16 clients; a turn often answers several calls)."""
         if self._writer.is_closing():
             raise ConnectionResetError("the worker connection is closed")
         body = self._encoder.encode(message)
-        self._writer.write(_LENGTH.pack(len(body)) + body)
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(_LENGTH.pack(len(body)))
+        self._outbox.append(body)
+
+    def _flush(self) -> None:
+        data, self._outbox = b"".join(self._outbox), []
+        if not self._writer.is_closing():
+            self._writer.write(data)
 
     async def drain(self) -> None:
+        if self._outbox:
+            self._flush()
         await self._writer.drain()
 
     async def receive(self):

@@ -37,8 +37,10 @@ MEMORY_EXIT = 75  # exit status: the worker exceeded its memory limit
 PR_SET_PDEATHSIG = 1
 
 
-def build_service(spec: p.ModelSpec, *, threads: int, metrics, liveness: Liveness, on_event):
-    """The engine service of one model, from the settings the serve process sent."""
+def build_service(spec: p.ModelSpec, *, threads: int, metrics, liveness: Liveness, on_event,
+                  inline_batches: bool = True):
+    """The engine service of one model, from the settings the serve process sent. Tensor batches run on the
+    worker's loop unless the worker also hosts a generative model (whose engine thread the loop must feed)."""
     s = dict(spec.settings)
     if spec.kind == "tensor":
         from appliance.engine.batcher import BatchPolicy
@@ -47,7 +49,8 @@ def build_service(spec: p.ModelSpec, *, threads: int, metrics, liveness: Livenes
                              max_queue_size=s["max_queue_size"])
         return TensorModelService(spec.name, Path(spec.path), backend=s["backend"], device=s["device"],
                                   threads=threads, version_label=spec.version_label, max_samples=s["max_samples"],
-                                  policy=policy, metrics=metrics, on_event=on_event, liveness=liveness)
+                                  policy=policy, metrics=metrics, on_event=on_event, liveness=liveness,
+                                  inline=inline_batches)
     from appliance.engine.llm_settings import GenerativeSettings
     from appliance.engine.llm_service import GenerativeModelService
     settings = GenerativeSettings(**{**s, "threads": threads})
@@ -75,9 +78,11 @@ class WorkerHost:
         self.liveness = Liveness()
         self.metrics = EngineMetrics()
         self.services = {}
+        inline = all(spec.kind == "tensor" for spec in start.models)
         for spec in start.models:
             self.services[spec.name] = build_service(spec, threads=start.threads, metrics=self.metrics,
-                                                     liveness=self.liveness, on_event=self._event_sender(spec.name))
+                                                     liveness=self.liveness, on_event=self._event_sender(spec.name),
+                                                     inline_batches=inline)
         self._calls: dict[int, asyncio.Task] = {}
         self._stopping = False
 
