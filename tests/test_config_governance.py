@@ -112,5 +112,5 @@ def test_rate_limits_per_role_and_per_client_default_to_none_and_are_checked():
         "t.yaml:3: security.rate_limits.operator.burst: missing required key 'burst': expected an integer in "
         "[1, 1000000]",
         "t.yaml:3: security.rate_limits.operator.calls_per_s: expected a number in (0, 1000000], got -1",
-        "t.yaml:4: security.rate_limits: unknown key 'admin' in security.rate_limits; valid keys: monitor, "
+        "t.yaml:4: security.rate_limits.admin: unknown key 'admin' in security.rate_limits; valid keys: monitor, "
         "operator, engineer, per_client"]
