@@ -1,4 +1,4 @@
-"""The `appliance` command line: serve, check-config, certs, users, call, audit.
+"""The `appliance` command line: serve, check-config, certs, users, call, audit, plc-types, models.
 
 Every failure ends with a clear message on stderr and exit status 2; nothing prints a stack trace.
 """
@@ -118,6 +118,23 @@ def cmd_audit(args) -> int:
     if not codes:
         return _fail(f"no audit log at {main_log}")
     return max(codes)
+
+
+def cmd_plc_types(args) -> int:
+    from .plc_types import PlcTypesError, write_plc_types
+    config = load_config_arg(args.config)
+    model = config.models.get(args.model)
+    if model is None:
+        return _fail(f"no model '{args.model}' in {config.source}; models: {', '.join(config.models)}")
+    try:
+        text, target = write_plc_types(model, args.format, Path(args.out) if args.out else None)
+    except (PlcTypesError, OSError) as e:
+        return _fail(str(e))
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        print(f"wrote {target}")
+    return 0
 
 
 def parse_floats(text: str) -> list[float]:
@@ -292,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--timeout", type=float, default=30.0)
     s.set_defaults(func=cmd_call)
+
+    s = sub.add_parser("plc-types", help="PLC data types for a model's methods: TIA Portal SCL or PLCopen XML")
+    s.add_argument("model")
+    s.add_argument("--format", required=True, choices=["scl", "plcopenxml"])
+    s.add_argument("--out", help="folder for MODEL.scl / MODEL.xml (default: standard output)")
+    s.add_argument("--config")
+    s.set_defaults(func=cmd_plc_types)
 
     a = sub.add_parser("audit", help="the audit trail")
     asub = a.add_subparsers(dest="audit_action", required=True)
