@@ -554,9 +554,10 @@ class EngineConfig:
 class DriftConfig:
     """Online drift detection of a tensor model's inputs and predictions (appliance/drift.py)."""
 
-    window: int = setting(200, integer(10, 1_000_000))  # samples compared with the reference at a time
-    test: str = setting("psi", choice("psi", "ks"))  # per-feature statistic against the reference
-    threshold: float = setting(0.25, number(0, None, lo_open=True))  # score above which State is Drifting
+    window: int = setting(100, integer(10, 1_000_000))  # samples compared with the reference at a time
+    test: str = setting("ks", choice("psi", "ks"))  # per-feature statistic against the reference
+    # score (per-feature statistic / its natural level between runs of the reference data) above which: Drifting
+    threshold: float = setting(2.0, number(0, None, lo_open=True))
     adwin_delta: float = setting(0.002, number(0, 1, lo_open=True))  # ADWIN confidence over the confidence stream
     reference: str | None = setting(None, optional(text("a file name")))  # null: <model>.drift.json beside it
 

@@ -36,7 +36,7 @@ def test_the_demo_classifier_has_its_22_labels_every_fault_as_an_alarm_class_and
     assert len(model.labels) == 22 and model.labels[0] == "normal"
     assert model.labels[1].startswith("IDV1 ") and model.labels[21].startswith("IDV21 ")
     assert model.alarm_class_indices == list(range(1, 22)) and model.alarm_confidence == 0.5
-    assert model.drift.window == 200 and model.drift.test == "psi"
+    assert model.drift.window == 100 and model.drift.test == "ks" and model.drift.threshold == 2.0
     assert model.drift_reference_path == ONNX_PATH.with_name("te_classifier.drift.json")
 
 
