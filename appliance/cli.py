@@ -1,4 +1,4 @@
-"""The `appliance` command line: serve, check-config, certs, users, call, audit.
+"""The `appliance` command line: serve, check-config, certs, users, call, audit, plc-types, models.
 
 Every failure ends with a clear message on stderr and exit status 2; nothing prints a stack trace.
 """
@@ -118,6 +118,58 @@ def cmd_audit(args) -> int:
     if not codes:
         return _fail(f"no audit log at {main_log}")
     return max(codes)
+
+
+def cmd_plc_types(args) -> int:
+    from .plc_types import PlcTypesError, write_plc_types
+    config = load_config_arg(args.config)
+    model = config.models.get(args.model)
+    if model is None:
+        return _fail(f"no model '{args.model}' in {config.source}; models: {', '.join(config.models)}")
+    try:
+        text, target = write_plc_types(model, args.format, Path(args.out) if args.out else None)
+    except (PlcTypesError, OSError) as e:
+        return _fail(str(e))
+    if target is None:
+        sys.stdout.write(text)
+    else:
+        print(f"wrote {target}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .model_store import ModelStore, ModelStoreError, request_reload
+    config = load_config_arg(args.config)
+    store = ModelStore(Path(config.server.state_dir))
+    action = args.models_action
+    try:
+        if action == "list":
+            names = [args.name] if args.name else sorted(set(store.names()) | set(config.models))
+            for name in names:
+                versions = store.versions(name)
+                print(f"{name}: " + ("no version deployed" if not versions else f"{len(versions)} version(s)"))
+                for v in reversed(versions):  # newest first
+                    mark = "* serving" if v.serving else ("  previous" if v.previous else "")
+                    print(f"  {v.version:24s} sha256:{v.digest[:16]}  {v.deployed_at}  {mark}".rstrip())
+            return 0
+        if args.name not in config.models:
+            return _fail(f"no model '{args.name}' in {config.source}; models: {', '.join(config.models)}")
+        if action == "deploy":
+            keep = config.models[args.name].keep_versions
+            version = store.deploy(args.name, Path(args.dir), args.version, keep=keep)
+            detail = f"{args.name} {version} from {Path(args.dir).resolve()}"
+        else:
+            version = store.rollback(args.name)
+            detail = f"{args.name} {version}"
+    except (ModelStoreError, OSError) as e:
+        if action != "list":
+            audit_admin(config, f"models {action}", f"{getattr(args, 'name', '')}: {e}", 2)
+        return _fail(str(e))
+    audit_admin(config, f"models {action}", detail, 0)
+    print(f"{args.name}: version {version} serves from {store.model_dir(args.name) / 'current'}")
+    reload = request_reload(config, args.name)
+    print(("reloaded: " if reload.done else "not reloaded: ") + reload.message)
+    return 0
 
 
 def parse_floats(text: str) -> list[float]:
@@ -292,6 +344,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--timeout", type=float, default=30.0)
     s.set_defaults(func=cmd_call)
+
+    m = sub.add_parser("models", help="model versions on disk: list, deploy, rollback")
+    msub = m.add_subparsers(dest="models_action", required=True)
+    x = msub.add_parser("list", help="versions, digests and which serves")
+    x.add_argument("name", nargs="?")
+    x = msub.add_parser("deploy", help="copy DIR in as a new version of NAME and make it serve")
+    x.add_argument("name")
+    x.add_argument("dir")
+    x.add_argument("--version", help="version label (default: the first 12 hex digits of the content digest)")
+    x = msub.add_parser("rollback", help="make the previous version serve again")
+    x.add_argument("name")
+    for action_parser in msub.choices.values():
+        action_parser.add_argument("--config")
+    m.set_defaults(func=cmd_models)
+
+    s = sub.add_parser("plc-types", help="PLC data types for a model's methods: TIA Portal SCL or PLCopen XML")
+    s.add_argument("model")
+    s.add_argument("--format", required=True, choices=["scl", "plcopenxml"])
+    s.add_argument("--out", help="folder for MODEL.scl / MODEL.xml (default: standard output)")
+    s.add_argument("--config")
+    s.set_defaults(func=cmd_plc_types)
 
     a = sub.add_parser("audit", help="the audit trail")
     asub = a.add_subparsers(dest="audit_action", required=True)

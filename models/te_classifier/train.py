@@ -2,7 +2,7 @@
 
     python -m models.te_classifier.train [--out DIR] [--seed N] [--threads N]
 
-Writes te_classifier.onnx, te_classifier.pt (TorchScript) and metrics.json into --out (default: this package) and
+Writes te_classifier.onnx, te_classifier.pt (TorchScript), metrics.json and te_classifier.drift.json into --out (default: this package) and
 prints the evaluation. Fitting uses the dNN.dat training files only; the held-out dNN_te.dat files give the reported
 metrics and are never used to fit or tune anything.
 """
@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                               "fault; windows straddling row 160 are dropped",
     })
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    from models.te_classifier.drift_reference import write_drift_reference  # the drift reference of this graph
+    write_drift_reference(onnx_path, args.out)
     print(f"trained in {train_s:.1f} s on {fit_info['train_windows']} windows; normal bias {fit_info['normal_bias']};"
           f" export max abs diff {max_diff:.1e}")
     print(f"test accuracy {metrics['accuracy']:.3f} (without 3/9/15: {metrics['accuracy_without_faults_3_9_15']:.3f})"

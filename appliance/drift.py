@@ -1,0 +1,355 @@
+"""Drift of a tensor model's inputs and predictions away from its reference data: engine-independent.
+
+Reference statistics are a JSON file beside the model (`<model>.drift.json`, made by `build_reference` from the data
+the model was trained on): per-feature bin edges with the reference proportions (for PSI) and quantiles (for a KS
+distance), and the distribution of predicted classes and confidences on the reference data.
+
+Online, `DriftDetector.update(inputs, probabilities)` takes each Infer call's samples and keeps the last `window` of
+them. Per feature it compares the window with the reference, by the population stability index (PSI, the usual
+measure in credit and process monitoring: < 0.1 stable, 0.1-0.25 a shift, > 0.25 a large shift) or by the
+Kolmogorov-Smirnov distance to the reference distribution. The score is the largest feature's value and names that
+feature. Beside it, ADWIN (Bifet & Gavaldà 2007; a small implementation of its own here, because `river` pulls pandas
+and scipy for one class) watches the stream of predicted confidences for a change in its mean. State is
+Drifting while the score exceeds the threshold or ADWIN saw a change within the last window, else Ok; NoReference
+without a reference file. numpy only; runs on the event loop (no threads, no locks).
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+REFERENCE_FORMAT = "appliance-drift-reference/1"
+PSI_BINS = 10  # deciles of the reference data
+QUANTILES = 101  # 0, 1, ..., 100 %
+PSI_FLOOR = 1e-4  # proportions are floored so an empty bin gives a large, finite PSI
+# Lowest natural level per test: PSI 0.1 is the textbook "no shift"; KS 0.1 is about its 5 % critical value at 200
+NATURAL_FLOOR = {"psi": 0.1, "ks": 0.1}
+# Natural level across other runs: this quantile of their per-feature scores (robust to the quarter of runs in which
+# a fault moves that variable)
+RUN_QUANTILE = 0.75
+
+
+class DriftReferenceError(ValueError):
+    """A reference file that cannot be used; the message names the file and what is wrong."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reference statistics
+
+
+def sample_features(inputs: np.ndarray, sample_shape: list[int]) -> np.ndarray:
+    """(k, F) feature values of k samples: for a 2-D sample (time x variables, e.g. the TE window [20, 52]) the
+    newest row, so that successive windows of one process contribute each process sample once; else the sample
+    flattened."""
+    x = np.asarray(inputs, dtype=np.float64).reshape(-1, *sample_shape)
+    return x[:, -1, :] if len(sample_shape) == 2 else x.reshape(len(x), -1)
+
+
+def distribution_stats(features: np.ndarray) -> dict:
+    """Per-feature PSI bin edges (reference deciles) with the reference proportions, and quantiles (for KS)."""
+    features = np.asarray(features, dtype=np.float64)
+    edges, proportions = [], []
+    for column in features.T:
+        inner = _midpoint_edges(column, np.quantile(column, np.linspace(0, 1, PSI_BINS + 1)[1:-1]))
+        counts = np.bincount(np.searchsorted(inner, column, side="right"), minlength=len(inner) + 1)
+        edges.append(inner.tolist())
+        proportions.append((counts / counts.sum()).tolist())
+    return {"psi_edges": edges, "psi_proportions": proportions,
+            "quantiles": np.quantile(features, np.linspace(0, 1, QUANTILES), axis=0).T.tolist()}
+
+
+def _midpoint_edges(column: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """Bin edges halfway between the data values around each cut: process values are often quantized (TE's
+    reactor temperature moves in steps of 0.01), and an edge equal to a value would bin it by float rounding."""
+    values = np.unique(column)
+    above = np.searchsorted(values, cuts, side="right")
+    inside = above < len(values)
+    edges = cuts.copy()
+    edges[inside] = (values[above[inside] - 1] + values[above[inside]]) / 2
+    return np.unique(edges)
+
+
+def natural_levels(features: np.ndarray, window: int, other_runs: list[np.ndarray] = ()) -> dict[str, list[float]]:
+    """How far one stretch of the reference data is from another, per feature and test: each half of the data is
+    scored (its last `window` samples) against statistics of the other half, and the larger score is kept. Process
+    variables wander slowly, so two stretches of normal operation differ far more than PSI's textbook thresholds
+    assume (on the TE file d00.dat, XMV(9) scores a PSI of 3.6 between its halves); scores are divided by these
+    levels, floored at NATURAL_FLOOR."""
+    features = np.asarray(features, dtype=np.float64)
+    half = len(features) // 2
+    if half < 10:
+        raise ValueError(f"at least 20 reference samples are needed, got {len(features)}")
+    levels = {test: np.zeros(features.shape[1]) for test in ("psi", "ks")}
+    for ref_part, other in ((features[:half], features[half:]), (features[half:], features[:half])):
+        stats = distribution_stats(ref_part)
+        tail = other[-min(window, len(other)):]
+        for test in levels:
+            scorer = FeatureWindow(stats, len(tail), test)
+            for row in tail:
+                scorer.add(row)
+            levels[test] = np.maximum(levels[test], scorer.scores())
+    if other_runs:
+        stats = distribution_stats(features)
+        for test in levels:
+            per_run = []
+            for run in other_runs:
+                tail = np.asarray(run, dtype=np.float64)[-window:]
+                scorer = FeatureWindow(stats, len(tail), test)
+                for row in tail:
+                    scorer.add(row)
+                per_run.append(scorer.scores())
+            levels[test] = np.maximum(levels[test], np.quantile(per_run, RUN_QUANTILE, axis=0))
+    return {test: np.maximum(level, NATURAL_FLOOR[test]).tolist() for test, level in levels.items()}
+
+
+def build_reference(features: np.ndarray, feature_names: list[str], probabilities: np.ndarray,
+                    sample_shape: list[int], model_file: Path | None = None,
+                    class_counts: list[int] | None = None, source: str = "", window: int = 100,
+                    other_runs: list[np.ndarray] = ()) -> dict:
+    """The reference statistics of one model from its reference data: `features` (n, F) as `sample_features` gives
+    them, the model's `probabilities` (n, C) on the same samples, and optionally the training label counts.
+    `window`: the detector window the natural levels are measured for (the YAML's default)."""
+    features = np.asarray(features, dtype=np.float64)
+    probabilities = np.asarray(probabilities, dtype=np.float64)
+    if features.ndim != 2 or features.shape[1] != len(feature_names) or len(features) != len(probabilities):
+        raise ValueError("features must be (n, len(feature_names)) and probabilities (n, classes)")
+    predicted = probabilities.argmax(axis=1)
+    confidence = probabilities.max(axis=1)
+    n_classes = probabilities.shape[1]
+    reference = {
+        "format": REFERENCE_FORMAT,
+        "source": source,
+        "samples": int(len(features)),
+        "sample_shape": list(sample_shape),
+        "feature_rule": "newest row of each sample" if len(sample_shape) == 2 else "sample flattened",
+        "features": list(feature_names),
+        **distribution_stats(features),
+        "natural_window": window,
+        "natural_levels": natural_levels(features, window, other_runs),
+        "predicted_class_distribution": (np.bincount(predicted, minlength=n_classes) / len(predicted)).tolist(),
+        "confidence_mean": float(confidence.mean()),
+        "confidence_quantiles": np.quantile(confidence, [0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99]).tolist(),
+    }
+    if class_counts is not None:
+        reference["training_class_distribution"] = (np.asarray(class_counts) / np.sum(class_counts)).tolist()
+    if model_file is not None:
+        reference["model_file"] = Path(model_file).name
+        reference["model_sha256"] = hashlib.sha256(Path(model_file).read_bytes()).hexdigest()
+    return reference
+
+
+def write_reference(reference: dict, path: Path) -> None:
+    """Compact JSON with rounded floats: a reviewable, stable file."""
+    def rounded(v):
+        if isinstance(v, float):
+            return float(f"{v:.7g}")
+        if isinstance(v, list):
+            return [rounded(x) for x in v]
+        if isinstance(v, dict):
+            return {k: rounded(x) for k, x in v.items()}
+        return v
+    path.write_text(json.dumps(rounded(reference), separators=(",", ":")) + "\n", encoding="utf-8")
+
+
+def load_reference(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DriftReferenceError(f"{path}: cannot read the drift reference ({type(e).__name__})") from None
+    if not isinstance(data, dict) or data.get("format") != REFERENCE_FORMAT:
+        raise DriftReferenceError(f"{path}: not a drift reference file (format {REFERENCE_FORMAT!r} expected)")
+    n = len(data.get("features", []))
+    lists = [data.get(k, []) for k in ("psi_edges", "psi_proportions", "quantiles")]
+    lists += [data.get("natural_levels", {}).get(t, []) for t in ("psi", "ks")]
+    if not n or any(len(x) != n for x in lists):
+        raise DriftReferenceError(f"{path}: features, psi_edges, psi_proportions, quantiles and natural_levels "
+                                  "differ in length")
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ADWIN
+
+
+class Adwin:
+    """ADWIN (ADaptive WINdowing, Bifet & Gavaldà 2007) over values in [0, 1]: keeps the longest recent window
+    whose two parts' means do not differ by more than the bound for confidence `delta`; when they do, the older
+    part is dropped and `update` answers True (a change). Exact version over a bounded window (`max_len`), every
+    split checked with prefix sums: O(max_len) numpy work per value, about 20 µs at 1000 values."""
+
+    def __init__(self, delta: float = 0.002, max_len: int = 1000, min_part: int = 5, clock: int = 1):
+        self.delta, self.max_len, self.min_part, self.clock = delta, max_len, min_part, clock
+        self.values: list[float] = []
+        self.seen = 0
+
+    def update(self, value: float) -> bool:
+        self.values.append(float(value))
+        if len(self.values) > self.max_len:
+            del self.values[0]
+        self.seen += 1
+        if self.seen % self.clock or len(self.values) < 2 * self.min_part:
+            return False
+        changed = False
+        while len(self.values) >= 2 * self.min_part:
+            cut = self._cut()
+            if cut is None:
+                break
+            del self.values[:cut]
+            changed = True
+        return changed
+
+    def _cut(self) -> int | None:
+        x = np.asarray(self.values)
+        n = len(x)
+        variance = float(x.var())
+        prefix = np.cumsum(x)
+        n0 = np.arange(self.min_part, n - self.min_part + 1)
+        n1 = n - n0
+        mean0 = prefix[n0 - 1] / n0
+        mean1 = (prefix[-1] - prefix[n0 - 1]) / n1
+        m = 1.0 / (1.0 / n0 + 1.0 / n1)
+        log_term = math.log(2.0 * math.log(n) / self.delta) if n > 1 else 0.0
+        bound = np.sqrt(2.0 / m * variance * log_term) + 2.0 / (3.0 * m) * log_term
+        over = np.nonzero(np.abs(mean0 - mean1) > bound)[0]
+        return int(n0[over[-1]]) if len(over) else None
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.values)) if self.values else 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The online detector
+
+
+@dataclass(frozen=True)
+class DriftStatus:
+    """What the address space shows under Models/<name>/Drift (CONTRACT.md)."""
+
+    state: str  # Ok | Drifting | NoReference
+    score: float  # 0 = like the reference data
+    feature: str  # the input that drifts most ("" when none, "prediction confidence" when only ADWIN fired)
+    since: datetime.datetime | None  # when State became Drifting
+
+
+def psi(proportions: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Population stability index per row: sum over bins of (p - q) ln(p / q), proportions floored at PSI_FLOOR."""
+    p = np.maximum(proportions, PSI_FLOOR)
+    q = np.maximum(reference, PSI_FLOOR)
+    return ((p - q) * np.log(p / q)).sum(axis=-1)
+
+
+class FeatureWindow:
+    """The last `window` feature rows and their per-feature PSI or KS score against reference statistics."""
+
+    def __init__(self, stats: dict, window: int, test: str):
+        self.window, self.test = window, test
+        self._edges = [np.asarray(e) for e in stats["psi_edges"]]
+        n_features = len(self._edges)
+        width = max(len(e) for e in self._edges) + 1
+        self._ref_props = np.zeros((n_features, width))
+        for i, props in enumerate(stats["psi_proportions"]):
+            self._ref_props[i, :len(props)] = props
+        self._quantiles = np.asarray(stats["quantiles"])  # (F, QUANTILES)
+        self._values = np.zeros((window, n_features))
+        self._bins = np.zeros((window, n_features), dtype=np.int64)
+        self._counts = np.zeros((n_features, width), dtype=np.int64)
+        self._rows = np.arange(n_features)
+        self.filled = 0
+        self._next = 0
+
+    def add(self, row: np.ndarray) -> None:
+        slot = self._next
+        if self.filled == self.window:  # the oldest sample leaves the window
+            self._counts[self._rows, self._bins[slot]] -= 1
+        bins = np.array([np.searchsorted(e, v, side="right") for e, v in zip(self._edges, row)])
+        self._values[slot], self._bins[slot] = row, bins
+        self._counts[self._rows, bins] += 1
+        self._next = (slot + 1) % self.window
+        self.filled = min(self.filled + 1, self.window)
+
+    def scores(self) -> np.ndarray:
+        """Per-feature PSI or KS distance of the samples held against the reference."""
+        if self.test == "psi":
+            return psi(self._counts / max(self.filled, 1), self._ref_props)
+        values = np.sort(self._values[:self.filled], axis=0)
+        n = len(values)
+        levels = np.linspace(0, 1, self._quantiles.shape[1])
+        upper = np.arange(1, n + 1) / n
+        scores = np.empty(len(self._quantiles))
+        for i, q in enumerate(self._quantiles):
+            # the reference CDF interpolated from its quantiles, compared on both sides of each step of the window's
+            ref_cdf = np.interp(values[:, i], q, levels, left=0.0, right=1.0)
+            scores[i] = max(np.max(upper - ref_cdf), np.max(ref_cdf - (upper - 1.0 / n)))
+        return scores
+
+
+class DriftDetector:
+    """Sliding-window drift state of one model; `update` after each Infer/Classify call with its inputs and
+    probabilities. Score: the largest per-feature PSI (or KS) divided by that feature's natural level (the score
+    between two stretches of the reference data, see natural_levels), so 1 means "as different as normal
+    operation is from itself". The score is computed once the window is full (fewer samples make PSI noisy)."""
+
+    def __init__(self, reference: dict | None, window: int = 100, test: str = "ks", threshold: float = 2.0,
+                 adwin_delta: float = 0.002, clock=None):
+        if test not in ("psi", "ks"):
+            raise ValueError(f"test must be psi or ks, got {test!r}")
+        self.reference, self.window, self.test, self.threshold = reference, window, test, threshold
+        self._clock = clock or (lambda: datetime.datetime.now(datetime.timezone.utc))
+        self.status = DriftStatus("NoReference" if reference is None else "Ok", 0.0, "", None)
+        if reference is None:
+            return
+        self.sample_shape = list(reference["sample_shape"])
+        self.features = list(reference["features"])
+        self._natural = np.asarray(reference["natural_levels"][test])
+        self.inputs = FeatureWindow(reference, window, test)
+        self.adwin = Adwin(delta=adwin_delta)
+        self._adwin_change_at = -1  # sample count at ADWIN's last change
+        self.samples = 0
+
+    @classmethod
+    def from_file(cls, path: Path | None, **settings) -> "DriftDetector":
+        """NoReference when the file does not exist; a broken file raises DriftReferenceError."""
+        if path is None or not Path(path).exists():
+            return cls(None, **settings)
+        return cls(load_reference(Path(path)), **settings)
+
+    @property
+    def warm(self) -> bool:
+        """True once the window is full and the status is a judgement."""
+        return self.reference is not None and self.inputs.filled == self.window
+
+    def update(self, inputs, probabilities) -> DriftStatus:
+        if self.reference is None:
+            return self.status
+        feats = sample_features(inputs, self.sample_shape)
+        probs = np.asarray(probabilities, dtype=np.float64).reshape(len(feats), -1)
+        for row, confidence in zip(feats, probs.max(axis=1)):
+            self.inputs.add(row)
+            self.samples += 1
+            if self.adwin.update(float(confidence)):
+                self._adwin_change_at = self.samples
+        return self._judge()
+
+    def feature_scores(self) -> np.ndarray:
+        """Per-feature score: PSI or KS of the window against the reference, over the feature's natural level."""
+        return self.inputs.scores() / self._natural
+
+    def _judge(self) -> DriftStatus:
+        if not self.warm:
+            return self.status
+        scores = self.feature_scores()
+        worst = int(np.argmax(scores))
+        score = float(scores[worst])
+        adwin_recent = self._adwin_change_at >= 0 and self.samples - self._adwin_change_at < self.window
+        drifting = score > self.threshold or adwin_recent
+        feature = self.features[worst] if score > self.threshold or not adwin_recent else "prediction confidence"
+        since = self.status.since if self.status.state == "Drifting" else (self._clock() if drifting else None)
+        self.status = DriftStatus("Drifting" if drifting else "Ok", score, feature, since)
+        return self.status
