@@ -114,12 +114,13 @@ class MethodHandlers:
     """One instance per server; `wrap` turns an async body into an asyncua method callback."""
 
     def __init__(self, *, metrics, audit, max_array_length: int, max_string_length: int,
-                 request_timeout_s: float):
+                 request_timeout_s: float, rate_limiter=None):
         self.metrics = metrics
         self.audit = audit
         self.max_array_length = max_array_length
         self.max_string_length = max_string_length
         self.request_timeout_s = request_timeout_s
+        self.rate_limiter = rate_limiter  # appliance.rate_limit.RateLimiter, checked before any engine work
         self.in_flight = 0  # calls being handled now
         self.draining = False  # shutting down: new calls answer BadInvalidState
         # Audit records are written in order by one thread: hashing, JSON and the periodic fsync stay off the
@@ -141,6 +142,9 @@ class MethodHandlers:
                 if self.draining:
                     raise NotReady("the appliance is shutting down")
                 require_role(ctx.session, role)
+                if self.rate_limiter is not None and not self._within_rate(ctx.session):
+                    status = "BadTooManyOperations"
+                    return status_result(status)
                 check_count(args, n_args)
                 result = await body(ctx, args)
                 return result
@@ -164,6 +168,14 @@ class MethodHandlers:
                 self.in_flight -= 1
                 self._account(ctx, status)
         return callback
+
+    def _within_rate(self, session: ApplianceSession) -> bool:
+        role = session.role or "monitor"
+        if self.rate_limiter.allow(role, f"{session.client_thumbprint}/{session.identity}"):
+            return True
+        if self.metrics is not None:
+            self.metrics.rate_limited.labels(role).inc()
+        return False
 
     def _account(self, ctx: CallContext, status: str) -> None:
         elapsed = time.perf_counter() - ctx.started

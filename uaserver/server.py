@@ -19,6 +19,7 @@ from cryptography.hazmat.primitives import serialization
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
+from appliance.rate_limit import RateLimiter
 from appliance.errors import INVALID, InvalidArgument
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
@@ -102,7 +103,8 @@ class ApplianceUaServer:
         limits = config.security.limits
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
-                                       request_timeout_s=config.engine.request_timeout_s)
+                                       request_timeout_s=config.engine.request_timeout_s,
+                                       rate_limiter=RateLimiter(config.security.rate_limits))
 
     # ---- lifecycle ----
 
