@@ -35,6 +35,10 @@ GENERATE_IN = [argument("Prompt", V.String, description="non-empty UTF-8, at mos
 GENERATE_OUT = [argument("Text", V.String), argument("TokenCount", V.UInt32), argument("FinishReason", V.String),
                 argument("ContextTokens", V.UInt32), argument("ContextLost", V.Boolean),
                 argument("ModelVersion", V.String)]
+CLASSIFY_OUT = [argument("ClassIndex", V.Int32, True, "arg-max class per sample"),
+                argument("Label", V.String, True, "its label"),
+                argument("Confidence", V.Float, True, "its probability"),
+                argument("ModelVersion", V.String, description="version of the weights that computed the result")]
 RELOAD_IN = [argument("Name", V.String, description="the model's name")]
 RELOAD_OUT = [argument("Version", V.String)]
 
@@ -51,6 +55,7 @@ class ApplianceNodes:
     values: dict[str, Node] = field(default_factory=dict)  # "State", "Engine/QueueDepth", "Health/..."
     models: dict[str, ModelNodes] = field(default_factory=dict)
     alarms: dict[str, Node] = field(default_factory=dict)  # Alarms/<name> Booleans
+    class_alarms: dict[tuple[str, int], Node] = field(default_factory=dict)  # (model, class) -> Alarms/<label>
 
 
 class AddressSpaceBuilder:
@@ -66,7 +71,10 @@ class AddressSpaceBuilder:
                                          ua.Variant(value, vtype))
         return node  # read-only: asyncua variables are not writable unless set_writable() is called
 
-    async def build(self, device: str, models: dict, callbacks: dict, alarms: tuple[str, ...] = ()) -> ApplianceNodes:
+    async def build(self, device: str, models: dict, callbacks: dict, alarms: tuple[str, ...] = (),
+                    classifiers: dict | None = None) -> ApplianceNodes:
+        """classifiers: model name -> (labels, alarm class indices) for tensor models with labels."""
+        classifiers = classifiers or {}
         objects = self.server.nodes.objects
         root = await objects.add_object(self.nid("Appliance"), ua.QualifiedName("Appliance", self.ns))
         nodes = ApplianceNodes(root)
@@ -92,6 +100,13 @@ class AddressSpaceBuilder:
                 m.values["MaxSamples"] = await self.variable(obj, path, "MaxSamples", int(st.max_samples), V.UInt32)
                 await obj.add_method(self.nid(f"{path}/Infer"), ua.QualifiedName("Infer", self.ns),
                                      callbacks[(name, "Infer")], INFER_IN, INFER_OUT)
+                if name in classifiers:
+                    await obj.add_method(self.nid(f"{path}/Classify"), ua.QualifiedName("Classify", self.ns),
+                                         callbacks[(name, "Classify")], INFER_IN, CLASSIFY_OUT)
+                    last = await obj.add_object(self.nid(f"{path}/Last"), ua.QualifiedName("Last", self.ns))
+                    for key, value, vtype in (("ClassIndex", -1, V.Int32), ("Label", "", V.String),
+                                              ("Confidence", 0.0, V.Float), ("Time", None, V.DateTime)):
+                        m.values[f"Last/{key}"] = await self.variable(last, f"{path}/Last", key, value, vtype)
             else:
                 await obj.add_method(self.nid(f"{path}/Generate"), ua.QualifiedName("Generate", self.ns),
                                      callbacks[(name, "Generate")], GENERATE_IN, GENERATE_OUT)
@@ -109,6 +124,11 @@ class AddressSpaceBuilder:
         alarms_obj = await root.add_object(self.nid("Appliance/Alarms"), ua.QualifiedName("Alarms", self.ns))
         for alarm in alarms:
             nodes.alarms[alarm] = await self.variable(alarms_obj, "Appliance/Alarms", alarm, False, V.Boolean)
+        for name, (labels, alarm_classes) in classifiers.items():
+            for c in alarm_classes:  # BrowseName: the class label; NodeId: unique per model
+                nodes.class_alarms[(name, c)] = await alarms_obj.add_variable(
+                    self.nid(f"Appliance/Alarms/{name}/{labels[c]}"), ua.QualifiedName(labels[c], self.ns),
+                    ua.Variant(False, V.Boolean))
         admin = await root.add_object(self.nid("Appliance/Admin"), ua.QualifiedName("Admin", self.ns))
         await admin.add_method(self.nid("Appliance/Admin/ReloadModel"), ua.QualifiedName("ReloadModel", self.ns),
                                callbacks[("", "ReloadModel")], RELOAD_IN, RELOAD_OUT)

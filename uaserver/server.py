@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from urllib.parse import urlparse
 
 from asyncua import Server, ua
@@ -19,6 +20,7 @@ from cryptography.hazmat.primitives import serialization
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
+from appliance.classify import ClassifierState
 from appliance.rate_limit import RateLimiter
 from appliance.errors import INVALID, InvalidArgument
 
@@ -101,6 +103,8 @@ class ApplianceUaServer:
         self.heartbeat = 0
         self.state = "Starting"
         limits = config.security.limits
+        self.classifiers = {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence)
+                            for name, m in config.models.items() if m.kind == "tensor" and m.labels}
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
                                        request_timeout_s=config.engine.request_timeout_s,
@@ -167,7 +171,8 @@ class ApplianceUaServer:
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
-        self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()))
+        self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()),
+                                         {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()})
         self._event_gen = await server.get_event_generator()
         self.server = server
         await server.start()
@@ -308,12 +313,17 @@ class ApplianceUaServer:
         for name, svc in self.services.items():
             if svc.kind == "tensor":
                 cbs[(name, "Infer")] = h.wrap("Infer", name, "operator", 1, self._infer_body(svc))
+                if name in self.classifiers:
+                    cbs[(name, "Classify")] = h.wrap("Classify", name, "operator", 1,
+                                                     self._infer_body(svc, classify=True))
             else:
                 cbs[(name, "Generate")] = h.wrap("Generate", name, "operator", 3, self._generate_body(svc))
                 cbs[(name, "ResetContext")] = h.wrap("ResetContext", name, "operator", 0, self._reset_body(svc))
         return cbs
 
-    def _infer_body(self, svc):
+    def _infer_body(self, svc, classify: bool = False):
+        classifier = self.classifiers.get(svc.name)
+
         async def body(ctx: CallContext, args):
             samples = self.handlers.float_array(args[0], 0)
             ctx.input_digest = digest(samples)
@@ -321,8 +331,32 @@ class ApplianceUaServer:
             r = await svc.infer(samples, self.handlers.deadline())
             ctx.version = r.model_version
             ctx.output_digest = digest(r.output)
-            return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
+            if classifier is None:
+                return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
+            result = await self._classified(svc.name, classifier, r.output)
+            if not classify:
+                return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
+            return [ua.Variant(result.class_index, V.Int32), ua.Variant(result.label, V.String),
+                    ua.Variant(result.confidence, V.Float), ua.Variant(r.model_version, V.String)]
         return body
+
+    async def _classified(self, model: str, classifier: "ClassifierState", output):
+        """Last and the class alarms follow every Classify and Infer result of a labelled model."""
+        result, raised, cleared = classifier.update(output)
+        s, m = self.server, self.nodes.models[model]
+        await write(s, m.values["Last/ClassIndex"], result.class_index[-1], V.Int32)
+        await write(s, m.values["Last/Label"], result.label[-1], V.String)
+        await write(s, m.values["Last/Confidence"], result.confidence[-1], V.Float)
+        await write(s, m.values["Last/Time"], datetime.now(timezone.utc), V.DateTime)
+        for c in raised | cleared:
+            active = c in raised
+            await write(s, self.nodes.class_alarms[(model, c)], active, V.Boolean)
+            label = classifier.labels[c]
+            if self.metrics is not None:
+                self.metrics.alarm_active.labels(f"{model}/{label}").set(1 if active else 0)
+            self.emit_event(f"Alarm {label} of model {model} " + ("raised" if active else "cleared"),
+                            severity=700 if active else 300)
+        return result
 
     def _generate_body(self, svc):
         async def body(ctx: CallContext, args):
