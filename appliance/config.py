@@ -558,6 +558,7 @@ class EngineConfig:
     worker_restart_window_s: float = setting(300.0, number(1, 86400))
     worker_restart_backoff_s: float = setting(0.25, number(0, 3600))
     worker_restart_backoff_max_s: float = setting(30.0, number(0, 86400))
+    conversation_ttl_s: float = setting(86400.0, number(1, 365 * 86400))  # a Converse conversation unused this long ends
 
 
 @dataclass
@@ -668,6 +669,15 @@ class WatchdogConfig:
 
 
 @dataclass
+class JobsConfig:
+    """Jobs (StartInfer / StartGenerate, then Get...Result): calls that must not block a PLC cycle."""
+
+    max_wait_ms: int = setting(2000, integer(0, 60000))  # the longest WaitMs a Get...Result call waits
+    result_ttl_s: float = setting(60.0, number(1, 86400))  # a finished job's result is kept this long unreleased
+    max_per_client: int = setting(16, integer(1, 10000))  # unreleased jobs per identity
+
+
+@dataclass
 class AuditConfig:
     enabled: bool = setting(True, boolean())
     path: Path | None = setting(None, optional(_path_rule()))  # None: <state_dir>/audit/audit.jsonl
@@ -690,6 +700,7 @@ class ApplianceConfig:
     models: dict[str, ModelConfig] = field(default_factory=dict)  # in file order
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<defaults>"
@@ -704,8 +715,9 @@ class ApplianceConfig:
 
 
 _SECTIONS = {"server": ServerConfig, "security": SecurityConfig, "engine": EngineConfig, "metrics": MetricsConfig,
-             "watchdog": WatchdogConfig, "audit": AuditConfig, "logging": LoggingConfig}
-_TOP_KEYS = ("server", "security", "users", "engine", "models", "metrics", "watchdog", "audit", "logging")
+             "watchdog": WatchdogConfig, "jobs": JobsConfig, "audit": AuditConfig,
+             "logging": LoggingConfig}
+_TOP_KEYS = ("server", "security", "users", "engine", "models", "metrics", "watchdog", "jobs", "audit", "logging")
 _NESTED = {"limits": LimitsConfig}
 
 

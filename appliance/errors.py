@@ -13,6 +13,9 @@ NO_CAPACITY = "no_capacity"
 DEADLINE = "deadline"
 FAILED = "failed"
 REASONS = (INVALID_INPUT, NOT_READY, NO_CAPACITY, DEADLINE, FAILED)
+# The serve process's own: jobs of another identity or unknown, and jobs cancelled by their owner.
+NOT_FOUND = "not_found"
+CANCELLED = "cancelled"
 
 # What is wrong with an invalid argument.
 OUT_OF_RANGE = "out_of_range"  # a value outside what is allowed (length, range, NaN)
@@ -67,6 +70,18 @@ class EngineFailure(ApplianceError):
     """The engine failed on this request."""
 
     reason = FAILED
+
+
+class NotFound(ApplianceError):
+    """An unknown job, or one of another identity."""
+
+    reason = NOT_FOUND
+
+
+class Cancelled(ApplianceError):
+    """The job was cancelled by its owner."""
+
+    reason = CANCELLED
 
 
 _BY_REASON = {cls.reason: cls for cls in (NotReady, ResourceUnavailable, DeadlineExceeded, EngineFailure)}

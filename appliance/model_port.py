@@ -6,7 +6,7 @@ layer uses nothing else of a model. Failures are appliance.errors exceptions car
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -71,7 +71,9 @@ class TensorModel(ServedModel, Protocol):
 @runtime_checkable
 class GenerativeModel(ServedModel, Protocol):
     async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float) -> GenerateResult: ...
+                       deadline: float, on_progress: Callable[[str, int], None] | None = None) -> GenerateResult:
+        """on_progress(text so far, tokens so far) as the reply grows; session: the KV slot's key (a UA session,
+        or a conversation of an identity)."""
 
     async def reset(self, session: str) -> None:
         """Forget the session's conversation and give its slot back."""

@@ -39,6 +39,25 @@ CLASSIFY_OUT = [argument("ClassIndex", V.Int32, True, "arg-max class per sample"
                 argument("Label", V.String, True, "its label"),
                 argument("Confidence", V.Float, True, "its probability"),
                 argument("ModelVersion", V.String, description="version of the weights that computed the result")]
+JOB_ID = argument("JobId", V.UInt32, description="a job of the calling identity (certificate + user)")
+WAIT_MS = argument("WaitMs", V.UInt32, description="wait at most this long for the result (0: answer at once)")
+DONE = argument("Done", V.Boolean, description="false: the job still runs (Text holds what is there so far)")
+CONVERSATION_ID = argument("ConversationId", V.String, description="1-64 printable ASCII; yours alone")
+START_INFER_OUT = [JOB_ID]
+GET_INFER_RESULT_OUT = [DONE, *INFER_OUT]
+START_GENERATE_IN = [argument("ConversationId", V.String,
+                              description="empty: the calling session's conversation"), *GENERATE_IN]
+GET_RESULT_IN = [JOB_ID, WAIT_MS]
+GET_GENERATE_RESULT_OUT = [DONE, *GENERATE_OUT]
+CONVERSE_IN = [CONVERSATION_ID, *GENERATE_IN]
+# (method, inputs, outputs) a model offers besides Infer / Generate, by kind
+JOB_METHODS = {
+    "tensor": [("StartInfer", INFER_IN, START_INFER_OUT), ("GetInferResult", GET_RESULT_IN, GET_INFER_RESULT_OUT)],
+    "generative": [("Converse", CONVERSE_IN, GENERATE_OUT), ("EndConversation", [CONVERSATION_ID], []),
+                   ("StartGenerate", START_GENERATE_IN, START_INFER_OUT),
+                   ("GetGenerateResult", GET_RESULT_IN, GET_GENERATE_RESULT_OUT)],
+}
+COMMON_JOB_METHODS = [("CancelJob", [JOB_ID], []), ("ReleaseJob", [JOB_ID], [])]
 RELOAD_IN = [argument("Name", V.String, description="the model's name")]
 RELOAD_OUT = [argument("Version", V.String)]
 
@@ -112,6 +131,9 @@ class AddressSpaceBuilder:
                                      callbacks[(name, "Generate")], GENERATE_IN, GENERATE_OUT)
                 await obj.add_method(self.nid(f"{path}/ResetContext"), ua.QualifiedName("ResetContext", self.ns),
                                      callbacks[(name, "ResetContext")], [], [])
+            for method, inputs, outputs in JOB_METHODS[st.kind] + COMMON_JOB_METHODS:
+                await obj.add_method(self.nid(f"{path}/{method}"), ua.QualifiedName(method, self.ns),
+                                     callbacks[(name, method)], inputs, outputs)
             nodes.models[name] = m
 
         engine = await root.add_object(self.nid("Appliance/Engine"), ua.QualifiedName("Engine", self.ns))

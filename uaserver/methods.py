@@ -171,7 +171,7 @@ class MethodHandlers:
 
     def _within_rate(self, session: ApplianceSession) -> bool:
         role = session.role or "monitor"
-        if self.rate_limiter.allow(role, f"{session.client_thumbprint}/{session.identity}"):
+        if self.rate_limiter.allow(role, caller_identity(session)):
             return True
         if self.metrics is not None:
             self.metrics.rate_limited.labels(role).inc()
@@ -233,6 +233,13 @@ class MethodHandlers:
         if math.isnan(value) or math.isinf(value):
             raise InvalidArgument("the value is not finite", index, OUT_OF_RANGE)
         return value
+
+
+def caller_identity(session: ApplianceSession | None) -> str:
+    """Who calls, beyond the session: client certificate + user. Jobs, conversations and rate limits key on it."""
+    if session is None:
+        return ""
+    return f"{session.client_thumbprint}/{session.identity}"
 
 
 def require_ready(model) -> None:

@@ -6,6 +6,7 @@ from the validated configuration. The engine services are passed in; the server 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,11 +23,12 @@ from appliance import NAMESPACE_URI
 from appliance.audit import digest
 from appliance.classify import ClassifierState
 from appliance.rate_limit import RateLimiter
-from appliance.errors import INVALID, InvalidArgument
+from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
+from appliance.jobs import Job, JobStore
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
 from .identity import ApplianceUserManager
-from .methods import CallContext, MethodHandlers, require_ready, require_type
+from .methods import CallContext, MethodHandlers, caller_identity, require_ready, require_type
 from .processor import ChannelGuard, HardenedBinaryServer
 from .session import ApplianceSession
 
@@ -105,6 +107,12 @@ class ApplianceUaServer:
         limits = config.security.limits
         self.classifiers = {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence)
                             for name, m in config.models.items() if m.kind == "tensor" and m.labels}
+        jobs = config.jobs
+        self.jobs = JobStore(max_per_client=jobs.max_per_client, result_ttl_s=jobs.result_ttl_s,
+                             max_wait_s=jobs.max_wait_ms / 1000.0, on_ready=self._job_ready)
+        self._job_events: dict[str, object] = {}  # model -> event generator of JobResultReady on its object
+        self._conversations: dict[str, tuple[str, float]] = {}  # slot key -> (model, last use, monotonic)
+        self.conversation_ttl_s = config.engine.conversation_ttl_s
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
                                        request_timeout_s=config.engine.request_timeout_s,
@@ -174,6 +182,11 @@ class ApplianceUaServer:
         self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()),
                                          {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()})
         self._event_gen = await server.get_event_generator()
+        job_event = await server.create_custom_event_type(
+            self.ns, "JobResultReadyEventType", ua.ObjectIds.BaseEventType,
+            [("JobId", ua.VariantType.UInt32), ("Model", ua.VariantType.String)])
+        for name, m in self.nodes.models.items():
+            self._job_events[name] = await server.get_event_generator(job_event, m.obj)
         self.server = server
         await server.start()
         self._updater = asyncio.create_task(self._update_loop())
@@ -188,6 +201,7 @@ class ApplianceUaServer:
                 pass
         if self.server is None:
             return
+        self.jobs.cancel_all()
         # asyncua's stop() leaves sessions with subscriptions open: close every session so slots are freed.
         for session in list(self.server.iserver._external_sessions.values()):
             try:
@@ -261,6 +275,8 @@ class ApplianceUaServer:
                     if self.supervision_alive():
                         self.heartbeat = (self.heartbeat + 1) % 2**32
                 await self.publish_values()
+                self.jobs.sweep()
+                self._expire_conversations()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -311,6 +327,7 @@ class ApplianceUaServer:
         h = self.handlers
         cbs = {("", "ReloadModel"): h.wrap("ReloadModel", "", "engineer", 1, self._reload)}
         for name, svc in self.services.items():
+            cbs.update(self._job_callbacks(name, svc))
             if svc.kind == "tensor":
                 cbs[(name, "Infer")] = h.wrap("Infer", name, "operator", 1, self._infer_body(svc))
                 if name in self.classifiers:
@@ -320,6 +337,129 @@ class ApplianceUaServer:
                 cbs[(name, "Generate")] = h.wrap("Generate", name, "operator", 3, self._generate_body(svc))
                 cbs[(name, "ResetContext")] = h.wrap("ResetContext", name, "operator", 0, self._reset_body(svc))
         return cbs
+
+    def _job_callbacks(self, name: str, model) -> dict:
+        h, cbs = self.handlers, {}
+        if model.kind == "tensor":
+            cbs[(name, "StartInfer")] = h.wrap("StartInfer", name, "operator", 1, self._start_infer_body(model))
+            cbs[(name, "GetInferResult")] = h.wrap("GetInferResult", name, "operator", 2, self._get_result_body())
+        else:
+            cbs[(name, "Converse")] = h.wrap("Converse", name, "operator", 4, self._generate_body(model, True))
+            cbs[(name, "EndConversation")] = h.wrap("EndConversation", name, "operator", 1,
+                                                    self._end_conversation_body(model))
+            cbs[(name, "StartGenerate")] = h.wrap("StartGenerate", name, "operator", 4,
+                                                  self._start_generate_body(model))
+            cbs[(name, "GetGenerateResult")] = h.wrap("GetGenerateResult", name, "operator", 2,
+                                                      self._get_result_body())
+        cbs[(name, "CancelJob")] = h.wrap("CancelJob", name, "operator", 1, self._cancel_job_body(release=False))
+        cbs[(name, "ReleaseJob")] = h.wrap("ReleaseJob", name, "operator", 1, self._cancel_job_body(release=True))
+        return cbs
+
+    # ---- jobs and conversations ----
+
+    def _start_infer_body(self, svc):
+        async def body(ctx: CallContext, args):
+            samples = self.handlers.float_array(args[0], 0)
+            ctx.input_digest = digest(samples)
+            require_ready(svc)
+
+            async def run(on_progress):
+                r = await svc.infer(samples, self.handlers.deadline())
+                classifier = self.classifiers.get(svc.name)
+                if classifier is not None:
+                    await self._classified(svc.name, classifier, r.output)
+                return r
+            job = self.jobs.start(caller_identity(ctx.session), svc.name, "infer", run)
+            return [ua.Variant(job.id, V.UInt32)]
+        return body
+
+    def _start_generate_body(self, svc):
+        async def body(ctx: CallContext, args):
+            conversation = require_type(args[0], 0, (V.String,), array=False) or ""
+            prompt, max_tokens, temperature = self._generate_args(args, 1)
+            ctx.input_digest = digest(prompt)
+            require_ready(svc)
+            key = self._slot_key(ctx, conversation, svc.name, 0) if conversation else ctx.session.key
+            deadline = self.handlers.deadline()
+            job = self.jobs.start(caller_identity(ctx.session), svc.name, "generate",
+                                  lambda on_progress: svc.generate(key, prompt, max_tokens, temperature, deadline,
+                                                                   on_progress))
+            return [ua.Variant(job.id, V.UInt32)]
+        return body
+
+    def _get_result_body(self):
+        async def body(ctx: CallContext, args):
+            job_id = self.handlers.uint32(args[0], 0)
+            wait_ms = self.handlers.uint32(args[1], 1)
+            job = await self.jobs.wait(caller_identity(ctx.session), job_id, wait_ms / 1000.0)
+            if job.error is not None:
+                raise job.error
+            if job.kind == "infer":
+                r = job.result
+                if r is None:
+                    return [ua.Variant(False, V.Boolean), ua.Variant([], V.Float), ua.Variant("", V.String)]
+                ctx.version, ctx.output_digest = r.model_version, digest(r.output)
+                return [ua.Variant(True, V.Boolean), ua.Variant(r.output.tolist(), V.Float),
+                        ua.Variant(r.model_version, V.String)]
+            r = job.result
+            if r is None:
+                return [ua.Variant(False, V.Boolean), ua.Variant(job.partial_text, V.String),
+                        ua.Variant(job.partial_tokens, V.UInt32), ua.Variant("", V.String),
+                        ua.Variant(0, V.UInt32), ua.Variant(False, V.Boolean), ua.Variant("", V.String)]
+            ctx.version, ctx.output_digest = r.model_version, digest(r.text)
+            return [ua.Variant(True, V.Boolean), *self._generate_outputs(r)]
+        return body
+
+    def _cancel_job_body(self, release: bool):
+        async def body(ctx: CallContext, args):
+            job_id = self.handlers.uint32(args[0], 0)
+            if release:
+                self.jobs.release(caller_identity(ctx.session), job_id)
+            else:
+                self.jobs.cancel(caller_identity(ctx.session), job_id)
+            return []
+        return body
+
+    def _job_ready(self, job: Job) -> None:
+        gen = self._job_events.get(job.model)
+        if gen is None:
+            return
+
+        async def trigger():
+            try:
+                gen.event.JobId = ua.Variant(job.id, V.UInt32)
+                gen.event.Model = ua.Variant(job.model, V.String)
+                await gen.trigger(message=f"JobResultReady {job.id} {job.model}")
+            except Exception:
+                log.exception("JobResultReady event failed")
+        asyncio.ensure_future(trigger())
+
+    def _slot_key(self, ctx: CallContext, conversation: str, model: str, index: int) -> str:
+        """The KV slot of a conversation: keyed by the caller's identity and the id, not by the session, so a PLC
+        that opens a session per call continues it; another identity's same id is another conversation."""
+        if not (1 <= len(conversation) <= 64) or not all(32 <= ord(ch) < 127 for ch in conversation):
+            raise InvalidArgument("ConversationId must be 1-64 printable ASCII characters", index, OUT_OF_RANGE)
+        owner = hashlib.sha256(f"{caller_identity(ctx.session)}\0{conversation}".encode()).hexdigest()[:32]
+        key = f"conv:{owner}"
+        self._conversations[key] = (model, time.monotonic())
+        return key
+
+    def _end_conversation_body(self, svc):
+        async def body(ctx: CallContext, args):
+            conversation = require_type(args[0], 0, (V.String,), array=False) or ""
+            key = self._slot_key(ctx, conversation, svc.name, 0)
+            self._conversations.pop(key, None)
+            require_ready(svc)
+            await svc.reset(key)
+            return []
+        return body
+
+    def _expire_conversations(self) -> None:
+        now = time.monotonic()
+        for key, (model, used) in list(self._conversations.items()):
+            if now - used > self.conversation_ttl_s:
+                del self._conversations[key]
+                self.services[model].release(key)
 
     def _infer_body(self, svc, classify: bool = False):
         classifier = self.classifiers.get(svc.name)
@@ -358,19 +498,30 @@ class ApplianceUaServer:
                             severity=700 if active else 300)
         return result
 
-    def _generate_body(self, svc):
+    def _generate_args(self, args, first: int) -> tuple[str, int, float]:
+        return (self.handlers.text(args[first], first), self.handlers.uint32(args[first + 1], first + 1),
+                self.handlers.real(args[first + 2], first + 2))
+
+    @staticmethod
+    def _generate_outputs(r) -> list:
+        return [ua.Variant(r.text, V.String), ua.Variant(r.token_count, V.UInt32),
+                ua.Variant(r.finish_reason, V.String), ua.Variant(r.context_tokens, V.UInt32),
+                ua.Variant(bool(r.context_lost), V.Boolean), ua.Variant(r.model_version, V.String)]
+
+    def _generate_body(self, svc, conversation: bool = False):
+        """Generate (the session's conversation) or Converse (ConversationId first: the identity's conversation)."""
         async def body(ctx: CallContext, args):
-            prompt = self.handlers.text(args[0], 0)
-            max_tokens = self.handlers.uint32(args[1], 1)
-            temperature = self.handlers.real(args[2], 2)
+            first = 1 if conversation else 0
+            key = ctx.session.key
+            if conversation:
+                key = self._slot_key(ctx, require_type(args[0], 0, (V.String,), array=False) or "", svc.name, 0)
+            prompt, max_tokens, temperature = self._generate_args(args, first)
             ctx.input_digest = digest(prompt)
             require_ready(svc)
-            r = await svc.generate(ctx.session.key, prompt, max_tokens, temperature, self.handlers.deadline())
+            r = await svc.generate(key, prompt, max_tokens, temperature, self.handlers.deadline())
             ctx.version = r.model_version
             ctx.output_digest = digest(r.text)
-            return [ua.Variant(r.text, V.String), ua.Variant(r.token_count, V.UInt32),
-                    ua.Variant(r.finish_reason, V.String), ua.Variant(r.context_tokens, V.UInt32),
-                    ua.Variant(bool(r.context_lost), V.Boolean), ua.Variant(r.model_version, V.String)]
+            return self._generate_outputs(r)
         return body
 
     def _reset_body(self, svc):

@@ -10,6 +10,8 @@ STATUS_FOR_REASON = {
     errors.NO_CAPACITY: "BadResourceUnavailable",
     errors.DEADLINE: "BadTimeout",
     errors.FAILED: "BadInternalError",
+    errors.NOT_FOUND: "BadNotFound",
+    errors.CANCELLED: "BadRequestCancelledByClient",
 }
 # what is wrong with an argument -> its InputArgumentResults entry
 ARGUMENT_STATUS_FOR_KIND = {

@@ -144,6 +144,10 @@ class EngineLoop:
                 m.queue_wait.labels(self.name).observe(seq.admitted_at - seq.arrival)
         for seq in finished:
             self._answer_result(seq)
+        done = {id(seq) for seq in finished}
+        for seq in {id(r.seq): r.seq for r in plan.decode}.values():  # replies that grew and go on
+            if id(seq) not in done and seq.handle is not None:
+                seq.handle.send_progress(seq.text, len(seq.generated))
 
     def _answer_result(self, seq: Sequence) -> None:
         slot = self._slots.slot(seq.slot)

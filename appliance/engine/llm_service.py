@@ -140,11 +140,12 @@ class GenerativeModelService(ModelStatus):
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def generate(self, session_key: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float) -> GenerateResult:
+                       deadline: float, on_progress=None) -> GenerateResult:
+        """on_progress(text, tokens), on the loop, after each engine step that added to the reply (jobs)."""
         started = time.monotonic()
         self.request_count += 1
         try:
-            result = await self._generate(session_key, prompt, max_tokens, temperature, deadline)
+            result = await self._generate(session_key, prompt, max_tokens, temperature, deadline, on_progress)
         except BaseException:  # a cancelled call (client gone) counts too: the model did not answer it
             self.error_count += 1
             raise
@@ -152,7 +153,7 @@ class GenerativeModelService(ModelStatus):
         return result
 
     async def _generate(self, session_key: str, prompt: str, max_tokens: int, temperature: float,
-                        deadline: float) -> GenerateResult:
+                        deadline: float, on_progress=None) -> GenerateResult:
         self._validate(prompt, max_tokens, temperature)
         self._require_ready()
         if self.queue_depth >= self.settings.max_queue_size:
@@ -167,7 +168,7 @@ class GenerativeModelService(ModelStatus):
                                temperature=float(temperature), top_p=self.settings.top_p,
                                seed=request_seed(self.settings.seed, self._request_counter), deadline=deadline)
                 loop = asyncio.get_running_loop()
-                seq.handle = Reply(loop, loop.create_future())
+                seq.handle = Reply(loop, loop.create_future(), on_progress)
                 self._engine_loop.submit(seq)
                 try:
                     done, _ = await asyncio.wait({seq.handle.future}, timeout=max(0.0, deadline - time.monotonic()))

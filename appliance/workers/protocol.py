@@ -55,6 +55,7 @@ class Generate(_Msg):
     max_tokens: int
     temperature: float
     deadline: float
+    progress: bool = False  # send GenerateProgress as the reply grows (jobs show partial text)
 
 
 class Reset(_Msg):
@@ -119,6 +120,12 @@ class GenerateDone(_Msg):
     version: str
 
 
+class GenerateProgress(_Msg):
+    id: int
+    text: str
+    token_count: int
+
+
 class Done(_Msg):
     id: int
     value: str = ""
@@ -146,7 +153,7 @@ class Event(_Msg):
     message: str
 
 
-FromWorker = Union[InferDone, GenerateDone, Done, Failed, Pong, Event]
+FromWorker = Union[InferDone, GenerateDone, GenerateProgress, Done, Failed, Pong, Event]
 
 
 class Channel:

@@ -63,12 +63,12 @@ class RemoteModel:
         if state != "Ready":
             raise NotReady(f"model {self.name} is {state}")
 
-    async def _counted(self, message, deadline: float | None):
+    async def _counted(self, message, deadline: float | None, on_progress=None):
         started = time.monotonic()
         self.request_count += 1
         try:
             self._require_ready()
-            reply = await self.supervisor.call(message, deadline)
+            reply = await self.supervisor.call(message, deadline, on_progress)
         except BaseException:  # a cancelled call (client gone) counts too: the model did not answer it
             self.error_count += 1
             raise
@@ -81,10 +81,11 @@ class RemoteModel:
         return InferResult(np.frombuffer(reply.data, dtype=np.float32), reply.version)
 
     async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float) -> GenerateResult:
+                       deadline: float, on_progress=None) -> GenerateResult:
+        """on_progress(text, tokens): the reply so far, as it grows (jobs)."""
         message = p.Generate(id=0, model=self.name, session=session, prompt=prompt, max_tokens=int(max_tokens),
-                             temperature=float(temperature), deadline=deadline)
-        reply = await self._counted(message, deadline)
+                             temperature=float(temperature), deadline=deadline, progress=on_progress is not None)
+        reply = await self._counted(message, deadline, on_progress)
         lost = reply.context_lost or session in self._sessions_lost
         self._sessions_lost.discard(session)
         self._sessions_with_state.add(session)

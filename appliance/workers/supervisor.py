@@ -66,6 +66,7 @@ class WorkerSupervisor:
         self.on_restart: list[Callable[[], None]] = []  # listeners (remote models drop session state)
         self._channel: p.Channel | None = None
         self._pending: dict[int, asyncio.Future] = {}
+        self._progress: dict[int, Callable[[str, int], None]] = {}  # request id -> partial-text listener
         self._ids = itertools.count(1)
         self._ping_seq = itertools.count(1)
         self._deaths: collections.deque[float] = collections.deque()
@@ -228,6 +229,10 @@ class WorkerSupervisor:
                 self._on_pong(message)
             elif isinstance(message, p.Event):
                 self._emit(message.kind, message.message, message.model)
+            elif isinstance(message, p.GenerateProgress):
+                listener = self._progress.get(message.id)
+                if listener is not None:
+                    listener(message.text, message.token_count)
             else:
                 future = self._pending.pop(message.id, None)
                 if future is not None and not future.done():
@@ -304,13 +309,18 @@ class WorkerSupervisor:
     def _next_id(self) -> int:
         return next(self._ids)
 
-    async def call(self, message, deadline: float | None):
+    async def call(self, message, deadline: float | None, on_progress=None):
         """Send a request (its `id` is set here) and wait for its answer until `deadline` (monotonic; None: no
         limit); engine failures are raised as appliance.errors exceptions."""
         if not self.up or self._channel is None:
             raise NotReady("the model's worker is restarting")
         message.id = self._next_id()
-        reply = await self._call(message, deadline)
+        if on_progress is not None:
+            self._progress[message.id] = on_progress
+        try:
+            reply = await self._call(message, deadline)
+        finally:
+            self._progress.pop(message.id, None)
         if isinstance(reply, p.Failed):
             raise error_from(reply.reason, reply.message, reply.index, reply.kind)
         return reply

@@ -156,8 +156,12 @@ class WorkerHost:
                 reply = p.InferDone(id=message.id, data=np.ascontiguousarray(out, np.float32).tobytes(),
                                     version=version)
             elif isinstance(message, p.Generate):
+                progress = None
+                if message.progress:
+                    def progress(text: str, tokens: int, request_id: int = message.id) -> None:
+                        self._send(p.GenerateProgress(id=request_id, text=text, token_count=tokens))
                 r = await svc.generate(message.session, message.prompt, message.max_tokens, message.temperature,
-                                       message.deadline)
+                                       message.deadline, progress)
                 reply = p.GenerateDone(id=message.id, text=r.text, token_count=r.token_count,
                                        finish_reason=r.finish_reason, context_tokens=r.context_tokens,
                                        context_lost=bool(r.context_lost), version=r.model_version)
