@@ -53,6 +53,8 @@ class Metrics:
                                        ["model"], registry=r)
         self.alarm_active = Gauge("appliance_alarm_active", "1 while the alarm is active (Objects/Appliance/Alarms)",
                                   ["alarm"], registry=r)
+        self.jobs = Gauge("appliance_jobs", "Unreleased jobs by state (running | done | failed)", ["model", "state"],
+                          registry=r)
         self.rate_limited = Counter("appliance_rate_limited", "Calls refused with BadTooManyOperations by a rate limit",
                                     ["role"], registry=r)
         self.audit_errors = Counter("appliance_audit_write_errors", "Audit records that could not be written",

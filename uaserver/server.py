@@ -110,7 +110,8 @@ class ApplianceUaServer:
         jobs = config.jobs
         self.jobs = JobStore(max_per_client=jobs.max_per_client, result_ttl_s=jobs.result_ttl_s,
                              max_wait_s=jobs.max_wait_ms / 1000.0, on_ready=self._job_ready)
-        self._job_events: dict[str, object] = {}  # model -> event generator of JobResultReady on its object
+        self._job_events: dict[str, object] = {}
+        self._jobs_published: set[tuple[str, str]] = set()  # appliance_jobs series that exist  # model -> event generator of JobResultReady on its object
         self._conversations: dict[str, tuple[str, float]] = {}  # slot key -> (model, last use, monotonic)
         self.conversation_ttl_s = config.engine.conversation_ttl_s
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
@@ -320,6 +321,12 @@ class ApplianceUaServer:
         await write(s, n.values["Health/GpuEccErrors"], int(h["GpuEccErrors"]), V.UInt64)
         if self.metrics is not None:
             self.metrics.ua_sessions.set(len(self.server.iserver._external_sessions))
+            counts = self.jobs.counts()
+            for name in self.services:
+                for state in ("running", "done", "failed"):
+                    if counts.get((name, state)) or (name, state) in self._jobs_published:
+                        self.metrics.jobs.labels(name, state).set(counts.get((name, state), 0))
+                        self._jobs_published.add((name, state))
 
     # ---- methods ----
 
