@@ -149,3 +149,14 @@ def test_drift_is_raised_on_a_fault_file_and_rarely_on_normal_operation():
     s, _ = states(0)
     decided = s != "Warmup"
     assert (s[decided] == "Drifting").mean() < 0.10
+
+
+def test_the_vectorised_per_feature_search_equals_searchsorted_per_feature():
+    from appliance.drift import PerFeatureTables
+    rng = np.random.default_rng(3)
+    tables = [np.sort(rng.normal(i, 1 + i, 9)) for i in range(6)] + [np.array([5.0]), np.round(np.sort(
+        rng.normal(0, 1, 11)), 1)]  # one constant feature, one quantized with repeated edges
+    search = PerFeatureTables([t.tolist() for t in tables])
+    for row in [rng.normal(0, 5, len(tables)) for _ in range(500)] + [np.array([t[3] for t in tables[:6]] + [5.0, 0.0])]:
+        expected = [np.searchsorted(t, v, side="right") for t, v in zip(tables, row)]
+        assert search.searchsorted_right(row).tolist() == expected
