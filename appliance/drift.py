@@ -173,6 +173,18 @@ def load_reference(path: Path) -> dict:
     return data
 
 
+def reference_mismatch(reference: dict, model_file: Path) -> str | None:
+    """Why a reference does not belong to the model file (another file or other weights), or None when it does or
+    the reference names no model. A model deployed without a fresh reference keeps the old one: say so."""
+    digest = reference.get("model_sha256")
+    if digest is None:
+        return None
+    if hashlib.sha256(Path(model_file).read_bytes()).hexdigest() != digest:
+        return (f"the drift reference was made for other weights ({reference.get('model_file', '?')} sha256 "
+                f"{digest[:12]}); rebuild it for {Path(model_file).name}")
+    return None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # ADWIN
 

@@ -93,8 +93,13 @@ def test_sample_features_take_the_newest_row_of_a_window():
     assert sample_features(x.ravel(), [12]).shape == (2, 12)
 
 
-def test_the_committed_reference_matches_the_shipped_model_and_its_names():
+def test_the_committed_reference_matches_the_shipped_model_and_its_names(tmp_path):
+    from appliance.drift import reference_mismatch
     reference = load_reference(REFERENCE)
+    assert reference_mismatch(reference, te.ONNX_PATH) is None
+    other = tmp_path / "other.onnx"
+    other.write_bytes(te.ONNX_PATH.read_bytes() + b"\0")
+    assert "made for other weights (te_classifier.onnx sha256 " in reference_mismatch(reference, other)
     assert reference["model_file"] == "te_classifier.onnx"
     import hashlib
     assert reference["model_sha256"] == hashlib.sha256(te.ONNX_PATH.read_bytes()).hexdigest()
