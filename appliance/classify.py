@@ -42,3 +42,16 @@ class ClassAlarms:
         raised, cleared = now - self.active, self.active - now
         self.active = now
         return raised, cleared
+
+
+class ClassifierState:
+    """One labelled model's classification of each result and its class alarms (the serve process keeps one)."""
+
+    def __init__(self, labels: list[str], alarm_classes: list[int], threshold: float):
+        self.labels = list(labels)
+        self.alarms = ClassAlarms(list(alarm_classes), threshold)
+
+    def update(self, output) -> tuple[Classified, set[int], set[int]]:
+        result = classify(output, self.labels)
+        raised, cleared = self.alarms.update(result)
+        return result, raised, cleared

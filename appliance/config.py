@@ -431,6 +431,8 @@ class ServerConfig:
     dns_names: list[str] = setting([], ListOf(text("a DNS name", lambda v: bool(_DNS_NAME.fullmatch(v))),
                                                       "DNS names"))
     ip_addresses: list[str] = setting([], ListOf(Scalar("an IPv4 or IPv6 address", _ip_check), "IP addresses"))
+    # SIGTERM: calls in flight may finish for this long; then they answer BadTimeout
+    drain_timeout_s: float = setting(10.0, number(0, 3600))
 
     def __post_init__(self) -> None:
         if self.application_uri is None:
@@ -549,6 +551,14 @@ class EngineConfig:
     prefill_chunk: int = setting(256, integer(1))
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
     seed: int = setting(0, integer(0, 2**63 - 1))
+    # Worker processes (one per model, or per `worker` group): liveness, memory and restarts.
+    worker_timeout_s: float = setting(5.0, number(0.2, 3600))
+    worker_memory_mb: int = setting(0, integer(0))  # 0: no limit
+    worker_max_restarts: int = setting(5, integer(0, 1000))
+    worker_restart_window_s: float = setting(300.0, number(1, 86400))
+    worker_restart_backoff_s: float = setting(0.25, number(0, 3600))
+    worker_restart_backoff_max_s: float = setting(30.0, number(0, 86400))
+    conversation_ttl_s: float = setting(86400.0, number(1, 365 * 86400))  # a Converse conversation unused this long ends
 
 
 @dataclass
@@ -581,6 +591,9 @@ class ModelConfig:
     max_text_chars: int = setting(1024, integer(1, 16382))  # generative: an S7 WSTRING holds up to 16382
     system_prompt: str | None = setting(None, optional(text("a string", lambda v: True, max_len=16384)))
     top_p: float = setting(0.95, number(0, 1, lo_open=True))
+    # models with the same worker name share one worker process; default: a process of its own
+    worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
+                                                     lambda v: bool(_MODEL_NAME.fullmatch(v)))))
     # tensor classifiers: class names (a list, or a file beside the model; after loading always a list)
     labels: list[str] | None = setting(None, LabelsRule())
     # classes (labels or indices) that raise Alarms/<label> when predicted with at least alarm_confidence
@@ -656,6 +669,15 @@ class WatchdogConfig:
 
 
 @dataclass
+class JobsConfig:
+    """Jobs (StartInfer / StartGenerate, then Get...Result): calls that must not block a PLC cycle."""
+
+    max_wait_ms: int = setting(2000, integer(0, 60000))  # the longest WaitMs a Get...Result call waits
+    result_ttl_s: float = setting(60.0, number(1, 86400))  # a finished job's result is kept this long unreleased
+    max_per_client: int = setting(16, integer(1, 10000))  # unreleased jobs per identity
+
+
+@dataclass
 class AuditConfig:
     enabled: bool = setting(True, boolean())
     path: Path | None = setting(None, optional(_path_rule()))  # None: <state_dir>/audit/audit.jsonl
@@ -678,6 +700,7 @@ class ApplianceConfig:
     models: dict[str, ModelConfig] = field(default_factory=dict)  # in file order
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<defaults>"
@@ -692,8 +715,9 @@ class ApplianceConfig:
 
 
 _SECTIONS = {"server": ServerConfig, "security": SecurityConfig, "engine": EngineConfig, "metrics": MetricsConfig,
-             "watchdog": WatchdogConfig, "audit": AuditConfig, "logging": LoggingConfig}
-_TOP_KEYS = ("server", "security", "users", "engine", "models", "metrics", "watchdog", "audit", "logging")
+             "watchdog": WatchdogConfig, "jobs": JobsConfig, "audit": AuditConfig,
+             "logging": LoggingConfig}
+_TOP_KEYS = ("server", "security", "users", "engine", "models", "metrics", "watchdog", "jobs", "audit", "logging")
 _NESTED = {"limits": LimitsConfig}
 
 

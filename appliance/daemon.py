@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -48,8 +49,10 @@ def certificate_names(config: ApplianceConfig) -> tuple[list[str], list[str]]:
 
 
 def resolve_device(requested: str) -> str:
-    """'cpu' or 'cuda:N NAME'; torch is only asked when CUDA could be meant."""
-    if requested == "cpu":
+    """'cpu' or 'cuda:N NAME'; torch is only imported when a GPU could be there (it costs the serve process ~2 s)."""
+    if requested == "cpu" or not Path("/dev/nvidiactl").exists():
+        if requested.startswith("cuda"):
+            log.warning("CUDA was asked for but no NVIDIA device is present; running on the CPU")
         return "cpu"
     try:
         import torch
@@ -63,69 +66,130 @@ def resolve_device(requested: str) -> str:
     return "cpu"
 
 
+def model_spec(m, engine, device: str):
+    """What a worker needs to serve one configured model (plain values: it crosses the process boundary)."""
+    from .workers.protocol import ModelSpec
+    if m.kind == "tensor":
+        delay_ms = m.max_queue_delay_ms if m.max_queue_delay_ms is not None else engine.max_queue_delay_ms
+        settings = {"backend": m.backend, "device": device, "max_samples": m.max_samples,
+                    "max_batch_size": m.max_batch_size or engine.max_batch_size,
+                    "max_queue_delay_s": delay_ms / 1000.0, "max_queue_size": engine.max_queue_size}
+    else:
+        settings = {"kv_slots": engine.kv_slots, "max_seq_len": engine.max_seq_len,
+                    "max_new_tokens": engine.max_new_tokens, "slot_policy": engine.slot_policy,
+                    "prefill_chunk": engine.prefill_chunk, "dtype": engine.dtype, "device": device,
+                    "seed": engine.seed, "max_text_chars": m.max_text_chars, "system_prompt": m.system_prompt,
+                    "top_p": m.top_p, "max_queue_size": engine.max_queue_size}
+    return ModelSpec(name=m.name, kind=m.kind, path=str(m.resolved_path), version_label=m.version,
+                     settings=settings)
+
+
+ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical")
+
+
 class Appliance:
     def __init__(self, config: ApplianceConfig):
         self.config = config
-        self.services: dict = {}
+        self.services: dict = {}  # name -> RemoteModel (appliance.model_port)
+        self.supervisors: list = []
         self.ua = None
         self.http = None
         self.watchdog = None
         self.audit = None
         self.metrics: Metrics | None = None
         self._tasks: list[asyncio.Task] = []
+        self._supervision_task: asyncio.Task | None = None
+        self._stopping = False
 
     def build_services(self, device: str) -> dict:
-        from .engine.batcher import BatchPolicy
-        from .engine.tensor_service import TensorModelService
+        """One supervised worker per model, or per `worker` group of models."""
+        from .workers.remote import RemoteModel
+        from .workers.supervisor import WorkerPolicy, WorkerSupervisor
 
         eng = self.config.engine
-        services = {}
+        policy = WorkerPolicy(timeout_s=eng.worker_timeout_s, memory_mb=eng.worker_memory_mb,
+                              max_restarts=eng.worker_max_restarts, restart_window_s=eng.worker_restart_window_s,
+                              backoff_s=eng.worker_restart_backoff_s, backoff_max_s=eng.worker_restart_backoff_max_s,
+                              threads=eng.threads, log_level=self.config.logging.level)
+        groups: dict[str, list] = {}
         for name, m in self.config.models.items():
-            on_event = self._model_event(name)
-            if m.kind == "tensor":
-                policy = BatchPolicy(max_batch_size=m.max_batch_size or eng.max_batch_size,
-                                     max_queue_delay_s=(m.max_queue_delay_ms if m.max_queue_delay_ms is not None
-                                                        else eng.max_queue_delay_ms) / 1000.0,
-                                     max_queue_size=eng.max_queue_size)
-                services[name] = TensorModelService(
-                    name, m.resolved_path, backend=m.backend, device=device.split(" ")[0], threads=eng.threads,
-                    version_label=m.version, max_samples=m.max_samples, policy=policy, metrics=self.metrics,
-                    on_event=on_event)
-            else:
-                from .engine.llm_service import GenerativeModelService, GenerativeSettings
-                settings = GenerativeSettings(
-                    kv_slots=eng.kv_slots, max_seq_len=eng.max_seq_len, max_new_tokens=eng.max_new_tokens,
-                    slot_policy=eng.slot_policy, prefill_chunk=eng.prefill_chunk, dtype=eng.dtype,
-                    device=device.split(" ")[0], threads=eng.threads, seed=eng.seed,
-                    max_text_chars=m.max_text_chars, system_prompt=m.system_prompt, top_p=m.top_p,
-                    max_queue_size=eng.max_queue_size)
-                services[name] = GenerativeModelService(name, m.resolved_path, settings, version_label=m.version,
-                                                        metrics=self.metrics, on_event=on_event)
+            groups.setdefault(m.worker or name, []).append(m)
+        services = {}
+        for group, members in groups.items():
+            sup = WorkerSupervisor(group, [model_spec(m, eng, device.split(" ")[0]) for m in members], policy,
+                                   on_event=self._model_event, metrics=self.metrics)
+            self.supervisors.append(sup)
+            for m in members:
+                services[m.name] = RemoteModel(m.name, m.kind, sup, max_samples=m.max_samples)
         return services
 
-    def _model_event(self, name: str):
-        def on_event(kind: str, message: str) -> None:
-            log.warning("model %s: %s: %s", name, kind, message)
-            if self.audit is not None:
-                self.audit.record(action=kind, session="", client="", user="appliance", role="", model=name,
-                                  status="BadInternalError", detail=message)
-            if self.ua is not None:
-                self.ua.emit_event(f"Model {name}: {kind}: {message}", severity=800)
-        return on_event
+    def _model_event(self, name: str, kind: str, message: str) -> None:
+        """A model's worker or engine reports a failure (load failed, worker replaced, given up)."""
+        log.warning("model %s: %s: %s", name, kind, message)
+        if self.audit is not None:
+            self.audit.record(action=kind, session="", client="", user="appliance", role="", model=name,
+                              status="BadInternalError", detail=message)
+        if self.ua is not None:
+            self.ua.emit_event(f"Model {name}: {kind}: {message}", severity=800)
 
     def readiness(self) -> tuple[bool, list[str]]:
-        reasons = [f"model {n} is {s.state}" for n, s in self.services.items() if s.state != "Ready"]
+        reasons = []
+        for name, model in self.services.items():
+            st = model.status()
+            if st.state != "Ready":
+                reasons.append(f"model {name} is {st.state}" + (f": {st.failure_reason}" if st.failure_reason
+                                                                 else " (its worker is restarting)"
+                                                                 if st.restarting else ""))
+            elif not model.supervisor.healthy():
+                reasons.append(f"model {name}: its worker does not answer liveness checks")
         if self.ua is None or self.ua.server is None:
             reasons.append("OPC UA server is not running")
         if self.watchdog is not None and self.watchdog.state == "Critical":
             reasons.append("watchdog is Critical")
-        if not self.engine_alive():
-            reasons.append("an engine thread has stopped")
+        if not self.supervision_alive():
+            reasons.append("worker supervision has stopped")
         return (not reasons), reasons
 
-    def engine_alive(self) -> bool:
-        """Every Ready model's engine thread runs (the Heartbeat stops when one does not)."""
-        return all(getattr(s, "engine_alive", True) for s in self.services.values() if s.state == "Ready")
+    def supervision_alive(self) -> bool:
+        """The appliance's own 1 Hz loop and every worker's supervision run (Appliance/Heartbeat follows this)."""
+        task = self._supervision_task
+        if task is None or task.done() or time.monotonic() - self._last_supervision_tick > 2.5:
+            return False
+        return all(s._task is not None and not s._task.done() for s in self.supervisors)
+
+    def alarms(self) -> dict[str, bool]:
+        statuses = [m.status() for m in self.services.values()]
+        wd = self.watchdog.state if self.watchdog is not None else "NoGpu"
+        return {"EngineFault": wd == "Critical", "WorkerRestarting": any(st.restarting for st in statuses),
+                "ModelFailed": any(st.state == "Failed" for st in statuses), "GpuWarning": wd == "Warning",
+                "GpuCritical": wd == "Critical"}
+
+    async def _supervision_loop(self) -> None:
+        """1 Hz: each model's Heartbeat, the worker gauges and the alarm gauges."""
+        while True:
+            self._last_supervision_tick = time.monotonic()
+            for model in self.services.values():
+                model.tick_heartbeat()
+            if self.metrics is not None:
+                self._publish_model_metrics()
+            await asyncio.sleep(1.0)
+
+    def _publish_model_metrics(self) -> None:
+        m = self.metrics
+        slots_total = slots_used = 0
+        for name, model in self.services.items():
+            st = model.status()
+            m.queue_depth.labels(name).set(st.queue_depth)
+            m.model_ready.labels(name).set(1 if st.state == "Ready" else 0)
+            m.worker_up.labels(name).set(1 if st.worker_up else 0)
+            if st.version:
+                m.set_model_info(name, st.version, st.backend)
+            slots_total += st.slots_total
+            slots_used += st.slots_in_use
+        m.kv_slots_total.set(slots_total)
+        m.kv_slots_used.set(slots_used)
+        for alarm, active in self.alarms().items():
+            m.alarm_active.labels(alarm).set(1 if active else 0)
 
     def health(self) -> dict:
         wd = self.watchdog
@@ -172,9 +236,13 @@ class Appliance:
         self._tasks.append(asyncio.create_task(self.watchdog.run(wd.interval_s)))
 
         self.services = self.build_services(device)
+        for sup in self.supervisors:  # workers start loading while the server comes up
+            await sup.start()
+        self._last_supervision_tick = time.monotonic()
+        self._supervision_task = asyncio.create_task(self._supervision_loop())
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
                                     metrics=self.metrics, audit=self.audit, device=device, health=self.health,
-                                    engine_alive=self.engine_alive)
+                                    supervision_alive=self.supervision_alive, alarms=self.alarms)
         await self.ua.start()
         if self.metrics.server_cert_expiring._value.get():
             self.ua.emit_event("The server certificate expires within "
@@ -183,8 +251,6 @@ class Appliance:
         if cfg.metrics.enabled:
             self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics, self.readiness)
             await self.http.start()
-        for svc in self.services.values():
-            self._tasks.append(asyncio.create_task(svc.start()))
 
     def _watch_certificate(self, pki) -> None:
         from datetime import datetime, timezone
@@ -205,21 +271,41 @@ class Appliance:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while loop.time() < end:
-            if all(s.state != "Loading" for s in self.services.values()):
+            if all(s.status().state != "Loading" for s in self.services.values()):
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError("models did not finish loading")
 
+    async def drain(self) -> None:
+        """Stop taking calls; let those in flight finish within server.drain_timeout_s; answer the rest BadTimeout."""
+        if self.ua is None:
+            return
+        self.ua.handlers.draining = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.config.server.drain_timeout_s
+        while self.ua.handlers.in_flight and loop.time() < end:
+            await asyncio.sleep(0.02)
+        if self.ua.handlers.in_flight:
+            log.warning("%d calls still running after %.1f s: answering them BadTimeout", self.ua.handlers.in_flight,
+                        self.config.server.drain_timeout_s)
+            from .errors import DeadlineExceeded
+            for sup in self.supervisors:
+                sup.fail_pending(DeadlineExceeded("the appliance is shutting down"))
+            end = loop.time() + 2.0
+            while self.ua.handlers.in_flight and loop.time() < end:  # the answers go out
+                await asyncio.sleep(0.01)
+
     async def stop(self) -> None:
+        self._stopping = True
+        await self.drain()
         if self.ua is not None:
-            await self.ua.stop()  # closes sessions first: their slots are freed
+            await self.ua.stop()  # closes sessions first: their slots are freed; flushes the audit records
         if self.http is not None:
             await self.http.stop()
-        for svc in self.services.values():
-            try:
-                await svc.stop()
-            except Exception:
-                log.exception("stopping a model failed")
+        await asyncio.gather(*(sup.stop() for sup in self.supervisors), return_exceptions=True)
+        if self._supervision_task is not None:
+            self._supervision_task.cancel()
+            await asyncio.gather(self._supervision_task, return_exceptions=True)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -47,6 +47,14 @@ class Metrics:
                                         "Seconds until the server certificate expires", registry=r)
         self.server_cert_expiring = Gauge("appliance_server_certificate_expiring",
                                           "1 when the server certificate expires within 30 days", registry=r)
+        self.worker_up = Gauge("appliance_worker_up", "1 while the model's worker process answers, else 0",
+                               ["model"], registry=r)
+        self.worker_restarts = Counter("appliance_worker_restarts", "Times the model's worker process was replaced",
+                                       ["model"], registry=r)
+        self.alarm_active = Gauge("appliance_alarm_active", "1 while the alarm is active (Objects/Appliance/Alarms)",
+                                  ["alarm"], registry=r)
+        self.rate_limited = Counter("appliance_rate_limited", "Calls refused with BadTooManyOperations by a rate limit",
+                                    ["role"], registry=r)
         self.audit_errors = Counter("appliance_audit_write_errors", "Audit records that could not be written",
                                     registry=r)
         self.gpu_present = gpu_present

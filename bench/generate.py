@@ -149,7 +149,8 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
     """n concurrent Generate calls (one session each) -> best tokens/s per n."""
     import asyncio
 
-    from appliance.engine.llm_service import GenerativeModelService, GenerativeSettings
+    from appliance.engine.llm_service import GenerativeModelService
+    from appliance.engine.llm_settings import GenerativeSettings
 
     async def run() -> dict:
         svc = GenerativeModelService("bench", path, GenerativeSettings(
@@ -223,7 +224,7 @@ def main() -> None:
     if args.service and path is not None:
         del ours, hf  # one model in memory at a time
         # A fresh process: this one's main thread has run torch, and its idle OpenMP team would slow the engine
-        # thread (see llm_service._in_fresh_thread); the daemon's main thread runs no torch.
+        # thread (see llm_loading.in_fresh_thread); the daemon's main thread runs no torch.
         import multiprocessing
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             service = pool.apply(bench_service, (path, args.dtype, args.threads, batches, new, repeats))

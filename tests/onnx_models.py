@@ -52,3 +52,49 @@ def heavy_model(path: Path, width: int = 4, size: int = 2048, products: int = 8)
               helper.make_node("Mul", ["m", "zero"], ["z"]),
               helper.make_node("Add", ["input", "z"], ["output"])]
     return _save(helper.make_graph(nodes, "heavy", [x], [y], inits), path)
+
+
+def hang_model(path: Path, width: int = 4) -> Path:
+    """y = x, but an input whose largest value is v runs an ONNX Loop of v * 1e12 iterations first: a forward pass
+    that never returns (the load-time probe with zeros runs none)."""
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", width])
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["v_in", "one"], ["v_out"])], "spin",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_in", TensorProto.FLOAT, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+    inits = [numpy_helper.from_array(np.array(1e12, np.float32), "scale"),
+             numpy_helper.from_array(np.array(True), "true"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    nodes = [helper.make_node("ReduceMax", ["input"], ["m"], keepdims=0),
+             helper.make_node("Mul", ["m", "scale"], ["ms"]),
+             helper.make_node("Cast", ["ms"], ["trips"], to=TensorProto.INT64),
+             helper.make_node("Loop", ["trips", "true", "zero"], ["v"], body=body),
+             helper.make_node("Mul", ["v", "zero"], ["vz"]),
+             helper.make_node("Add", ["input", "vz"], ["output"])]
+    return _save(helper.make_graph(nodes, "hang", [x], [y], inits), path)
+
+
+def memory_hog_model(path: Path, width: int = 4, bytes_per_unit: int = 3 << 30) -> Path:
+    """y = x, but an input whose largest value is v first fills a tensor of v * bytes_per_unit bytes (pages
+    touched, so resident): a model that allocates past a worker's memory limit (the probe with zeros: none)."""
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", width])
+    inits = [numpy_helper.from_array(np.array(bytes_per_unit // 4, np.float32), "scale"),
+             numpy_helper.from_array(np.array([1], np.int64), "one_dim"),
+             numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    nodes = [helper.make_node("ReduceMax", ["input"], ["m"], keepdims=0),
+             helper.make_node("Mul", ["m", "scale"], ["ms"]),
+             helper.make_node("Cast", ["ms"], ["n"], to=TensorProto.INT64),
+             helper.make_node("Reshape", ["n", "one_dim"], ["shape"]),
+             helper.make_node("ConstantOfShape", ["shape"], ["big"],
+                              value=numpy_helper.from_array(np.array([1.0], np.float32))),
+             helper.make_node("ReduceSum", ["big"], ["s"], keepdims=0),
+             helper.make_node("Mul", ["s", "zero"], ["sz"]),
+             helper.make_node("Add", ["input", "sz"], ["output"])]
+    return _save(helper.make_graph(nodes, "hog", [x], [y], inits), path)

@@ -12,8 +12,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from appliance.engine.llm_service import GenerativeModelService, GenerativeSettings  # noqa: E402
-from appliance.errors import (DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,  # noqa: E402
+from appliance.engine.llm_service import GenerativeModelService  # noqa: E402
+from appliance.engine.llm_settings import GenerativeSettings  # noqa: E402
+from appliance.errors import (INVALID, OUT_OF_RANGE, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,  # noqa: E402
                               ResourceUnavailable)
 from appliance.metrics import Metrics  # noqa: E402
 from models.llama import Linear  # noqa: E402
@@ -160,15 +161,15 @@ def test_reset_forgets_the_conversation(model_dir):
 def test_bad_inputs_are_rejected_with_their_argument(model_dir):
     async def body():
         svc = await started(model_dir, max_seq_len=48)
-        cases = [(("", 5, 0.0), 0, "BadInvalidArgument"), (("x" * (16 * 1024 + 1), 5, 0.0), 0, "BadOutOfRange"),
-                 (("\ud800", 5, 0.0), 0, "BadInvalidArgument"), (("hi", 0, 0.0), 1, "BadOutOfRange"),
-                 (("hi", 65, 0.0), 1, "BadOutOfRange"), (("hi", 5, -0.1), 2, "BadOutOfRange"),
-                 (("hi", 5, 2.5), 2, "BadOutOfRange"), (("hi", 5, math.nan), 2, "BadOutOfRange"),
-                 (("The pump runs at nominal speed. " * 8, 5, 0.0), 0, "BadOutOfRange")]  # > 48 tokens
+        cases = [(("", 5, 0.0), 0, INVALID), (("x" * (16 * 1024 + 1), 5, 0.0), 0, OUT_OF_RANGE),
+                 (("\ud800", 5, 0.0), 0, INVALID), (("hi", 0, 0.0), 1, OUT_OF_RANGE),
+                 (("hi", 65, 0.0), 1, OUT_OF_RANGE), (("hi", 5, -0.1), 2, OUT_OF_RANGE),
+                 (("hi", 5, 2.5), 2, OUT_OF_RANGE), (("hi", 5, math.nan), 2, OUT_OF_RANGE),
+                 (("The pump runs at nominal speed. " * 8, 5, 0.0), 0, OUT_OF_RANGE)]  # > 48 tokens
         for args, index, status in cases:
             with pytest.raises(InvalidArgument) as err:
                 await svc.generate("s", *args, FAR)
-            assert (err.value.index, err.value.arg_status) == (index, status), args
+            assert (err.value.index, err.value.kind) == (index, status), args
             assert "/" not in str(err.value)
         assert svc.slots_in_use == 0  # the prompt that did not fit holds no slot
         ok = await svc.generate("s", "hi", 5, 2.0, FAR)  # the session is still usable

@@ -233,7 +233,7 @@ def test_argument_validation(tmp_path):
         errors = {}
         with pytest.raises(InvalidArgument) as info:
             await svc.infer(["a"] * N_IN, later())
-        assert info.value.arg_status == "BadTypeMismatch"
+        assert info.value.kind == "type_mismatch"
         for what, arg in bad.items():
             with pytest.raises(InvalidArgument) as info:
                 await svc.infer(arg, later())
@@ -244,7 +244,7 @@ def test_argument_validation(tmp_path):
 
     svc, errors, ok = asyncio.run(main())
     for what, err in errors.items():
-        assert (err.index, err.arg_status, err.status) == (0, "BadOutOfRange", "BadInvalidArgument"), what
+        assert (err.index, err.kind, err.reason) == (0, "out_of_range", "invalid_input"), what
     assert ok.shape == (4 * N_OUT,)
     assert svc.request_count == 8 and svc.error_count == 7
 

@@ -35,6 +35,29 @@ GENERATE_IN = [argument("Prompt", V.String, description="non-empty UTF-8, at mos
 GENERATE_OUT = [argument("Text", V.String), argument("TokenCount", V.UInt32), argument("FinishReason", V.String),
                 argument("ContextTokens", V.UInt32), argument("ContextLost", V.Boolean),
                 argument("ModelVersion", V.String)]
+CLASSIFY_OUT = [argument("ClassIndex", V.Int32, True, "arg-max class per sample"),
+                argument("Label", V.String, True, "its label"),
+                argument("Confidence", V.Float, True, "its probability"),
+                argument("ModelVersion", V.String, description="version of the weights that computed the result")]
+JOB_ID = argument("JobId", V.UInt32, description="a job of the calling identity (certificate + user)")
+WAIT_MS = argument("WaitMs", V.UInt32, description="wait at most this long for the result (0: answer at once)")
+DONE = argument("Done", V.Boolean, description="false: the job still runs (Text holds what is there so far)")
+CONVERSATION_ID = argument("ConversationId", V.String, description="1-64 printable ASCII; yours alone")
+START_INFER_OUT = [JOB_ID]
+GET_INFER_RESULT_OUT = [DONE, *INFER_OUT]
+START_GENERATE_IN = [argument("ConversationId", V.String,
+                              description="empty: the calling session's conversation"), *GENERATE_IN]
+GET_RESULT_IN = [JOB_ID, WAIT_MS]
+GET_GENERATE_RESULT_OUT = [DONE, *GENERATE_OUT]
+CONVERSE_IN = [CONVERSATION_ID, *GENERATE_IN]
+# (method, inputs, outputs) a model offers besides Infer / Generate, by kind
+JOB_METHODS = {
+    "tensor": [("StartInfer", INFER_IN, START_INFER_OUT), ("GetInferResult", GET_RESULT_IN, GET_INFER_RESULT_OUT)],
+    "generative": [("Converse", CONVERSE_IN, GENERATE_OUT), ("EndConversation", [CONVERSATION_ID], []),
+                   ("StartGenerate", START_GENERATE_IN, START_INFER_OUT),
+                   ("GetGenerateResult", GET_RESULT_IN, GET_GENERATE_RESULT_OUT)],
+}
+COMMON_JOB_METHODS = [("CancelJob", [JOB_ID], []), ("ReleaseJob", [JOB_ID], [])]
 RELOAD_IN = [argument("Name", V.String, description="the model's name")]
 RELOAD_OUT = [argument("Version", V.String)]
 
@@ -50,6 +73,8 @@ class ApplianceNodes:
     root: Node
     values: dict[str, Node] = field(default_factory=dict)  # "State", "Engine/QueueDepth", "Health/..."
     models: dict[str, ModelNodes] = field(default_factory=dict)
+    alarms: dict[str, Node] = field(default_factory=dict)  # Alarms/<name> Booleans
+    class_alarms: dict[tuple[str, int], Node] = field(default_factory=dict)  # (model, class) -> Alarms/<label>
 
 
 class AddressSpaceBuilder:
@@ -65,7 +90,10 @@ class AddressSpaceBuilder:
                                          ua.Variant(value, vtype))
         return node  # read-only: asyncua variables are not writable unless set_writable() is called
 
-    async def build(self, device: str, models: dict, callbacks: dict) -> ApplianceNodes:
+    async def build(self, device: str, models: dict, callbacks: dict, alarms: tuple[str, ...] = (),
+                    classifiers: dict | None = None) -> ApplianceNodes:
+        """classifiers: model name -> (labels, alarm class indices) for tensor models with labels."""
+        classifiers = classifiers or {}
         objects = self.server.nodes.objects
         root = await objects.add_object(self.nid("Appliance"), ua.QualifiedName("Appliance", self.ns))
         nodes = ApplianceNodes(root)
@@ -74,26 +102,38 @@ class AddressSpaceBuilder:
         nodes.values["Heartbeat"] = await self.variable(root, "Appliance", "Heartbeat", 0, V.UInt32)
 
         models_obj = await root.add_object(self.nid("Appliance/Models"), ua.QualifiedName("Models", self.ns))
-        for name, svc in models.items():
+        for name, model in models.items():
+            st = model.status()
             path = f"Appliance/Models/{name}"
             obj = await models_obj.add_object(self.nid(path), ua.QualifiedName(name, self.ns))
             m = ModelNodes(obj)
-            for key, value, vtype in (("Kind", svc.kind, V.String), ("Version", "", V.String),
+            for key, value, vtype in (("Kind", st.kind, V.String), ("Version", "", V.String),
                                       ("Backend", "", V.String), ("State", "Loading", V.String),
                                       ("RequestCount", 0, V.UInt64), ("ErrorCount", 0, V.UInt64),
-                                      ("LastLatencyMs", 0.0, V.Double)):
+                                      ("LastLatencyMs", 0.0, V.Double), ("Heartbeat", 0, V.UInt32),
+                                      ("WorkerRestarts", 0, V.UInt32)):
                 m.values[key] = await self.variable(obj, path, key, value, vtype)
-            if svc.kind == "tensor":
+            if st.kind == "tensor":
                 m.values["InputShape"] = await self.variable(obj, path, "InputShape", [], V.UInt32)
                 m.values["OutputShape"] = await self.variable(obj, path, "OutputShape", [], V.UInt32)
-                m.values["MaxSamples"] = await self.variable(obj, path, "MaxSamples", int(svc.max_samples), V.UInt32)
+                m.values["MaxSamples"] = await self.variable(obj, path, "MaxSamples", int(st.max_samples), V.UInt32)
                 await obj.add_method(self.nid(f"{path}/Infer"), ua.QualifiedName("Infer", self.ns),
                                      callbacks[(name, "Infer")], INFER_IN, INFER_OUT)
+                if name in classifiers:
+                    await obj.add_method(self.nid(f"{path}/Classify"), ua.QualifiedName("Classify", self.ns),
+                                         callbacks[(name, "Classify")], INFER_IN, CLASSIFY_OUT)
+                    last = await obj.add_object(self.nid(f"{path}/Last"), ua.QualifiedName("Last", self.ns))
+                    for key, value, vtype in (("ClassIndex", -1, V.Int32), ("Label", "", V.String),
+                                              ("Confidence", 0.0, V.Float), ("Time", None, V.DateTime)):
+                        m.values[f"Last/{key}"] = await self.variable(last, f"{path}/Last", key, value, vtype)
             else:
                 await obj.add_method(self.nid(f"{path}/Generate"), ua.QualifiedName("Generate", self.ns),
                                      callbacks[(name, "Generate")], GENERATE_IN, GENERATE_OUT)
                 await obj.add_method(self.nid(f"{path}/ResetContext"), ua.QualifiedName("ResetContext", self.ns),
                                      callbacks[(name, "ResetContext")], [], [])
+            for method, inputs, outputs in JOB_METHODS[st.kind] + COMMON_JOB_METHODS:
+                await obj.add_method(self.nid(f"{path}/{method}"), ua.QualifiedName(method, self.ns),
+                                     callbacks[(name, method)], inputs, outputs)
             nodes.models[name] = m
 
         engine = await root.add_object(self.nid("Appliance/Engine"), ua.QualifiedName("Engine", self.ns))
@@ -103,6 +143,14 @@ class AddressSpaceBuilder:
         for key, value, vtype in (("WatchdogState", "NoGpu", V.String), ("GpuTemperatureC", 0.0, V.Double),
                                   ("GpuMemoryUsedBytes", 0, V.UInt64), ("GpuEccErrors", 0, V.UInt64)):
             nodes.values[f"Health/{key}"] = await self.variable(health, "Appliance/Health", key, value, vtype)
+        alarms_obj = await root.add_object(self.nid("Appliance/Alarms"), ua.QualifiedName("Alarms", self.ns))
+        for alarm in alarms:
+            nodes.alarms[alarm] = await self.variable(alarms_obj, "Appliance/Alarms", alarm, False, V.Boolean)
+        for name, (labels, alarm_classes) in classifiers.items():
+            for c in alarm_classes:  # BrowseName: the class label; NodeId: unique per model
+                nodes.class_alarms[(name, c)] = await alarms_obj.add_variable(
+                    self.nid(f"Appliance/Alarms/{name}/{labels[c]}"), ua.QualifiedName(labels[c], self.ns),
+                    ua.Variant(False, V.Boolean))
         admin = await root.add_object(self.nid("Appliance/Admin"), ua.QualifiedName("Admin", self.ns))
         await admin.add_method(self.nid("Appliance/Admin/ReloadModel"), ua.QualifiedName("ReloadModel", self.ns),
                                callbacks[("", "ReloadModel")], RELOAD_IN, RELOAD_OUT)

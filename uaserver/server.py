@@ -6,9 +6,11 @@ from the validated configuration. The engine services are passed in; the server 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from urllib.parse import urlparse
 
 from asyncua import Server, ua
@@ -19,11 +21,14 @@ from cryptography.hazmat.primitives import serialization
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
-from appliance.errors import InvalidArgument
+from appliance.classify import ClassifierState
+from appliance.rate_limit import RateLimiter
+from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
+from appliance.jobs import Job, JobStore
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
 from .identity import ApplianceUserManager
-from .methods import CallContext, MethodHandlers, require_ready, require_type
+from .methods import CallContext, MethodHandlers, caller_identity, require_ready, require_type
 from .processor import ChannelGuard, HardenedBinaryServer
 from .session import ApplianceSession
 
@@ -77,7 +82,8 @@ class _AsyncuaServer(Server):
 class ApplianceUaServer:
     def __init__(self, config, *, pki, trust_list, user_store, services: dict, metrics=None, audit=None,
                  device: str = "cpu", health: Callable[[], dict] | None = None,
-                 engine_alive: Callable[[], bool] | None = None):
+                 supervision_alive: Callable[[], bool] | None = None,
+                 alarms: Callable[[], dict[str, bool]] | None = None):
         self.config = config
         self.pki = pki
         self.trust_list = trust_list
@@ -88,7 +94,8 @@ class ApplianceUaServer:
         self.device = device
         self.health = health or (lambda: {"WatchdogState": "NoGpu", "GpuTemperatureC": 0.0,
                                           "GpuMemoryUsedBytes": 0, "GpuEccErrors": 0})
-        self.engine_alive = engine_alive or (lambda: True)
+        self.supervision_alive = supervision_alive or (lambda: True)
+        self.alarms = alarms or (lambda: {})
         self.server: _AsyncuaServer | None = None
         self.nodes: ApplianceNodes | None = None
         self.ns = 0
@@ -98,9 +105,18 @@ class ApplianceUaServer:
         self.heartbeat = 0
         self.state = "Starting"
         limits = config.security.limits
+        self.classifiers = {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence)
+                            for name, m in config.models.items() if m.kind == "tensor" and m.labels}
+        jobs = config.jobs
+        self.jobs = JobStore(max_per_client=jobs.max_per_client, result_ttl_s=jobs.result_ttl_s,
+                             max_wait_s=jobs.max_wait_ms / 1000.0, on_ready=self._job_ready)
+        self._job_events: dict[str, object] = {}  # model -> event generator of JobResultReady on its object
+        self._conversations: dict[str, tuple[str, float]] = {}  # slot key -> (model, last use, monotonic)
+        self.conversation_ttl_s = config.engine.conversation_ttl_s
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
-                                       request_timeout_s=config.engine.request_timeout_s)
+                                       request_timeout_s=config.engine.request_timeout_s,
+                                       rate_limiter=RateLimiter(config.security.rate_limits))
 
     # ---- lifecycle ----
 
@@ -163,8 +179,14 @@ class ApplianceUaServer:
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
-        self.nodes = await builder.build(self.device, self.services, self._callbacks())
+        self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()),
+                                         {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()})
         self._event_gen = await server.get_event_generator()
+        job_event = await server.create_custom_event_type(
+            self.ns, "JobResultReadyEventType", ua.ObjectIds.BaseEventType,
+            [("JobId", ua.VariantType.UInt32), ("Model", ua.VariantType.String)])
+        for name, m in self.nodes.models.items():
+            self._job_events[name] = await server.get_event_generator(job_event, m.obj)
         self.server = server
         await server.start()
         self._updater = asyncio.create_task(self._update_loop())
@@ -179,6 +201,7 @@ class ApplianceUaServer:
                 pass
         if self.server is None:
             return
+        self.jobs.cancel_all()
         # asyncua's stop() leaves sessions with subscriptions open: close every session so slots are freed.
         for session in list(self.server.iserver._external_sessions.values()):
             try:
@@ -202,9 +225,9 @@ class ApplianceUaServer:
         return create_session
 
     def _session_closed(self, session: ApplianceSession) -> None:
-        for svc in self.services.values():
-            if svc.kind == "generative":
-                svc.release(session.key)
+        for model in self.services.values():
+            if model.kind == "generative":
+                model.release(session.key)
 
     # ---- events ----
 
@@ -229,12 +252,14 @@ class ApplianceUaServer:
 
     # ---- values ----
 
-    def appliance_state(self) -> str:
-        states = [svc.state for svc in self.services.values()]
+    def appliance_state(self, statuses: list | None = None) -> str:
+        statuses = statuses if statuses is not None else [m.status() for m in self.services.values()]
+        states = [st.state for st in statuses]
         wd = self.health().get("WatchdogState", "NoGpu")
-        if any(s == "Loading" for s in states) and not any(s == "Ready" for s in states):
+        restarted = any(st.restarting or st.worker_restarts for st in statuses)
+        if not restarted and any(s == "Loading" for s in states) and not any(s == "Ready" for s in states):
             return "Starting"
-        if wd == "Critical" or (states and all(s == "Failed" for s in states)):
+        if wd == "Critical":  # the watchdog stopped the engine; a Failed model alone degrades
             return "Fault"
         if wd == "Warning" or any(s != "Ready" for s in states):
             return "Degraded"
@@ -247,9 +272,11 @@ class ApplianceUaServer:
                 now = time.monotonic()
                 if now - last_beat >= 1.0:
                     last_beat = now
-                    if self.engine_alive():
+                    if self.supervision_alive():
                         self.heartbeat = (self.heartbeat + 1) % 2**32
                 await self.publish_values()
+                self.jobs.sweep()
+                self._expire_conversations()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -258,25 +285,31 @@ class ApplianceUaServer:
 
     async def publish_values(self) -> None:
         s, n = self.server, self.nodes
-        self.state = self.appliance_state()
+        statuses = [model.status() for model in self.services.values()]
+        self.state = self.appliance_state(statuses)
         await write(s, n.values["State"], self.state, V.String)
         await write(s, n.values["Heartbeat"], self.heartbeat, V.UInt32)
         queue = slots_total = slots_used = 0
-        for name, svc in self.services.items():
-            m = n.models[name]
-            await write(s, m.values["Version"], svc.version or "", V.String)
-            await write(s, m.values["Backend"], svc.backend_name or "", V.String)
-            await write(s, m.values["State"], svc.state, V.String)
-            await write(s, m.values["RequestCount"], int(svc.request_count), V.UInt64)
-            await write(s, m.values["ErrorCount"], int(svc.error_count), V.UInt64)
-            await write(s, m.values["LastLatencyMs"], float(svc.last_latency_ms), V.Double)
-            if svc.kind == "tensor":
-                await write(s, m.values["InputShape"], [int(d) for d in (svc.input_shape or ())], V.UInt32)
-                await write(s, m.values["OutputShape"], [int(d) for d in (svc.output_shape or ())], V.UInt32)
+        for st in statuses:
+            m = n.models[st.name]
+            await write(s, m.values["Version"], st.version, V.String)
+            await write(s, m.values["Backend"], st.backend, V.String)
+            await write(s, m.values["State"], st.state, V.String)
+            await write(s, m.values["RequestCount"], int(st.request_count), V.UInt64)
+            await write(s, m.values["ErrorCount"], int(st.error_count), V.UInt64)
+            await write(s, m.values["LastLatencyMs"], float(st.last_latency_ms), V.Double)
+            await write(s, m.values["Heartbeat"], int(st.heartbeat), V.UInt32)
+            await write(s, m.values["WorkerRestarts"], int(st.worker_restarts) % 2**32, V.UInt32)
+            if st.kind == "tensor":
+                await write(s, m.values["InputShape"], [int(d) for d in st.input_shape], V.UInt32)
+                await write(s, m.values["OutputShape"], [int(d) for d in st.output_shape], V.UInt32)
             else:
-                slots_total += svc.slots_total
-                slots_used += svc.slots_in_use
-            queue += svc.queue_depth
+                slots_total += st.slots_total
+                slots_used += st.slots_in_use
+            queue += st.queue_depth
+        for alarm, active in self.alarms().items():
+            if alarm in n.alarms:
+                await write(s, n.alarms[alarm], bool(active), V.Boolean)
         await write(s, n.values["Engine/QueueDepth"], queue, V.UInt32)
         await write(s, n.values["Engine/SlotsTotal"], slots_total, V.UInt32)
         await write(s, n.values["Engine/SlotsInUse"], slots_used, V.UInt32)
@@ -294,37 +327,201 @@ class ApplianceUaServer:
         h = self.handlers
         cbs = {("", "ReloadModel"): h.wrap("ReloadModel", "", "engineer", 1, self._reload)}
         for name, svc in self.services.items():
+            cbs.update(self._job_callbacks(name, svc))
             if svc.kind == "tensor":
                 cbs[(name, "Infer")] = h.wrap("Infer", name, "operator", 1, self._infer_body(svc))
+                if name in self.classifiers:
+                    cbs[(name, "Classify")] = h.wrap("Classify", name, "operator", 1,
+                                                     self._infer_body(svc, classify=True))
             else:
                 cbs[(name, "Generate")] = h.wrap("Generate", name, "operator", 3, self._generate_body(svc))
                 cbs[(name, "ResetContext")] = h.wrap("ResetContext", name, "operator", 0, self._reset_body(svc))
         return cbs
 
-    def _infer_body(self, svc):
+    def _job_callbacks(self, name: str, model) -> dict:
+        h, cbs = self.handlers, {}
+        if model.kind == "tensor":
+            cbs[(name, "StartInfer")] = h.wrap("StartInfer", name, "operator", 1, self._start_infer_body(model))
+            cbs[(name, "GetInferResult")] = h.wrap("GetInferResult", name, "operator", 2, self._get_result_body())
+        else:
+            cbs[(name, "Converse")] = h.wrap("Converse", name, "operator", 4, self._generate_body(model, True))
+            cbs[(name, "EndConversation")] = h.wrap("EndConversation", name, "operator", 1,
+                                                    self._end_conversation_body(model))
+            cbs[(name, "StartGenerate")] = h.wrap("StartGenerate", name, "operator", 4,
+                                                  self._start_generate_body(model))
+            cbs[(name, "GetGenerateResult")] = h.wrap("GetGenerateResult", name, "operator", 2,
+                                                      self._get_result_body())
+        cbs[(name, "CancelJob")] = h.wrap("CancelJob", name, "operator", 1, self._cancel_job_body(release=False))
+        cbs[(name, "ReleaseJob")] = h.wrap("ReleaseJob", name, "operator", 1, self._cancel_job_body(release=True))
+        return cbs
+
+    # ---- jobs and conversations ----
+
+    def _start_infer_body(self, svc):
         async def body(ctx: CallContext, args):
             samples = self.handlers.float_array(args[0], 0)
             ctx.input_digest = digest(samples)
             require_ready(svc)
-            out, version = await svc.infer(samples, self.handlers.deadline())
-            ctx.version = version
-            ctx.output_digest = digest(out)
-            return [ua.Variant([float(x) for x in out], V.Float), ua.Variant(version, V.String)]
+
+            async def run(on_progress):
+                r = await svc.infer(samples, self.handlers.deadline())
+                classifier = self.classifiers.get(svc.name)
+                if classifier is not None:
+                    await self._classified(svc.name, classifier, r.output)
+                return r
+            job = self.jobs.start(caller_identity(ctx.session), svc.name, "infer", run)
+            return [ua.Variant(job.id, V.UInt32)]
         return body
 
-    def _generate_body(self, svc):
+    def _start_generate_body(self, svc):
         async def body(ctx: CallContext, args):
-            prompt = self.handlers.text(args[0], 0)
-            max_tokens = self.handlers.uint32(args[1], 1)
-            temperature = self.handlers.real(args[2], 2)
+            conversation = require_type(args[0], 0, (V.String,), array=False) or ""
+            prompt, max_tokens, temperature = self._generate_args(args, 1)
             ctx.input_digest = digest(prompt)
             require_ready(svc)
-            r = await svc.generate(ctx.session.key, prompt, max_tokens, temperature, self.handlers.deadline())
+            key = self._slot_key(ctx, conversation, svc.name, 0) if conversation else ctx.session.key
+            deadline = self.handlers.deadline()
+            job = self.jobs.start(caller_identity(ctx.session), svc.name, "generate",
+                                  lambda on_progress: svc.generate(key, prompt, max_tokens, temperature, deadline,
+                                                                   on_progress))
+            return [ua.Variant(job.id, V.UInt32)]
+        return body
+
+    def _get_result_body(self):
+        async def body(ctx: CallContext, args):
+            job_id = self.handlers.uint32(args[0], 0)
+            wait_ms = self.handlers.uint32(args[1], 1)
+            job = await self.jobs.wait(caller_identity(ctx.session), job_id, wait_ms / 1000.0)
+            if job.error is not None:
+                raise job.error
+            if job.kind == "infer":
+                r = job.result
+                if r is None:
+                    return [ua.Variant(False, V.Boolean), ua.Variant([], V.Float), ua.Variant("", V.String)]
+                ctx.version, ctx.output_digest = r.model_version, digest(r.output)
+                return [ua.Variant(True, V.Boolean), ua.Variant(r.output.tolist(), V.Float),
+                        ua.Variant(r.model_version, V.String)]
+            r = job.result
+            if r is None:
+                return [ua.Variant(False, V.Boolean), ua.Variant(job.partial_text, V.String),
+                        ua.Variant(job.partial_tokens, V.UInt32), ua.Variant("", V.String),
+                        ua.Variant(0, V.UInt32), ua.Variant(False, V.Boolean), ua.Variant("", V.String)]
+            ctx.version, ctx.output_digest = r.model_version, digest(r.text)
+            return [ua.Variant(True, V.Boolean), *self._generate_outputs(r)]
+        return body
+
+    def _cancel_job_body(self, release: bool):
+        async def body(ctx: CallContext, args):
+            job_id = self.handlers.uint32(args[0], 0)
+            if release:
+                self.jobs.release(caller_identity(ctx.session), job_id)
+            else:
+                self.jobs.cancel(caller_identity(ctx.session), job_id)
+            return []
+        return body
+
+    def _job_ready(self, job: Job) -> None:
+        gen = self._job_events.get(job.model)
+        if gen is None:
+            return
+
+        async def trigger():
+            try:
+                gen.event.JobId = ua.Variant(job.id, V.UInt32)
+                gen.event.Model = ua.Variant(job.model, V.String)
+                await gen.trigger(message=f"JobResultReady {job.id} {job.model}")
+            except Exception:
+                log.exception("JobResultReady event failed")
+        asyncio.ensure_future(trigger())
+
+    def _slot_key(self, ctx: CallContext, conversation: str, model: str, index: int) -> str:
+        """The KV slot of a conversation: keyed by the caller's identity and the id, not by the session, so a PLC
+        that opens a session per call continues it; another identity's same id is another conversation."""
+        if not (1 <= len(conversation) <= 64) or not all(32 <= ord(ch) < 127 for ch in conversation):
+            raise InvalidArgument("ConversationId must be 1-64 printable ASCII characters", index, OUT_OF_RANGE)
+        owner = hashlib.sha256(f"{caller_identity(ctx.session)}\0{conversation}".encode()).hexdigest()[:32]
+        key = f"conv:{owner}"
+        self._conversations[key] = (model, time.monotonic())
+        return key
+
+    def _end_conversation_body(self, svc):
+        async def body(ctx: CallContext, args):
+            conversation = require_type(args[0], 0, (V.String,), array=False) or ""
+            key = self._slot_key(ctx, conversation, svc.name, 0)
+            self._conversations.pop(key, None)
+            require_ready(svc)
+            await svc.reset(key)
+            return []
+        return body
+
+    def _expire_conversations(self) -> None:
+        now = time.monotonic()
+        for key, (model, used) in list(self._conversations.items()):
+            if now - used > self.conversation_ttl_s:
+                del self._conversations[key]
+                self.services[model].release(key)
+
+    def _infer_body(self, svc, classify: bool = False):
+        classifier = self.classifiers.get(svc.name)
+
+        async def body(ctx: CallContext, args):
+            samples = self.handlers.float_array(args[0], 0)
+            ctx.input_digest = digest(samples)
+            require_ready(svc)
+            r = await svc.infer(samples, self.handlers.deadline())
+            ctx.version = r.model_version
+            ctx.output_digest = digest(r.output)
+            if classifier is None:
+                return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
+            result = await self._classified(svc.name, classifier, r.output)
+            if not classify:
+                return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
+            return [ua.Variant(result.class_index, V.Int32), ua.Variant(result.label, V.String),
+                    ua.Variant(result.confidence, V.Float), ua.Variant(r.model_version, V.String)]
+        return body
+
+    async def _classified(self, model: str, classifier: "ClassifierState", output):
+        """Last and the class alarms follow every Classify and Infer result of a labelled model."""
+        result, raised, cleared = classifier.update(output)
+        s, m = self.server, self.nodes.models[model]
+        await write(s, m.values["Last/ClassIndex"], result.class_index[-1], V.Int32)
+        await write(s, m.values["Last/Label"], result.label[-1], V.String)
+        await write(s, m.values["Last/Confidence"], result.confidence[-1], V.Float)
+        await write(s, m.values["Last/Time"], datetime.now(timezone.utc), V.DateTime)
+        for c in raised | cleared:
+            active = c in raised
+            await write(s, self.nodes.class_alarms[(model, c)], active, V.Boolean)
+            label = classifier.labels[c]
+            if self.metrics is not None:
+                self.metrics.alarm_active.labels(f"{model}/{label}").set(1 if active else 0)
+            self.emit_event(f"Alarm {label} of model {model} " + ("raised" if active else "cleared"),
+                            severity=700 if active else 300)
+        return result
+
+    def _generate_args(self, args, first: int) -> tuple[str, int, float]:
+        return (self.handlers.text(args[first], first), self.handlers.uint32(args[first + 1], first + 1),
+                self.handlers.real(args[first + 2], first + 2))
+
+    @staticmethod
+    def _generate_outputs(r) -> list:
+        return [ua.Variant(r.text, V.String), ua.Variant(r.token_count, V.UInt32),
+                ua.Variant(r.finish_reason, V.String), ua.Variant(r.context_tokens, V.UInt32),
+                ua.Variant(bool(r.context_lost), V.Boolean), ua.Variant(r.model_version, V.String)]
+
+    def _generate_body(self, svc, conversation: bool = False):
+        """Generate (the session's conversation) or Converse (ConversationId first: the identity's conversation)."""
+        async def body(ctx: CallContext, args):
+            first = 1 if conversation else 0
+            key = ctx.session.key
+            if conversation:
+                key = self._slot_key(ctx, require_type(args[0], 0, (V.String,), array=False) or "", svc.name, 0)
+            prompt, max_tokens, temperature = self._generate_args(args, first)
+            ctx.input_digest = digest(prompt)
+            require_ready(svc)
+            r = await svc.generate(key, prompt, max_tokens, temperature, self.handlers.deadline())
             ctx.version = r.model_version
             ctx.output_digest = digest(r.text)
-            return [ua.Variant(r.text, V.String), ua.Variant(r.token_count, V.UInt32),
-                    ua.Variant(r.finish_reason, V.String), ua.Variant(r.context_tokens, V.UInt32),
-                    ua.Variant(bool(r.context_lost), V.Boolean), ua.Variant(r.model_version, V.String)]
+            return self._generate_outputs(r)
         return body
 
     def _reset_body(self, svc):
@@ -338,7 +535,7 @@ class ApplianceUaServer:
         name = require_type(args[0], 0, (V.String,), array=False)
         svc = self.services.get(name)
         if svc is None:
-            raise InvalidArgument("no model of that name", 0, "BadInvalidArgument")
+            raise InvalidArgument("no model of that name", 0, INVALID)
         ctx.model = name
         try:
             version = await svc.reload()

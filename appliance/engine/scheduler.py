@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from appliance.errors import ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
+from appliance.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
 from appliance.engine.sequence import FinishReason, Sequence, SeqState
 from appliance.engine.slots import Acquired, Slot, SlotManager
 
@@ -137,10 +137,10 @@ class Scheduler:
             try:
                 self.policy.prepare(seq, slot, acquired)
                 if len(slot.tokens) == slot.kv_len:  # nothing to run: no logits to sample a reply from
-                    raise InvalidArgument("the prompt adds no tokens", 0, "BadInvalidArgument")
+                    raise InvalidArgument("the prompt adds no tokens", 0, INVALID)
                 if len(slot.tokens) > self.slots.max_seq_len:
                     raise InvalidArgument("the prompt does not fit the model's context; call ResetContext or "
-                                          "send a shorter prompt", 0, "BadOutOfRange")
+                                          "send a shorter prompt", 0, OUT_OF_RANGE)
             except ApplianceError as exc:
                 self._roll_back(seq)
                 seq.state = SeqState.FINISHED

@@ -19,7 +19,8 @@ import numpy as np
 from appliance.engine.batcher import BatchPolicy, DynamicBatcher
 from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
 from appliance.engine.versioning import content_version
-from appliance.errors import ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.errors import OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.engine.liveness import Liveness
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 
@@ -37,17 +38,21 @@ class TensorModelService(ModelStatus):
 
     def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
                  max_samples: int, policy: BatchPolicy, metrics: Metrics | None,
-                 on_event: Callable[[str, str], None] | None = None):
+                 on_event: Callable[[str, str], None] | None = None, liveness: Liveness | None = None,
+                 inline: bool = False):
         super().__init__(name, path, version_label=version_label, metrics=metrics, on_event=on_event)
+        self.liveness = liveness or Liveness()
         self.backend_choice = backend
         self.device = device
         self.threads = threads
         self.max_samples = max_samples
         self.policy = policy
         self._loaded: _Loaded | None = None
-        # One inference thread per model: the batcher runs one batch at a time; loads use other threads.
+        # One inference thread per model: the batcher runs one batch at a time; loads use other threads. `inline`
+        # (in a worker process of its own): a lone request of a fast model runs on the worker's loop; a batch that
+        # hangs there is seen the same way, as liveness checks left unanswered.
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{name}")
-        self._batcher = DynamicBatcher(name, policy, self._execute, metrics, self._executor)
+        self._batcher = DynamicBatcher(name, policy, self._execute, metrics, self._executor, inline_fast_path=inline)
 
     # ---- what the address space shows ----
 
@@ -143,24 +148,25 @@ class TensorModelService(ModelStatus):
         try:
             flat = np.asarray(flat, dtype=np.float32)  # Double[] is accepted and converted
         except (TypeError, ValueError):
-            raise InvalidArgument("Input must be an array of Float or Double", 0, "BadTypeMismatch") from None
+            raise InvalidArgument("Input must be an array of Float or Double", 0, TYPE_MISMATCH) from None
         if flat.ndim != 1:
-            raise InvalidArgument("Input must be a one-dimensional array", 0, "BadOutOfRange")
+            raise InvalidArgument("Input must be a one-dimensional array", 0, OUT_OF_RANGE)
         sample_len = math.prod(loaded.backend.input_shape)
         if flat.size == 0 or flat.size % sample_len:
             raise InvalidArgument(f"Input length {flat.size} is not a positive multiple of the sample length "
-                                  f"{sample_len}", 0, "BadOutOfRange")
+                                  f"{sample_len}", 0, OUT_OF_RANGE)
         k = flat.size // sample_len
         if k > self.max_samples:
             raise InvalidArgument(f"Input holds {k} samples; at most {self.max_samples} are allowed", 0,
-                                  "BadOutOfRange")
+                                  OUT_OF_RANGE)
         if not np.isfinite(flat).all():
-            raise InvalidArgument("Input holds NaN or Inf", 0, "BadOutOfRange")
+            raise InvalidArgument("Input holds NaN or Inf", 0, OUT_OF_RANGE)
         return flat.reshape((k, *loaded.backend.input_shape))
 
     def _execute(self, batch: np.ndarray) -> tuple[np.ndarray, str]:
         loaded = self._loaded  # read once per batch: a reload during the run does not touch this batch
-        return loaded.backend.run(batch), loaded.version
+        with self.liveness.busy():
+            return loaded.backend.run(batch), loaded.version
 
     # ---- helpers ----
 

@@ -1,0 +1,49 @@
+"""The TurnPolicy of chat conversations: how one Generate call becomes tokens in its session's slot and when it ends."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from appliance.engine.sequence import FinishReason, Sequence
+from appliance.engine.slots import Acquired, Slot
+from appliance.errors import EngineFailure
+
+log = logging.getLogger(__name__)
+
+
+class ChatTurns:
+    """The TurnPolicy of chat conversations: template tokens per turn, stop rules, the assistant suffix."""
+
+    def __init__(self, tokenizer: Any, system_prompt: str | None, max_text_chars: int, max_seq_len: int):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.max_text_chars = max_text_chars
+        self.max_seq_len = max_seq_len
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.suffix = list(tokenizer.assistant_suffix_tokens())
+
+    def prepare(self, seq: Sequence, slot: Slot, acquired: Acquired) -> None:
+        try:
+            ids = self.tokenizer.turn_tokens(slot.history, seq.prompt, self.system_prompt)
+        except Exception as exc:  # a template that cannot render this conversation
+            log.warning("chat template failed: %r", exc)
+            raise EngineFailure("the model's chat template could not render this conversation") from None
+        slot.tokens.extend(ids)
+
+    def accept(self, seq: Sequence, slot: Slot, token: int) -> FinishReason | None:
+        if token in self.eos_ids:
+            return FinishReason.STOP
+        text = self.tokenizer.decode(seq.generated + [token])
+        if len(text) > self.max_text_chars:  # stop before the text would exceed what the PLC can hold
+            return FinishReason.LENGTH
+        seq.generated.append(token)
+        slot.tokens.append(token)
+        seq.text = text
+        return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
+
+    def close(self, seq: Sequence, slot: Slot) -> None:
+        # The end-of-turn marker the template writes after a reply (the sampled EOS itself was not kept), so the
+        # next turn's template tokens follow a well-formed conversation.
+        if len(slot.tokens) + len(self.suffix) <= self.max_seq_len:
+            slot.tokens.extend(self.suffix)
+        slot.history += [{"role": "user", "content": seq.prompt}, {"role": "assistant", "content": seq.text}]

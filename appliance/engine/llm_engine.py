@@ -1,0 +1,224 @@
+"""The engine thread of one generative model: the only code that touches its scheduler, slots and model.
+
+The event loop talks to it through a thread-safe command queue (submit, cancel, release, swap, stop); answers go
+back through each request's Reply (`loop.call_soon_threadsafe`). The thread publishes plain int counters (running
+sequences, slots in use) that the event loop reads without a lock.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Any
+
+from appliance.engine.chat_turns import ChatTurns
+from appliance.engine.liveness import Liveness
+from appliance.engine.llm_loading import LoadedEngine
+from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.scheduler import Scheduler, StepPlan
+from appliance.engine.sequence import Sequence
+from appliance.engine.slots import SlotManager
+from appliance.engine.thread_reply import Reply
+from appliance.errors import DeadlineExceeded, EngineFailure, NotReady
+from appliance.metrics import Metrics
+from appliance.model_port import GenerateResult
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.02  # how often a blocked engine re-checks queued requests' deadlines
+
+
+class EngineLoop:
+    """Runs (in `run`, the body of the engine thread) the scheduler's steps on the loaded model."""
+
+    def __init__(self, name: str, settings: GenerativeSettings, *, metrics: Metrics | None, liveness: Liveness):
+        self.name = name
+        self.settings = settings
+        self.metrics = metrics
+        self.liveness = liveness
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Published by the engine thread (plain ints: reads from the event loop need no lock).
+        self._running = 0
+        self._slots_in_use = 0
+        self._slots_total_published = 0
+        self._slots_used_published = 0
+
+    # ---- what the event loop calls (any thread) -------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        """Sequences admitted to the batch (the rest of the accepted calls wait)."""
+        return self._running
+
+    @property
+    def slots_in_use(self) -> int:
+        return self._slots_in_use
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request; seq.handle (a Reply) gets its GenerateResult or error."""
+        self._commands.put(("submit", seq))
+
+    def cancel(self, seq: Sequence) -> None:
+        """The caller gave up (deadline, cancellation): roll the slot back to before this turn."""
+        self._commands.put(("cancel", seq))
+
+    def release(self, session_key: str, reply: Reply | None = None) -> None:
+        """Cancel the session's calls and free its slot; reply (if any) is sent once the slot is free."""
+        self._commands.put(("release", session_key) if reply is None else ("release", session_key, reply))
+
+    def swap(self, engine: LoadedEngine, reply: Reply) -> None:
+        """Serve new weights once the running sequences finish; reply is sent after the swap."""
+        self._commands.put(("swap", engine, reply))
+
+    def stop(self, reply: Reply) -> None:
+        """Answer every waiting and running request NotReady, free all slots, end `run`."""
+        self._commands.put(("stop", None, reply))
+
+    # ---- the engine thread ---------------------------------------------------------------------------------
+    def run(self, engine: LoadedEngine) -> None:
+        from appliance.engine.runner import ModelRunner
+
+        s = self.settings
+        if s.threads > 0:
+            import torch
+            torch.set_num_threads(s.threads)
+        self._slots = SlotManager(s.kv_slots, engine.max_seq_len, s.slot_policy)
+        self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len)
+        self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk)
+        self._runner = ModelRunner(engine.model, engine.cache)
+        self._live_engine = engine
+        self._pending_swap: tuple[LoadedEngine, Reply] | None = None
+        self._exit = False
+        self._publish_slots()
+        while not self._exit:
+            try:
+                self._engine_iteration()
+            except Exception:  # the thread must survive anything; requests of a failed step are answered there
+                log.exception("model %s: engine loop error", self.name)
+                time.sleep(IDLE_POLL_S)
+        self._publish_slots(total=0)
+
+    def _engine_iteration(self) -> None:
+        sched = self._scheduler
+        self._drain_commands(block=not sched.has_work and self._pending_swap is None)
+        if self._exit:
+            return
+        with self.liveness.busy():  # scheduling tokenizes prompts: a template stuck in a loop counts too
+            if self._pending_swap is not None and not sched.running:
+                self._swap()
+            plan = sched.schedule()
+            for seq, error in plan.failed:
+                self._answer(seq, error=error)
+            self._running = len(sched.running)
+            if not plan.empty:
+                self._step(plan)
+                self._running = len(sched.running)
+        if plan.empty and (sched.has_work or self._pending_swap is not None):
+            self._drain_commands(block=True, timeout=IDLE_POLL_S)
+        self._publish_slots()
+
+    def _step(self, plan: StepPlan) -> None:
+        try:
+            sampled = self._runner.run(plan)
+            finished = self._scheduler.commit(plan, sampled)
+        except Exception:  # the step's sequences fail, their slots roll back to before their turn; others go on
+            log.exception("model %s: engine step failed", self.name)
+            for seq in {id(r.seq): r.seq for r in [*plan.prefill, *plan.decode]}.values():
+                if self._scheduler.abort(seq):
+                    self._answer(seq, error=EngineFailure("the engine failed on this request"))
+                elif seq.finish_reason is not None:  # finished before the failure: its answer stands
+                    self._answer_result(seq)
+            return
+        m = self.metrics
+        if m is not None:
+            prompt_tokens = sum(len(c.tokens) for c in plan.prefill)
+            if prompt_tokens:
+                m.tokens_total.labels(self.name, "prompt").inc(prompt_tokens)
+            if sampled:
+                m.tokens_total.labels(self.name, "generated").inc(len(sampled))
+            if plan.decode:
+                m.batch_size.labels(self.name).observe(len(plan.decode))
+            for c in plan.prefill:
+                if c.last and c.seq.first_token_at is not None:
+                    m.time_to_first_token.labels(self.name).observe(c.seq.first_token_at - c.seq.arrival)
+            for seq in finished:
+                m.queue_wait.labels(self.name).observe(seq.admitted_at - seq.arrival)
+        for seq in finished:
+            self._answer_result(seq)
+        done = {id(seq) for seq in finished}
+        for seq in {id(r.seq): r.seq for r in plan.decode}.values():  # replies that grew and go on
+            if id(seq) not in done and seq.handle is not None:
+                seq.handle.send_progress(seq.text, len(seq.generated))
+
+    def _answer_result(self, seq: Sequence) -> None:
+        slot = self._slots.slot(seq.slot)
+        self._answer(seq, GenerateResult(seq.text, len(seq.generated), seq.finish_reason.value, len(slot.tokens),
+                                         seq.context_lost, self._live_engine.version))
+
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "submit":
+            self._scheduler.add(item[1])
+        elif kind == "cancel":
+            seq = item[1]
+            if self._scheduler.abort(seq):
+                self._answer(seq, error=DeadlineExceeded("the request was cancelled"))
+        elif kind == "release":
+            session = item[1]
+            for seq in self._scheduler.cancel_session(session):
+                self._answer(seq, error=NotReady("the session closed"))
+            self._slots.release(session)
+            self._publish_slots()  # before the reply: a caller reading SlotsInUse next sees the slot free
+            if len(item) > 2:
+                item[2].send(None)
+        elif kind == "swap":
+            self._pending_swap = (item[1], item[2])
+            self._scheduler.paused = True  # running sequences finish on the old weights first
+        elif kind == "stop":
+            for seq in self._scheduler.abort_all():
+                self._answer(seq, error=NotReady(f"model {self.name} stopped"))
+            self._slots.drop_all()
+            self._exit = True
+            item[2].send(None)
+
+    def _swap(self) -> None:
+        engine, reply = self._pending_swap
+        self._pending_swap = None
+        lost = self._slots.drop_all()  # caches computed by the old weights are meaningless now
+        if engine.max_seq_len != self._slots.max_seq_len:
+            self._slots.max_seq_len = engine.max_seq_len
+        self._turns = ChatTurns(engine.tokenizer, self.settings.system_prompt, self.settings.max_text_chars,
+                                engine.max_seq_len)
+        self._scheduler.policy = self._turns
+        from appliance.engine.runner import ModelRunner
+        self._runner = ModelRunner(engine.model, engine.cache)
+        self._live_engine = engine
+        self._scheduler.paused = False
+        log.info("model %s: weights swapped, %d conversations dropped", self.name, len(lost))
+        reply.send(None)
+
+    def _answer(self, seq: Sequence, value: Any = None, error: BaseException | None = None) -> None:
+        self._runner.forget(seq)
+        if seq.handle is not None:
+            seq.handle.send(value, error)
+
+    # ---- publishing ----------------------------------------------------------------------------------------
+    def _publish_slots(self, total: int | None = None) -> None:
+        total = self.settings.kv_slots if total is None else total
+        used = self._slots.in_use if total else 0
+        self._slots_in_use = used
+        if self.metrics is not None:  # deltas: several generative models share the two gauges
+            self.metrics.kv_slots_total.inc(total - self._slots_total_published)
+            self.metrics.kv_slots_used.inc(used - self._slots_used_published)
+        self._slots_total_published, self._slots_used_published = total, used

@@ -1,0 +1,27 @@
+"""The settings of one generative model's engine, read from the YAML once by the serve process and sent to its
+worker (plain values only: they cross the process boundary)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PROMPT_BYTES = 16 * 1024
+MAX_TEMPERATURE = 2.0
+MEMORY_HEADROOM = 0.8  # the KV cache may take at most this share of the memory available at load
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class GenerativeSettings:
+    kv_slots: int = 4
+    max_seq_len: int = 2048
+    max_new_tokens: int = 512
+    slot_policy: str = "evict_lru"  # evict_lru | reject
+    prefill_chunk: int = 256
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    seed: int = 0
+    max_text_chars: int = 1024
+    system_prompt: str | None = None
+    top_p: float = 0.95
+    max_queue_size: int = 64

@@ -1,0 +1,82 @@
+"""The one typed interface through which the OPC UA layer reaches a served model (whatever runs it).
+
+The serve process implements it with appliance.workers.remote (calls into the model's worker process); the UA
+layer uses nothing else of a model. Failures are appliance.errors exceptions carrying engine reasons.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What the address space, /metrics and /readyz show of a model; a snapshot at most one second old."""
+    name: str
+    kind: str  # tensor | generative
+    state: str  # Loading | Ready | Failed
+    version: str
+    backend: str
+    request_count: int
+    error_count: int
+    last_latency_ms: float
+    heartbeat: int  # +1 per second while the model's worker answers liveness checks
+    worker_restarts: int
+    worker_up: bool
+    restarting: bool  # its worker died or was replaced and is coming back
+    failure_reason: str
+    queue_depth: int
+    input_shape: tuple[int, ...] = ()  # tensor models
+    output_shape: tuple[int, ...] = ()
+    max_samples: int = 0
+    slots_total: int = 0  # generative models
+    slots_in_use: int = 0
+
+
+@dataclass(frozen=True)
+class InferResult:
+    output: np.ndarray  # float32, k results back to back
+    model_version: str
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_count: int  # tokens of the reply (an end-of-sequence token is not counted)
+    finish_reason: str  # stop | length | context_full
+    context_tokens: int  # every token the session's slot holds after this turn, template tokens included
+    context_lost: bool
+    model_version: str
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    name: str
+    kind: str
+
+    def status(self) -> ModelStatus: ...
+
+    async def reload(self) -> str:
+        """Load the weights anew; returns the version now serving (EngineFailure if the load failed)."""
+
+
+@runtime_checkable
+class TensorModel(ServedModel, Protocol):
+    async def infer(self, samples: np.ndarray, deadline: float) -> InferResult:
+        """samples: 1-D float32, k samples back to back; deadline: time.monotonic() seconds."""
+
+
+@runtime_checkable
+class GenerativeModel(ServedModel, Protocol):
+    async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
+                       deadline: float, on_progress: Callable[[str, int], None] | None = None) -> GenerateResult:
+        """on_progress(text so far, tokens so far) as the reply grows; session: the KV slot's key (a UA session,
+        or a conversation of an identity)."""
+
+    async def reset(self, session: str) -> None:
+        """Forget the session's conversation and give its slot back."""
+
+    def release(self, session: str) -> None:
+        """The session closed: free what it holds (no answer awaited)."""

@@ -1,0 +1,130 @@
+"""The serve process's model objects: appliance.model_port's interface, answered by the model's worker process.
+
+They count calls and latency (what a client saw, including the trip to the worker), say Loading while the worker
+restarts, and remember which generative sessions held state in a worker that died, so that each such session's next
+result says ContextLost.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from appliance.errors import NotReady
+from appliance.model_port import GenerateResult, InferResult, ModelStatus
+from appliance.workers import protocol as p
+from appliance.workers.supervisor import WorkerSupervisor
+
+
+class RemoteModel:
+    def __init__(self, name: str, kind: str, supervisor: WorkerSupervisor, *, max_samples: int = 0):
+        self.name = name
+        self.kind = kind
+        self.supervisor = supervisor
+        self.max_samples = max_samples
+        self.request_count = 0
+        self.error_count = 0
+        self.last_latency_ms = 0.0
+        self.heartbeat = 0
+        self._sessions_with_state: set[str] = set()  # generative: sessions that hold a slot in the live worker
+        self._sessions_lost: set[str] = set()  # ... that held one in a worker that died
+        supervisor.on_restart.append(self._worker_lost)
+
+    # ---- status ----
+
+    @property
+    def state(self) -> str:
+        sup = self.supervisor
+        if sup.failed:
+            return "Failed"
+        if not sup.up:
+            return "Loading"
+        return sup.snapshots[self.name].state
+
+    def status(self) -> ModelStatus:
+        sup, snap = self.supervisor, self.supervisor.snapshots[self.name]
+        return ModelStatus(
+            name=self.name, kind=self.kind, state=self.state, version=snap.version, backend=snap.backend,
+            request_count=self.request_count, error_count=self.error_count, last_latency_ms=self.last_latency_ms,
+            heartbeat=self.heartbeat, worker_restarts=sup.restarts, worker_up=sup.up, restarting=sup.restarting,
+            failure_reason=(snap.failure_reason or (sup.death_reason if sup.failed else "")),
+            queue_depth=snap.queue_depth, input_shape=tuple(snap.input_shape), output_shape=tuple(snap.output_shape),
+            max_samples=self.max_samples, slots_total=snap.slots_total, slots_in_use=snap.slots_in_use)
+
+    def tick_heartbeat(self) -> None:
+        """Called once a second by the serve process: +1 while the worker answers liveness checks."""
+        if self.supervisor.healthy():
+            self.heartbeat = (self.heartbeat + 1) % 2**32
+
+    # ---- calls ----
+
+    def _require_ready(self) -> None:
+        state = self.state
+        if state != "Ready":
+            raise NotReady(f"model {self.name} is {state}")
+
+    async def _counted(self, message, deadline: float | None, on_progress=None):
+        started = time.monotonic()
+        self.request_count += 1
+        try:
+            self._require_ready()
+            reply = await self.supervisor.call(message, deadline, on_progress)
+        except BaseException:  # a cancelled call (client gone) counts too: the model did not answer it
+            self.error_count += 1
+            raise
+        self.last_latency_ms = (time.monotonic() - started) * 1000.0
+        return reply
+
+    async def infer(self, samples: np.ndarray, deadline: float) -> InferResult:
+        data = np.ascontiguousarray(samples, dtype=np.float32).tobytes()
+        reply = await self._counted(p.Infer(id=0, model=self.name, data=data, deadline=deadline), deadline)
+        return InferResult(np.frombuffer(reply.data, dtype=np.float32), reply.version)
+
+    async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
+                       deadline: float, on_progress=None) -> GenerateResult:
+        """on_progress(text, tokens): the reply so far, as it grows (jobs)."""
+        message = p.Generate(id=0, model=self.name, session=session, prompt=prompt, max_tokens=int(max_tokens),
+                             temperature=float(temperature), deadline=deadline, progress=on_progress is not None)
+        reply = await self._counted(message, deadline, on_progress)
+        lost = reply.context_lost or session in self._sessions_lost
+        self._sessions_lost.discard(session)
+        self._sessions_with_state.add(session)
+        return GenerateResult(reply.text, reply.token_count, reply.finish_reason, reply.context_tokens, lost,
+                              reply.version)
+
+    async def reset(self, session: str) -> None:
+        self._require_ready()
+        self._sessions_lost.discard(session)
+        self._sessions_with_state.discard(session)
+        await self.supervisor.call(p.Reset(id=0, model=self.name, session=session), None)
+
+    def release(self, session: str) -> None:
+        self._sessions_lost.discard(session)
+        if session in self._sessions_with_state:
+            self._sessions_with_state.discard(session)
+            self.supervisor.send(p.Release(model=self.name, session=session))
+
+    async def reload(self) -> str:
+        if self.supervisor.revive():  # a Failed worker comes back with the weights as they are now
+            return await self._wait_loaded()
+        if not self.supervisor.up:
+            raise NotReady(f"model {self.name} is {self.state}")
+        reply = await self.supervisor.call(p.Reload(id=0, model=self.name), None)
+        return reply.value  # the engine dropped every conversation and says ContextLost itself
+
+    async def _wait_loaded(self, timeout_s: float = 600.0) -> str:
+        import asyncio
+        from appliance.errors import EngineFailure
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            state = self.state
+            if state in ("Ready", "Failed") and self.supervisor.up:
+                if state == "Failed":
+                    raise EngineFailure(f"reload failed: {self.supervisor.snapshots[self.name].failure_reason}")
+                return self.supervisor.snapshots[self.name].version
+            await asyncio.sleep(0.05)
+        raise EngineFailure("reload failed: the model did not load in time")
+
+    def _worker_lost(self) -> None:
+        self._sessions_lost |= self._sessions_with_state
+        self._sessions_with_state = set()

@@ -1,0 +1,386 @@
+"""The serve side of one worker process: spawn it, check it, replace it.
+
+Every `ping_interval` the supervisor sends a Ping. The worker is killed (SIGKILL) and replaced when it has not given
+a healthy answer for `timeout_s` (stopped, hung, or an engine operation running longer than that), or when its
+memory passes `memory_mb`; when it exits by itself it is replaced too. Every call in flight on a worker that died is
+answered EngineFailure at once (the socket's EOF is seen within milliseconds of a kill -9). Restarts back off
+(`backoff_s` doubling up to `backoff_max_s`); more than `max_restarts` within `restart_window_s` leaves the models
+Failed until an engineer reloads one.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from appliance.errors import DeadlineExceeded, EngineFailure, NotReady, error_from
+from appliance.workers import protocol as p
+from appliance.workers.worker import MEMORY_EXIT
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    timeout_s: float = 5.0
+    memory_mb: int = 0
+    max_restarts: int = 5
+    restart_window_s: float = 300.0
+    backoff_s: float = 0.25
+    backoff_max_s: float = 30.0
+    threads: int = 0
+    log_level: str = "INFO"
+
+    @property
+    def ping_interval_s(self) -> float:
+        return min(0.25, self.timeout_s / 4)
+
+
+class WorkerSupervisor:
+    """One worker process (a group of models) and its life."""
+
+    def __init__(self, group: str, specs: list[p.ModelSpec], policy: WorkerPolicy,
+                 on_event: Callable[[str, str, str], None] | None = None, metrics=None):
+        self.group = group
+        self.specs = specs
+        self.policy = policy
+        self.on_event = on_event  # (model, kind, message)
+        self.metrics = metrics
+        self.snapshots: dict[str, p.ModelSnapshot] = {s.name: p.ModelSnapshot(s.name, "Loading") for s in specs}
+        self.process: subprocess.Popen | None = None
+        self.up = False  # connected and answering
+        self.failed = False  # too many restarts: given up
+        self.restarts = 0
+        self.last_healthy = 0.0  # monotonic time of the last healthy Pong
+        self.last_tick = time.monotonic()  # the supervision loop's own heartbeat
+        self.death_reason = ""
+        self.on_restart: list[Callable[[], None]] = []  # listeners (remote models drop session state)
+        self._channel: p.Channel | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._progress: dict[int, Callable[[str, int], None]] = {}  # request id -> partial-text listener
+        self._ids = itertools.count(1)
+        self._ping_seq = itertools.count(1)
+        self._deaths: collections.deque[float] = collections.deque()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._exited = asyncio.Event()
+
+    # ---- what the models show ----
+
+    @property
+    def restarting(self) -> bool:
+        return not self.up and not self.failed and not self._stopping and self.restarts > 0
+
+    def healthy(self, within_s: float | None = None) -> bool:
+        """The worker gave a healthy liveness answer within `within_s` (default: two ping intervals + 0.5 s)."""
+        window = within_s if within_s is not None else 2 * self.policy.ping_interval_s + 0.5
+        return self.up and time.monotonic() - self.last_healthy <= window
+
+    # ---- life cycle ----
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"supervise-{self.group}")
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the worker to stop (its models answer what they hold), then kill what is left."""
+        self._stopping = True
+        if self.up and self._channel is not None:
+            try:
+                await asyncio.wait_for(self._call(p.Stop(id=self._next_id())), timeout_s)
+            except Exception:
+                pass
+        self._kill("stopping")
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._fail_pending(NotReady("the appliance is shutting down"))
+
+    def fail_pending(self, error: Exception) -> None:
+        self._fail_pending(error)
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            started = time.monotonic()
+            try:
+                await self._spawn()
+                reason = await self._watch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("worker %s could not be started", self.group)
+                reason = f"could not start ({type(exc).__name__})"
+            if self._stopping:
+                break
+            self._after_death(reason)
+            now = time.monotonic()
+            self._deaths.append(now)
+            while self._deaths and now - self._deaths[0] > self.policy.restart_window_s:
+                self._deaths.popleft()
+            if len(self._deaths) > self.policy.max_restarts:
+                self.failed = True
+                message = (f"worker of {', '.join(self.snapshots)} died {len(self._deaths)} times within "
+                           f"{self.policy.restart_window_s:g} s (last: {reason}); the model is Failed until "
+                           "reloaded")
+                log.error("%s", message)
+                self._emit("WorkerFailed", message)
+                await self._wait_for_revival()
+                continue
+            delay = min(self.policy.backoff_max_s, self.policy.backoff_s * 2 ** (len(self._deaths) - 1))
+            if now - started > self.policy.restart_window_s:
+                delay = 0.0  # it ran well for a long while: come back at once
+            self.restarts += 1
+            if self.metrics is not None:
+                for name in self.snapshots:
+                    self.metrics.worker_restarts.labels(name).inc()
+            log.warning("worker %s restarts in %.2f s (restart %d)", self.group, delay, self.restarts)
+            await asyncio.sleep(delay)
+
+    async def _wait_for_revival(self) -> None:
+        self._revive = asyncio.Event()
+        await self._revive.wait()
+        self.failed = False
+        self._deaths.clear()
+
+    def revive(self) -> bool:
+        """An engineer reloads a Failed model: try its worker again. True when it was Failed."""
+        if self.failed and getattr(self, "_revive", None) is not None:
+            self._revive.set()
+            return True
+        return False
+
+    async def _spawn(self) -> None:
+        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            cmd = [sys.executable, "-m", "appliance.workers.worker", "--fd", str(child_sock.fileno()),
+                   "--parent-pid", str(os.getpid()), "--group", self.group]
+            self.process = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
+                                            env=_worker_environment())
+        finally:
+            child_sock.close()
+        self._exited = asyncio.Event()
+        self._channel = await p.Channel.open(parent_sock, p.FromWorker)
+        self._channel.send(p.Start(models=self.specs, memory_mb=self.policy.memory_mb,
+                                   threads=self.policy.threads, log_level=self.policy.log_level))
+        for name in self.snapshots:
+            self.snapshots[name] = p.ModelSnapshot(name, "Loading")
+        self.up = True
+        self.last_healthy = time.monotonic()
+        if self.metrics is not None:
+            for name in self.snapshots:
+                self.metrics.worker_up.labels(name).set(1)
+        log.info("worker %s started (pid %d)", self.group, self.process.pid)
+
+    async def _watch(self) -> str:
+        """Read the worker's messages and ping it until it dies or is killed; returns why it ended."""
+        reader = asyncio.create_task(self._read())
+        try:
+            while True:
+                self.last_tick = time.monotonic()
+                if reader.done():
+                    break
+                now = time.monotonic()
+                if now - self.last_healthy > self.policy.timeout_s:
+                    self.death_reason = (f"it did not answer liveness checks within "
+                                         f"{self.policy.timeout_s:g} s (hung or stopped)")
+                    self._kill(self.death_reason)
+                    break
+                rss_mb = _rss_mb(self.process.pid)
+                if self.policy.memory_mb and rss_mb > self.policy.memory_mb:
+                    self.death_reason = f"it used {rss_mb:.0f} MB, above engine.worker_memory_mb"
+                    self._kill(self.death_reason)
+                    break
+                try:
+                    self._channel.send(p.Ping(seq=next(self._ping_seq)))
+                except ConnectionError:
+                    break
+                await asyncio.wait({reader}, timeout=self.policy.ping_interval_s)
+        finally:
+            if not reader.done():
+                reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        code = await asyncio.to_thread(self._reap)
+        if self.death_reason:
+            reason, self.death_reason = self.death_reason, ""
+        elif code == MEMORY_EXIT:
+            reason = "it exceeded engine.worker_memory_mb"
+        elif code is not None and code < 0:
+            reason = f"it was killed by signal {signal.Signals(-code).name}"
+        else:
+            reason = f"it exited with status {code}"
+        return reason
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                message = await self._channel.receive()
+            except EOFError:
+                self._lost()  # answer what is in flight at once, before the process is reaped
+                return
+            if isinstance(message, p.Pong):
+                self._on_pong(message)
+            elif isinstance(message, p.Event):
+                self._emit(message.kind, message.message, message.model)
+            elif isinstance(message, p.GenerateProgress):
+                listener = self._progress.get(message.id)
+                if listener is not None:
+                    listener(message.text, message.token_count)
+            else:
+                future = self._pending.pop(message.id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+
+    def _on_pong(self, pong: p.Pong) -> None:
+        for snap in pong.models:
+            self.snapshots[snap.name] = snap
+        if self.metrics is not None and pong.records:
+            from appliance.engine.engine_metrics import apply_records
+            apply_records(self.metrics, pong.records)
+        if pong.stalled_s <= self.policy.timeout_s:
+            self.last_healthy = time.monotonic()
+        elif pong.seq:
+            log.warning("worker %s: an engine operation has run for %.1f s", self.group, pong.stalled_s)
+
+    def _lost(self) -> None:
+        was_up, self.up = self.up, False
+        if self.metrics is not None:
+            for name in self.snapshots:
+                self.metrics.worker_up.labels(name).set(0)
+        self._fail_pending(EngineFailure("the model's worker stopped while running this request"))
+        if was_up and not self._stopping:
+            for listener in self.on_restart:
+                listener()
+
+    def _after_death(self, reason: str) -> None:
+        self._lost()
+        for name in self.snapshots:
+            self.snapshots[name] = p.ModelSnapshot(name, "Loading")
+        message = f"worker of model {', '.join(self.snapshots)} was replaced: {reason}"
+        log.error("%s", message)
+        self._emit("WorkerRestarting", message)
+
+    def _reap(self) -> int | None:
+        proc = self.process
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def _kill(self, why: str) -> None:
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            if not self._stopping:
+                log.error("killing worker %s (pid %d): %s", self.group, proc.pid, why)
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._channel is not None:
+            self._channel.close()
+
+    def _emit(self, kind: str, message: str, model: str | None = None) -> None:
+        if self.on_event is None:
+            return
+        for name in ([model] if model else list(self.snapshots)):
+            try:
+                self.on_event(name, kind, message)
+            except Exception:
+                log.exception("event listener failed")
+
+    def _fail_pending(self, error: Exception) -> None:
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    # ---- calls ----
+
+    def _next_id(self) -> int:
+        return next(self._ids)
+
+    async def call(self, message, deadline: float | None, on_progress=None):
+        """Send a request (its `id` is set here) and wait for its answer until `deadline` (monotonic; None: no
+        limit); engine failures are raised as appliance.errors exceptions."""
+        if not self.up or self._channel is None:
+            raise NotReady("the model's worker is restarting")
+        message.id = self._next_id()
+        if on_progress is not None:
+            self._progress[message.id] = on_progress
+        try:
+            reply = await self._call(message, deadline)
+        finally:
+            self._progress.pop(message.id, None)
+        if isinstance(reply, p.Failed):
+            raise error_from(reply.reason, reply.message, reply.index, reply.kind)
+        return reply
+
+    async def _call(self, message, deadline: float | None = None):
+        future = asyncio.get_running_loop().create_future()
+        self._pending[message.id] = future
+        try:
+            self._channel.send(message)
+        except ConnectionError:
+            self._pending.pop(message.id, None)
+            raise NotReady("the model's worker is restarting") from None
+        timer = None
+        if deadline is not None:  # a timer rather than wait_for: one loop turn less per call
+            timer = asyncio.get_running_loop().call_at(deadline, _expire, future)
+        try:
+            return await future
+        except TimeoutError:
+            self._cancel(message.id)
+            raise DeadlineExceeded("the request's deadline passed") from None
+        except asyncio.CancelledError:
+            self._cancel(message.id)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._pending.pop(message.id, None)
+
+    def _cancel(self, request_id: int) -> None:
+        if self._pending.pop(request_id, None) is not None and self.up and self._channel is not None:
+            try:
+                self._channel.send(p.Cancel(id=request_id))
+            except ConnectionError:
+                pass
+
+    def send(self, message) -> None:
+        """A message without an answer (Release); dropped when the worker is not up (it holds nothing then)."""
+        if self.up and self._channel is not None:
+            try:
+                self._channel.send(message)
+            except ConnectionError:
+                pass
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
+def _worker_environment() -> dict:
+    env = dict(os.environ)
+    # The worker imports the same appliance package as this process, wherever that came from.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0

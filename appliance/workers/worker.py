@@ -1,0 +1,247 @@
+"""A model worker process: `python -m appliance.workers.worker --fd N --parent-pid P --group G`.
+
+Hosts the engine services of its models (tensor: dynamic batcher + backend; generative: scheduler, slots, runner) on
+its own event loop and answers the serve process over the inherited socket. It knows nothing of OPC UA: failures
+travel as engine reasons. It ends when the serve process says Stop, when the socket closes, or when the serve
+process dies (PR_SET_PDEATHSIG), so no worker outlives its parent.
+
+Liveness: each Ping is answered with how long the current engine operation has run (engine/liveness.py); a worker
+stopped by SIGSTOP answers nothing. The serve process judges both. The worker checks its own peak memory on each
+Ping and exits with MEMORY_EXIT past `engine.worker_memory_mb`, since a short spike could escape the parent's
+sampling.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from appliance.engine.engine_metrics import EngineMetrics
+from appliance.engine.liveness import Liveness
+from appliance.errors import ApplianceError, InvalidArgument
+from appliance.workers import protocol as p
+
+log = logging.getLogger("appliance.worker")
+
+MEMORY_EXIT = 75  # exit status: the worker exceeded its memory limit
+PR_SET_PDEATHSIG = 1
+
+
+def build_service(spec: p.ModelSpec, *, threads: int, metrics, liveness: Liveness, on_event,
+                  inline_batches: bool = True):
+    """The engine service of one model, from the settings the serve process sent. Tensor batches run on the
+    worker's loop unless the worker also hosts a generative model (whose engine thread the loop must feed)."""
+    s = dict(spec.settings)
+    if spec.kind == "tensor":
+        from appliance.engine.batcher import BatchPolicy
+        from appliance.engine.tensor_service import TensorModelService
+        policy = BatchPolicy(max_batch_size=s["max_batch_size"], max_queue_delay_s=s["max_queue_delay_s"],
+                             max_queue_size=s["max_queue_size"])
+        return TensorModelService(spec.name, Path(spec.path), backend=s["backend"], device=s["device"],
+                                  threads=threads, version_label=spec.version_label, max_samples=s["max_samples"],
+                                  policy=policy, metrics=metrics, on_event=on_event, liveness=liveness,
+                                  inline=inline_batches)
+    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm_service import GenerativeModelService
+    settings = GenerativeSettings(**{**s, "threads": threads})
+    return GenerativeModelService(spec.name, Path(spec.path), settings, version_label=spec.version_label,
+                                  metrics=metrics, on_event=on_event, liveness=liveness)
+
+
+def snapshot(svc) -> p.ModelSnapshot:
+    snap = p.ModelSnapshot(name=svc.name, state=svc.state, version=svc.version or "",
+                           backend=svc.backend_name or "", failure_reason=svc.failure_reason or "",
+                           queue_depth=int(svc.queue_depth))
+    if svc.kind == "tensor":
+        snap.input_shape = [int(d) for d in svc.input_shape]
+        snap.output_shape = [int(d) for d in svc.output_shape]
+    else:
+        snap.slots_total = int(svc.slots_total)
+        snap.slots_in_use = int(svc.slots_in_use)
+    return snap
+
+
+class WorkerHost:
+    def __init__(self, channel: p.Channel, start: p.Start):
+        self.channel = channel
+        self.memory_mb = start.memory_mb
+        self.liveness = Liveness()
+        self.metrics = EngineMetrics()
+        self.services = {}
+        inline = all(spec.kind == "tensor" for spec in start.models)
+        for spec in start.models:
+            self.services[spec.name] = build_service(spec, threads=start.threads, metrics=self.metrics,
+                                                     liveness=self.liveness, on_event=self._event_sender(spec.name),
+                                                     inline_batches=inline)
+        self._calls: dict[int, asyncio.Task] = {}
+        self._stopping = False
+
+    def _event_sender(self, model: str):
+        loop = asyncio.get_running_loop()
+
+        def on_event(kind: str, message: str) -> None:  # may be called from an engine thread
+            loop.call_soon_threadsafe(self._send, p.Event(model=model, kind=kind, message=message))
+        return on_event
+
+    def _send(self, message) -> None:
+        try:
+            self.channel.send(message)
+        except ConnectionError:
+            os._exit(0)  # the serve process is gone
+
+    def _push_state(self) -> None:
+        self._send(self._pong(0))
+
+    def _pong(self, seq: int) -> p.Pong:
+        return p.Pong(seq=seq, stalled_s=self.liveness.stalled_s(),
+                      models=[snapshot(s) for s in self.services.values()], records=self.metrics.drain())
+
+    def _check_memory(self) -> None:
+        if self.memory_mb <= 0:
+            return
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+        if peak_mb > self.memory_mb:
+            log.error("worker memory peaked at %.0f MB, above engine.worker_memory_mb = %d: exiting", peak_mb,
+                      self.memory_mb)
+            os._exit(MEMORY_EXIT)
+
+    async def run(self) -> None:
+        for svc in self.services.values():
+            asyncio.create_task(self._start_service(svc))
+        while True:
+            try:
+                message = await self.channel.receive()
+            except EOFError:
+                log.warning("the serve process closed the connection: exiting")
+                os._exit(0)
+            if isinstance(message, p.Ping):
+                self._check_memory()
+                self._send(self._pong(message.seq))
+            elif isinstance(message, (p.Infer, p.Generate, p.Reset, p.Reload)):
+                self._calls[message.id] = asyncio.create_task(self._serve(message))
+            elif isinstance(message, p.Cancel):
+                task = self._calls.get(message.id)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(message, p.Release):
+                svc = self.services.get(message.model)
+                if svc is not None and svc.kind == "generative":
+                    svc.release(message.session)
+            elif isinstance(message, p.Stop):
+                await self._stop(message.id)
+                return
+
+    async def _start_service(self, svc) -> None:
+        await svc.start()  # ends Ready or Failed, never raises
+        self._push_state()
+
+    async def _serve(self, message) -> None:
+        try:
+            svc = self.services.get(message.model)
+            if svc is None:
+                raise InvalidArgument("no model of that name in this worker", 0)
+            if isinstance(message, p.Infer):
+                flat = np.frombuffer(message.data, dtype=np.float32)
+                out, version = await svc.infer(flat, message.deadline)
+                reply = p.InferDone(id=message.id, data=np.ascontiguousarray(out, np.float32).tobytes(),
+                                    version=version)
+            elif isinstance(message, p.Generate):
+                progress = None
+                if message.progress:
+                    def progress(text: str, tokens: int, request_id: int = message.id) -> None:
+                        self._send(p.GenerateProgress(id=request_id, text=text, token_count=tokens))
+                r = await svc.generate(message.session, message.prompt, message.max_tokens, message.temperature,
+                                       message.deadline, progress)
+                reply = p.GenerateDone(id=message.id, text=r.text, token_count=r.token_count,
+                                       finish_reason=r.finish_reason, context_tokens=r.context_tokens,
+                                       context_lost=bool(r.context_lost), version=r.model_version)
+            elif isinstance(message, p.Reset):
+                await svc.reset(message.session)
+                reply = p.Done(id=message.id)
+            else:
+                try:
+                    version = await svc.reload()
+                finally:
+                    self._push_state()
+                reply = p.Done(id=message.id, value=version)
+        except asyncio.CancelledError:
+            return  # the serve process answered the caller already (deadline, cancel)
+        except MemoryError:
+            log.error("out of memory while serving a request: exiting")
+            os._exit(MEMORY_EXIT)
+        except ApplianceError as e:
+            reply = p.Failed(id=message.id, reason=e.reason, message=str(e), index=getattr(e, "index", 0),
+                             kind=getattr(e, "kind", "out_of_range"))
+        except Exception:
+            log.exception("request %d on model %s failed", message.id, message.model)
+            reply = p.Failed(id=message.id, reason="failed", message="the engine failed on this request")
+        finally:
+            self._calls.pop(message.id, None)
+        self._send(reply)
+
+    async def _stop(self, stop_id: int) -> None:
+        for svc in self.services.values():
+            try:
+                await svc.stop()
+            except Exception:
+                log.exception("stopping model %s failed", svc.name)
+        self._send(p.Done(id=stop_id))
+        try:
+            await asyncio.wait_for(self.channel.drain(), 5)
+        except Exception:
+            pass
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when the serve process dies, even by kill -9 (Linux); elsewhere the socket's EOF does."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+async def _main(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    channel = await p.Channel.open(sock, p.ToWorker)
+    start = await channel.receive()
+    if not isinstance(start, p.Start):
+        raise SystemExit("the first message must be Start")
+    logging.getLogger().setLevel(getattr(logging, start.log_level, logging.INFO))
+    host = WorkerHost(channel, start)
+    await host.run()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="appliance-worker")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--group", required=True)
+    args = parser.parse_args(argv)
+    _die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the whole group: serve decides
+    # The loop shares the GIL with the engine thread; 5 ms switches would add to every call (see daemon.serve).
+    sys.setswitchinterval(0.0005)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s worker[{args.group}] %(name)s: %(message)s")
+    try:
+        asyncio.run(_main(args.fd))
+    except EOFError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
+    os._exit(0)  # engine threads are daemons; do not wait for an OpenMP team to wind down

@@ -1,0 +1,224 @@
+"""Worker deaths under load and a short soak: every call gets exactly one answer (Good or a contract code) no later
+than its deadline, the killed model comes back, the others never notice, and nothing leaks.
+
+The soak runs SOAK_S seconds (default 100, about the two minutes the issue asks of CI with set-up); set
+APPLIANCE_SOAK_S for a long soak."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import time
+
+import pytest
+from asyncua import ua
+
+from harness import RunningAppliance
+from onnx_models import affine_model
+from uaclient import call, floats, read, run, session, status_name
+
+pytest.importorskip("transformers")
+from tiny_llm import make_model_dir  # noqa: E402
+
+V = ua.VariantType
+DEADLINE_S = 6.0
+SLACK_S = 1.0  # a loaded 2-core machine: the answer may trail the server's deadline by network and scheduling
+ALLOWED_DURING_DEATH = {"Good", "BadInternalError", "BadInvalidState", "BadTimeout", "BadResourceUnavailable"}
+SOAK_S = float(os.environ.get("APPLIANCE_SOAK_S", "100"))
+
+
+def gen_args(prompt: str, max_tokens: int = 6):
+    return [ua.Variant(prompt, V.String), ua.Variant(max_tokens, V.UInt32), ua.Variant(0.0, V.Float)]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    d = tmp_path_factory.mktemp("workers_load")
+    make_model_dir(d / "chat")
+    models = {"classifier": {"kind": "tensor", "path": str(affine_model(d / "affine.onnx"))},
+              "chat": {"kind": "generative", "path": str(d / "chat"), "max_text_chars": 200}}
+    a = RunningAppliance(d / "state", models, {
+        "engine": {"request_timeout_s": DEADLINE_S, "kv_slots": 40, "max_seq_len": 512, "max_new_tokens": 32,
+                   "worker_restart_backoff_s": 0.1, "worker_max_restarts": 50},
+        "security": {"limits": {"max_sessions": 128, "max_secure_channels": 128}}})
+    a.operator = a.issue("plc1", "operator")
+    a.engineer = a.issue("eng", "engineer")
+    yield a
+    a.stop()
+
+
+class Ledger:
+    """Every call made and its one answer."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, float, float]] = []  # (model, status, started, latency)
+
+    async def timed(self, model: str, coro):
+        started = time.monotonic()
+        r = await coro
+        self.calls.append((model, status_name(r), started, time.monotonic() - started))
+        return r
+
+
+async def classifier_client(app, ledger: Ledger, stop: asyncio.Event):
+    async with session(app, *app.operator) as c:
+        while not stop.is_set():
+            await ledger.timed("classifier", call(c, "classifier", "Infer", [floats([1, 2, 3, 4])]))
+
+
+async def chat_client(app, ledger: Ledger, stop: asyncio.Event, n: int):
+    async with session(app, *app.operator) as c:
+        turn = 0
+        while not stop.is_set():
+            turn += 1
+            r = await ledger.timed("chat", call(c, "chat", "Generate", gen_args(f"Valve {n} turn {turn}")))
+            if status_name(r) == "Good" and turn > 6:  # keep contexts short: start over now and then
+                await call(c, "chat", "ResetContext", [])
+                turn = 0
+
+
+def kill_worker(app, model: str) -> tuple[int, float]:
+    pid = app.app.services[model].supervisor.process.pid
+    os.kill(pid, signal.SIGKILL)
+    return pid, time.monotonic()
+
+
+async def answers_again(app, model: str, since: float) -> float:
+    """Seconds from `since` until the model answers a call Good again."""
+    async with session(app, *app.operator) as c:
+        while True:
+            if model == "chat":
+                r = await call(c, "chat", "Generate", gen_args("Are you back?", 2))
+            else:
+                r = await call(c, model, "Infer", [floats([1, 1, 1, 1])])
+            if status_name(r) == "Good":
+                return time.monotonic() - since
+            await asyncio.sleep(0.05)
+
+
+def audited_calls(app, after_line: int) -> int:
+    lines = (app.state_dir / "audit" / "audit.jsonl").read_text().splitlines()[after_line:]
+    return sum(1 for line in lines if json.loads(line).get("action") in ("Infer", "Generate"))
+
+
+def audit_lines(app) -> int:
+    path = app.state_dir / "audit" / "audit.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def check_ledger(ledger: Ledger, unaffected: str = "classifier") -> None:
+    for model, status, _, latency in ledger.calls:
+        assert status in ALLOWED_DURING_DEATH, (model, status)
+        assert latency <= DEADLINE_S + SLACK_S, (model, status, latency)
+        if model == unaffected:
+            assert status == "Good", (model, status)
+
+
+def test_kill_of_the_language_model_worker_under_load(app):
+    ledger = Ledger()
+    first_audit_line = audit_lines(app)
+
+    async def go():
+        stop = asyncio.Event()
+        clients = [asyncio.create_task(classifier_client(app, ledger, stop)) for _ in range(16)]
+        clients += [asyncio.create_task(chat_client(app, ledger, stop, n)) for n in range(8)]
+        await asyncio.sleep(4)
+        pid, killed_at = kill_worker(app, "chat")
+        recovery = await answers_again(app, "chat", killed_at)
+        await asyncio.sleep(2)
+        stop.set()
+        await asyncio.gather(*clients)
+        return pid, recovery
+
+    pid, recovery = run(go(), timeout=120)
+    print(f"language model answers again {recovery:.2f} s after kill -9")
+    check_ledger(ledger)
+    statuses = [s for m, s, _, _ in ledger.calls if m == "chat"]
+    assert "Good" in statuses and len([s for m, s, _, _ in ledger.calls if m == "classifier"]) > 50
+    assert recovery < 30
+    time.sleep(1.0)  # the audit writer thread catches up
+    # exactly once: the server audited as many model calls as the clients got answers (+ the recovery probes)
+    audited = audited_calls(app, first_audit_line)
+    assert len(ledger.calls) <= audited <= len(ledger.calls) + 200
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _processes(app) -> dict[str, int]:
+    procs = {"serve": os.getpid()}
+    for name, model in app.app.services.items():
+        procs[name] = model.supervisor.process.pid
+    return procs
+
+
+def test_soak_with_worker_kills_and_reloads(app):
+    """32 sessions on both models for SOAK_S seconds; each worker killed once and a model reloaded twice."""
+    ledger = Ledger()
+
+    async def go():
+        stop = asyncio.Event()
+        clients = [asyncio.create_task(classifier_client(app, ledger, stop)) for _ in range(16)]
+        clients += [asyncio.create_task(chat_client(app, ledger, stop, n)) for n in range(16)]
+        await asyncio.sleep(min(10, SOAK_S / 5))
+        before = {name: (_rss_mb(pid), _fds(pid)) for name, pid in _processes(app).items()}
+        events = ["kill classifier", "reload chat", "kill chat", "reload classifier"]
+        step = (SOAK_S - 20) / len(events)
+        for event in events:
+            await asyncio.sleep(step)
+            what, model = event.split()
+            if what == "kill":
+                _, at = kill_worker(app, model)
+                await answers_again(app, model, at)
+            else:
+                async with session(app, *app.engineer) as c:
+                    r = await call(c, "", "ReloadModel", [ua.Variant(model, V.String)])
+                    assert status_name(r) == "Good", event
+        await asyncio.sleep(5)
+        after = {name: (_rss_mb(pid), _fds(pid)) for name, pid in _processes(app).items()}
+        stop.set()
+        await asyncio.gather(*clients)
+        await asyncio.sleep(1.5)  # closed sessions release their slots; values published within 1 s
+        async with session(app, *app.operator) as c:
+            in_use = await read(c, "Engine", "SlotsInUse")
+        return before, after, in_use
+
+    before, after, in_use = run(go(), timeout=SOAK_S + 120)
+    ok = [latency for _, status, _, latency in ledger.calls if status == "Good"]
+    print(f"soak: {len(ledger.calls)} calls, {len(ok)} Good, p50 {statistics.median(ok) * 1000:.1f} ms; "
+          f"before {before}; after {after}")
+    for model, status, _, latency in ledger.calls:
+        assert status in ALLOWED_DURING_DEATH, (model, status)
+        assert latency <= DEADLINE_S + SLACK_S, (model, status, latency)
+    assert in_use <= 1  # the probe session of this check may hold one; every soak session's slot came back
+    # Flat: the serve process (which lived through it all) and the workers (restarted ones compared with their
+    # state a few seconds after their own start would be noise; compare only processes alive at both points).
+    serve_rss0, serve_fds0 = before["serve"]
+    serve_rss1, serve_fds1 = after["serve"]
+    assert serve_rss1 - serve_rss0 < 80, (serve_rss0, serve_rss1)  # MB, bound stated in the README
+    assert serve_fds1 - serve_fds0 < 20, (serve_fds0, serve_fds1)
+
+
+def test_a_session_whose_worker_died_sees_context_lost_once(app):
+    async def go():
+        async with session(app, *app.operator) as c:
+            r = await call(c, "chat", "Generate", gen_args("Remember valve 7"))
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is False
+            _, at = kill_worker(app, "chat")
+            await answers_again(app, "chat", at)
+            r = await call(c, "chat", "Generate", gen_args("Which valve?"))
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is True  # ContextLost
+            r = await call(c, "chat", "Generate", gen_args("And now?"))
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is False
+    run(go())
