@@ -992,7 +992,8 @@ def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Pa
         key = f"{path}.alarm_classes[{i}]"
         node = nodes["alarm_classes"].value[i] if isinstance(nodes.get("alarm_classes"), SequenceNode) else None
         if not labels:
-            ctx.error(nodes["alarm_classes"], f"{path}.alarm_classes", "alarm_classes needs labels")
+            if f"{path}.labels" not in ctx.bad:  # else the labels' own error says it
+                ctx.error(nodes["alarm_classes"], f"{path}.alarm_classes", "alarm_classes needs labels")
             return False
         if isinstance(cls, int) and cls >= len(labels):
             ctx.error(node, key, f"class index {cls} is out of range: the model has {len(labels)} labels (0.."

@@ -155,7 +155,9 @@ def _scl_example_fb(model_name: str, method: Method) -> list[str]:
     lines = [f'FUNCTION_BLOCK "{fb}"', "{ S7_Optimized_Access := 'TRUE' }", "VERSION : 0.1",
              "   VAR_INPUT", "      Execute : Bool;   // rising edge starts one call", "   END_VAR",
              "   VAR_OUTPUT", "      Done : Bool;", "      Busy : Bool;", "      Error : Bool;",
-             "      Status : DWord;   // the OPC UA StatusCode when Error", "   END_VAR", "   VAR"]
+             "      Status : DWord;   // the instruction's status (connection, session) when Error",
+             "      MethodResult : DWord;   // the method's StatusCode: 0 Good, else e.g. 16#80AB0000 BadInvalidArgument",
+             "   END_VAR", "   VAR"]
     if method.inputs:
         lines.append(f'      Arguments : "{udt_name(model_name, method.name, "In")}";   // fill before Execute')
     if method.outputs:
@@ -163,15 +165,15 @@ def _scl_example_fb(model_name: str, method: Method) -> list[str]:
     lines += ["      Call : OPC_UA_MethodCall_C;", "   END_VAR", "", "BEGIN",
               f"   // Calls Objects/Appliance/Models/{model_name}/{method.name}. The server endpoint, the session",
               "   // (MaintainSession) and the method's NodeId come from the OPC UA client interface configured in",
-              "   // TIA Portal (Basic256Sha256, SignAndEncrypt, user name). Check the instruction's parameter names",
-              "   // against your TIA Portal version's help: they are not compiled here.",
+              "   // TIA Portal (Basic256Sha256, SignAndEncrypt, user name). The parameters follow PLCopen UA_MethodCall",
+              "   // (OPC 30001); check their names against your TIA Portal version's help: not compiled here.",
               "   #Call(REQ := #Execute,"]
     if method.inputs:
         lines.append("         InputArguments := #Arguments,")
     if method.outputs:
         lines.append("         OutputArguments := #Results,")
-    lines += ["         Done => #Done,", "         Busy => #Busy,", "         Error => #Error,",
-              "         Status => #Status);", "END_FUNCTION_BLOCK", ""]
+    lines += ["         MethodResult := #MethodResult,", "         Done => #Done,", "         Busy => #Busy,",
+              "         Error => #Error,", "         Status => #Status);", "END_FUNCTION_BLOCK", ""]
     return lines
 
 

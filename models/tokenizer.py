@@ -3,11 +3,22 @@
 Built from a HF `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`) or from GGUF metadata
 (`tokenizer.ggml.*`, byte-level BPE only). The chat template is rendered the way HF does: a sandboxed jinja2
 environment with trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now` and a `tojson` that keeps unicode.
+
+The template comes from a model file, so it is untrusted: it renders in jinja2's ImmutableSandboxedEnvironment (no
+attribute starting with '_', no mutation of the messages, no file loader), within a time limit (a tracer on the
+template's own frames stops a loop that runs too long), with size limits on `*`, `**`, `%`/format widths and the
+output; every failure is a ChatTemplateError. What a user typed goes through `normalize_prompt` first (NFKC, control
+characters refused).
 """
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import re
+import sys
+import time
+import unicodedata
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -29,6 +40,42 @@ _SPLIT_BY_GGUF_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama
 # Stands in for the user's text to find where a template puts it (private-use characters: in no real prompt).
 _CONTENT_MARKER = "\ue000content\ue001"
 
+RENDER_TIMEOUT_S = 1.0  # a chat template renders in well under 10 ms; a template that runs 1 s is hostile or broken
+MAX_RENDER_CHARS = 1 << 20  # longest rendering: a whole conversation of max_seq_len tokens is ~10-50k characters
+MAX_POWER_EXPONENT = 4096  # `**` beyond this is refused (2 ** 10 ** 9 would compute for minutes)
+_HUGE_WIDTH = re.compile(r"%[-+ #0]*\*|%[-+ #0]*\d{7,}|\{[^{}]*:[^{}]*\d{7,}")  # %9999999s, %*s, {:>9999999}
+# Characters refused in a prompt: control characters other than tab/newline/carriage return (a PLC that sends them
+# has a bug, and stripping would change the text silently), bidirectional overrides and isolates ("Trojan Source":
+# text that displays differently from what the model reads), and private-use characters (no meaning to a model;
+# the tokenizer uses two of them as an internal marker).
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+class PromptRejected(ValueError):
+    """A prompt that is refused; the message names the first offending character and its position (no internals)."""
+
+
+class ChatTemplateError(jinja2.exceptions.TemplateError):
+    """The chat template failed, was refused by the sandbox or ran past a limit; the message says which."""
+
+
+class ChatTemplateSecurityError(ChatTemplateError, jinja2.sandbox.SecurityError):
+    """The sandbox refused something the template tried (an internal attribute, a mutation, a huge size)."""
+
+
+def normalize_prompt(text: str) -> str:
+    """What a user typed, ready to tokenize: Unicode NFKC (full-width and compatibility forms become their plain
+    equivalents, so "ｐｕｍｐ" and "pump" tokenize alike), CR LF and CR become LF; PromptRejected for control,
+    bidi-override and private-use characters (refused, not stripped: see _BIDI_CONTROLS)."""
+    text = unicodedata.normalize("NFKC", text).replace("\r\n", "\n").replace("\r", "\n")
+    for i, ch in enumerate(text):
+        category = unicodedata.category(ch)
+        if (category == "Cc" and ch not in "\t\n") or category in ("Cs", "Co") or ch in _BIDI_CONTROLS:
+            kind = {"Cc": "a control character", "Cs": "a lone surrogate", "Co": "a private-use character"}.get(
+                category, "a bidirectional override")
+            raise PromptRejected(f"the prompt holds {kind} (U+{ord(ch):04X}) at character {i + 1}")
+    return text
+
 
 class ChatTokenizer:
     """Token ids for text and chat turns. Thread-safe for encode/decode (the `tokenizers` objects are)."""
@@ -46,6 +93,7 @@ class ChatTokenizer:
         self._literal = Tokenizer.from_str(tokenizer.to_str())
         self._literal.encode_special_tokens = True
         self._template = _compile_template(self.chat_template) if self.chat_template else None
+        self.render_timeout_s = RENDER_TIMEOUT_S
 
     # ---- construction ----------------------------------------------------------------------------------------
     @classmethod
@@ -104,8 +152,9 @@ class ChatTokenizer:
         fallback for base models; no roles, no generation prompt)."""
         if self._template is None:
             return "".join(str(m.get("content", "")) for m in messages)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **self.template_tokens)
+        return render_limited(self._template, self.render_timeout_s,
+                              dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **self.template_tokens))
 
     def turn_tokens(self, history: list[dict], user_text: str, system_prompt: str | None) -> list[int]:
         """Tokens to append to a slot holding the rendering of `history` so that it then holds the rendering of
@@ -222,10 +271,97 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+class _LimitedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus size limits on the operations that allocate in one step."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDER_CHARS:
+                    raise jinja2.sandbox.SecurityError(f"a repetition of more than {MAX_RENDER_CHARS} items")
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_POWER_EXPONENT:
+            raise jinja2.sandbox.SecurityError(f"an exponent above {MAX_POWER_EXPONENT}")
+        if operator == "%" and isinstance(left, str) and _HUGE_WIDTH.search(left):
+            raise jinja2.sandbox.SecurityError("a format width of a million characters or more")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        _check_arguments((*args, *kwargs.values()))
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):
+        if isinstance(getattr(value, "__self__", None), str):  # "{:>999999999}".format: the width is in the str
+            _check_arguments((value.__self__,))
+        return super().wrap_str_format(value)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # filters are called directly by the compiled template (not through `call`): check their arguments too
+        self.filters = {name: _checked_filter(f) for name, f in self.filters.items()}
+
+
+def _check_arguments(values) -> None:
+    for value in values:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER_CHARS:
+            raise jinja2.sandbox.SecurityError(f"an argument above {MAX_RENDER_CHARS} (e.g. a width)")
+        if isinstance(value, str) and _HUGE_WIDTH.search(value):
+            raise jinja2.sandbox.SecurityError("a format width of a million characters or more")
+
+
+def _checked_filter(f):
+    @functools.wraps(f)  # keeps jinja's pass_context / pass_environment marks
+    def checked(*args, **kwargs):
+        _check_arguments((*args, *kwargs.values()))
+        return f(*args, **kwargs)
+    return checked
+
+
+def render_limited(template: jinja2.Template, timeout_s: float, context: dict) -> str:
+    """Render within `timeout_s` seconds and MAX_RENDER_CHARS characters; ChatTemplateError otherwise.
+
+    The time limit is a tracer on this thread that sees only the template's own compiled frames (filename
+    "<template>"): each line they run checks the clock, so a loop of any depth stops at the deadline, and Python
+    code outside the template runs untraced. One C-level step cannot be interrupted; the size limits above keep
+    each such step small."""
+    deadline = time.monotonic() + timeout_s
+
+    def in_template(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise ChatTemplateError(f"chat template: rendering took longer than {timeout_s:g} s")
+        return in_template
+
+    def on_call(frame, event, arg):
+        return in_template if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        parts, size = [], 0
+        for part in template.generate(**context):
+            size += len(part)
+            if size > MAX_RENDER_CHARS:
+                raise ChatTemplateError(f"chat template: the rendering exceeds {MAX_RENDER_CHARS} characters")
+            parts.append(part)
+        return "".join(parts)
+    except ChatTemplateError:
+        raise
+    except jinja2.sandbox.SecurityError as e:
+        raise ChatTemplateSecurityError(f"chat template: {e.message or 'refused by the sandbox'}") from None
+    except jinja2.exceptions.TemplateError as e:  # raise_exception(), undefined names
+        raise ChatTemplateError(f"chat template: {e.message or type(e).__name__}") from None
+    except RecursionError:
+        raise ChatTemplateError("chat template: recursion too deep") from None
+    except Exception as e:  # e.g. 1/0 or a TypeError inside the template: the template is broken
+        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from None
+    finally:
+        sys.settrace(previous)
+
+
 def _compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _checked_filter(_tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)

@@ -82,10 +82,13 @@ def test_a_missing_labels_file_is_reported(tmp_path):
      ["t.yaml:6: models.te.alarm_classes[0]: class index 22 is out of range: the model has 22 labels (0..21)",
       "t.yaml:6: models.te.alarm_classes[1]: 'f99' is not one of the labels; did you mean 'f9'?"]),
     ("    labels: [a, a]\n", ["t.yaml:5: models.te.labels[1]: 'a' is listed twice (first on line 5)"]),
+    ("    labels: [a, a]\n    alarm_classes: [a]\n",  # one error: the labels' own
+     ["t.yaml:5: models.te.labels[1]: 'a' is listed twice (first on line 5)"]),
     ("    alarm_confidence: 0\n", ["t.yaml:5: models.te.alarm_confidence: expected a number in (0, 1], got 0"]),
     ("    drift: {window: 5, test: chi2}\n",
      ["t.yaml:5: models.te.drift.test: expected one of psi, ks, got 'chi2'",
       "t.yaml:5: models.te.drift.window: expected an integer in [10, 1000000], got 5"]),
+    ("    keep_versions: 1\n", ["t.yaml:5: models.te.keep_versions: expected an integer in [2, 1000], got 1"]),
     ("    drift: {windw: 50}\n", ["t.yaml:5: models.te.drift.windw: unknown key 'windw' in models.te.drift; did you mean "
                                  "'window'? valid keys: window, test, threshold, adwin_delta, reference"]),
 ])

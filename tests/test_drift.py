@@ -93,8 +93,13 @@ def test_sample_features_take_the_newest_row_of_a_window():
     assert sample_features(x.ravel(), [12]).shape == (2, 12)
 
 
-def test_the_committed_reference_matches_the_shipped_model_and_its_names():
+def test_the_committed_reference_matches_the_shipped_model_and_its_names(tmp_path):
+    from appliance.drift import reference_mismatch
     reference = load_reference(REFERENCE)
+    assert reference_mismatch(reference, te.ONNX_PATH) is None
+    other = tmp_path / "other.onnx"
+    other.write_bytes(te.ONNX_PATH.read_bytes() + b"\0")
+    assert "made for other weights (te_classifier.onnx sha256 " in reference_mismatch(reference, other)
     assert reference["model_file"] == "te_classifier.onnx"
     import hashlib
     assert reference["model_sha256"] == hashlib.sha256(te.ONNX_PATH.read_bytes()).hexdigest()
@@ -149,3 +154,14 @@ def test_drift_is_raised_on_a_fault_file_and_rarely_on_normal_operation():
     s, _ = states(0)
     decided = s != "Warmup"
     assert (s[decided] == "Drifting").mean() < 0.10
+
+
+def test_the_vectorised_per_feature_search_equals_searchsorted_per_feature():
+    from appliance.drift import PerFeatureTables
+    rng = np.random.default_rng(3)
+    tables = [np.sort(rng.normal(i, 1 + i, 9)) for i in range(6)] + [np.array([5.0]), np.round(np.sort(
+        rng.normal(0, 1, 11)), 1)]  # one constant feature, one quantized with repeated edges
+    search = PerFeatureTables([t.tolist() for t in tables])
+    for row in [rng.normal(0, 5, len(tables)) for _ in range(500)] + [np.array([t[3] for t in tables[:6]] + [5.0, 0.0])]:
+        expected = [np.searchsorted(t, v, side="right") for t, v in zip(tables, row)]
+        assert search.searchsorted_right(row).tolist() == expected
