@@ -66,9 +66,21 @@ def resolve_device(requested: str) -> str:
     return "cpu"
 
 
-def model_spec(m, engine, device: str):
-    """What a worker needs to serve one configured model (plain values: it crosses the process boundary)."""
+def model_spec(m, engine, device: str, state_dir: Path):
+    """What a worker needs to serve one configured model (plain values: it crosses the process boundary). A model
+    deployed with `appliance models deploy` serves its `current` version; one whose `current` points nowhere is
+    refused (Failed, with what to do)."""
+    from .model_store import ModelStore, ModelStoreError
     from .workers.protocol import ModelSpec
+    path, refused, label = str(m.resolved_path), "", m.version
+    store = ModelStore(state_dir)
+    if store.deployed(m.name) or store.model_dir(m.name).is_dir():
+        try:
+            path = str(store.served_path(m.name, m.kind))
+            label = m.version or store.current_version(m.name)
+        except ModelStoreError as e:
+            refused = str(e)
+            log.error("%s", refused)
     if m.kind == "tensor":
         delay_ms = m.max_queue_delay_ms if m.max_queue_delay_ms is not None else engine.max_queue_delay_ms
         settings = {"backend": m.backend, "device": device, "max_samples": m.max_samples,
@@ -80,8 +92,8 @@ def model_spec(m, engine, device: str):
                     "prefill_chunk": engine.prefill_chunk, "dtype": engine.dtype, "device": device,
                     "seed": engine.seed, "max_text_chars": m.max_text_chars, "system_prompt": m.system_prompt,
                     "top_p": m.top_p, "max_queue_size": engine.max_queue_size}
-    return ModelSpec(name=m.name, kind=m.kind, path=str(m.resolved_path), version_label=m.version,
-                     settings=settings)
+    return ModelSpec(name=m.name, kind=m.kind, path=path, version_label=label, settings=settings,
+                     refused=refused)
 
 
 ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical")
@@ -116,12 +128,17 @@ class Appliance:
             groups.setdefault(m.worker or name, []).append(m)
         services = {}
         for group, members in groups.items():
-            sup = WorkerSupervisor(group, [model_spec(m, eng, device.split(" ")[0]) for m in members], policy,
+            specs = [model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir)) for m in members]
+            sup = WorkerSupervisor(group, specs, policy,
                                    on_event=self._model_event, metrics=self.metrics)
             self.supervisors.append(sup)
             for m in members:
-                services[m.name] = RemoteModel(m.name, m.kind, sup, max_samples=m.max_samples)
+                services[m.name] = RemoteModel(m.name, m.kind, sup, max_samples=m.max_samples,
+                                               served_path=self._served_path(m, eng, device))
         return services
+
+    def _served_path(self, m, eng, device: str):
+        return lambda: model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir))
 
     def _model_event(self, name: str, kind: str, message: str) -> None:
         """A model's worker or engine reports a failure (load failed, worker replaced, given up)."""

@@ -112,6 +112,23 @@ class ModelStore:
         self.current_version(name)
         return self.model_dir(name) / "current"
 
+    def deployed(self, name: str) -> bool:
+        """Versions of this model are managed here (then they, not the YAML's path, serve)."""
+        return (self.model_dir(name) / "current").is_symlink()
+
+    def served_path(self, name: str, kind: str) -> Path:
+        """What the engine loads for a deployed model, through `current` (so a switch is seen by the next load):
+        the version's one model file (.onnx / .pt / .gguf), or the version folder itself (an HF directory)."""
+        folder = self.current_path(name)
+        suffixes = (".onnx", ".pt", ".pt2") if kind == "tensor" else (".gguf",)
+        files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
+        if len(files) == 1:
+            return folder / files[0]
+        if kind == "generative" and (folder / "config.json").exists():
+            return folder
+        raise ModelStoreError(f"model '{name}': version '{self.current_version(name)}' holds "
+                              f"{'no' if not files else 'more than one'} model file ({', '.join(suffixes)})")
+
     def versions(self, name: str) -> list[VersionInfo]:
         manifest = self._manifest(name)
         current, previous = self._link_target(name, "current"), self._link_target(name, "previous")
@@ -219,9 +236,44 @@ class ReloadResult:
     message: str
 
 
-def request_reload(config, name: str) -> ReloadResult:
-    """Ask the running appliance to load the model's `current` version (Admin/ReloadModel over OPC UA, as an
-    engineer). NOT WIRED YET: the lead engineer fills this in with the worker processes (issue 7); until then it
-    reports that nothing was reloaded, and the new version serves from the next start of the appliance."""
-    return ReloadResult(False, f"the running appliance was not asked to reload '{name}' (not wired yet): call "
-                               f"Admin/ReloadModel(\"{name}\") as an engineer, or restart the appliance")
+def request_reload(config, name: str, timeout_s: float = 600.0) -> ReloadResult:
+    """Ask the running appliance on this box to load the model's `current` version: Admin/ReloadModel over OPC UA
+    on loopback, as the box's commissioning engineer (a certificate the local CA issues once, like `appliance call`'s
+    commissioning operator). Not running: the new version serves from its next start."""
+    import asyncio
+    import socket
+
+    from asyncua import ua
+
+    from certs.pki import PKI
+
+    from .client import call_method, connect
+
+    state_dir = Path(config.server.state_dir)
+    out = state_dir / "clients"
+    cert, key = out / "commissioning-engineer.der", out / "commissioning-engineer.key.pem"
+    if not (cert.exists() and key.exists()):
+        pki = PKI(state_dir)
+        if not pki.exists():
+            return ReloadResult(False, "the appliance has no PKI yet (never started): the version serves from its "
+                                       "first start")
+        pki.issue("commissioning-engineer", "engineer", out, socket.gethostname())
+    endpoint = f"opc.tcp://127.0.0.1:{config.server.port}"
+
+    async def reload() -> ReloadResult:
+        try:
+            client = await connect(endpoint, cert, key, timeout=timeout_s)
+        except (OSError, asyncio.TimeoutError, TimeoutError):
+            return ReloadResult(False, "the appliance is not running: the version serves from its next start")
+        try:
+            ns = await client.get_namespace_index("urn:opcua-inference-appliance")
+            admin = await client.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Admin"])
+            method = await admin.get_child(f"{ns}:ReloadModel")
+            r = await call_method(client, admin, method, [ua.Variant(name, ua.VariantType.String)])
+        finally:
+            await client.disconnect()
+        if r.StatusCode.is_good():
+            return ReloadResult(True, f"the appliance now serves version {r.OutputArguments[0].Value}")
+        return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name}: the previous version keeps serving "
+                                   "(see the audit log and the appliance's log for the reason)")
+    return asyncio.run(reload())

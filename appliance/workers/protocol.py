@@ -31,6 +31,7 @@ class ModelSpec(msgspec.Struct, array_like=True):
     path: str
     version_label: str | None
     settings: dict  # the service's keyword settings (plain values only)
+    refused: str = ""  # not to be loaded: the reason (the model is Failed with it)
 
 
 class Start(_Msg):
@@ -72,6 +73,8 @@ class Release(_Msg):  # no answer: a session closed
 class Reload(_Msg):
     id: int
     model: str
+    path: str  # where the weights are now (a deployed version may have been switched)
+    version_label: str | None = None  # the deployed version's name, else the YAML's label
 
 
 class Cancel(_Msg):  # no answer: the caller stopped waiting for request `id`

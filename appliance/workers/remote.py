@@ -6,22 +6,25 @@ result says ContextLost.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
 
-from appliance.errors import NotReady
+from appliance.errors import EngineFailure, NotReady
 from appliance.model_port import GenerateResult, InferResult, ModelStatus
 from appliance.workers import protocol as p
 from appliance.workers.supervisor import WorkerSupervisor
 
 
 class RemoteModel:
-    def __init__(self, name: str, kind: str, supervisor: WorkerSupervisor, *, max_samples: int = 0):
+    def __init__(self, name: str, kind: str, supervisor: WorkerSupervisor, *, max_samples: int = 0,
+                 served_path=None):
         self.name = name
         self.kind = kind
         self.supervisor = supervisor
         self.max_samples = max_samples
+        self.served_path = served_path  # () -> ModelSpec as it would be built now: what a reload loads
         self.request_count = 0
         self.error_count = 0
         self.last_latency_ms = 0.0
@@ -105,23 +108,34 @@ class RemoteModel:
             self.supervisor.send(p.Release(model=self.name, session=session))
 
     async def reload(self) -> str:
-        if self.supervisor.revive():  # a Failed worker comes back with the weights as they are now
+        """Load the weights anew from where they serve now (a deployed version may have been switched)."""
+        spec = self.supervisor.spec(self.name)
+        if self.served_path is not None:
+            now = self.served_path()
+            if now.refused:
+                raise EngineFailure(f"reload failed: {now.refused}")
+        else:
+            now = spec
+        if self.supervisor.failed:  # a Failed worker comes back, loading what serves now
+            spec.path, spec.version_label = now.path, now.version_label
+            self.supervisor.revive()
             return await self._wait_loaded()
         if not self.supervisor.up:
             raise NotReady(f"model {self.name} is {self.state}")
-        reply = await self.supervisor.call(p.Reload(id=0, model=self.name), None)
+        reply = await self.supervisor.call(p.Reload(id=0, model=self.name, path=now.path,
+                                                    version_label=now.version_label), None)
+        spec.path, spec.version_label = now.path, now.version_label  # a restarted worker loads what serves now
         return reply.value  # the engine dropped every conversation and says ContextLost itself
 
     async def _wait_loaded(self, timeout_s: float = 600.0) -> str:
-        import asyncio
-        from appliance.errors import EngineFailure
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             state = self.state
             if state in ("Ready", "Failed") and self.supervisor.up:
+                snap = self.supervisor.snapshots[self.name]
                 if state == "Failed":
-                    raise EngineFailure(f"reload failed: {self.supervisor.snapshots[self.name].failure_reason}")
-                return self.supervisor.snapshots[self.name].version
+                    raise EngineFailure(f"reload failed: {snap.failure_reason}")
+                return snap.version
             await asyncio.sleep(0.05)
         raise EngineFailure("reload failed: the model did not load in time")
 

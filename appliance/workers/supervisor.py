@@ -74,6 +74,9 @@ class WorkerSupervisor:
         self._stopping = False
         self._exited = asyncio.Event()
 
+    def spec(self, model: str) -> p.ModelSpec:
+        return next(s for s in self.specs if s.name == model)
+
     # ---- what the models show ----
 
     @property

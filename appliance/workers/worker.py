@@ -83,6 +83,7 @@ class WorkerHost:
             self.services[spec.name] = build_service(spec, threads=start.threads, metrics=self.metrics,
                                                      liveness=self.liveness, on_event=self._event_sender(spec.name),
                                                      inline_batches=inline)
+        self._specs = list(start.models)
         self._calls: dict[int, asyncio.Task] = {}
         self._stopping = False
 
@@ -116,8 +117,13 @@ class WorkerHost:
             os._exit(MEMORY_EXIT)
 
     async def run(self) -> None:
-        for svc in self.services.values():
-            asyncio.create_task(self._start_service(svc))
+        for spec in self._specs:
+            svc = self.services[spec.name]
+            if spec.refused:
+                svc._load_failed(spec.refused)
+                self._push_state()
+            else:
+                asyncio.create_task(self._start_service(svc))
         while True:
             try:
                 message = await self.channel.receive()
@@ -169,8 +175,13 @@ class WorkerHost:
                 await svc.reset(message.session)
                 reply = p.Done(id=message.id)
             else:
+                old = svc.path, svc.version_label
+                svc.path, svc.version_label = Path(message.path), message.version_label
                 try:
                     version = await svc.reload()
+                except BaseException:
+                    svc.path, svc.version_label = old  # the old weights keep serving, from where they came
+                    raise
                 finally:
                     self._push_state()
                 reply = p.Done(id=message.id, value=version)
