@@ -162,7 +162,8 @@ def test_the_vectorised_per_feature_search_equals_searchsorted_per_feature():
     tables = [np.sort(rng.normal(i, 1 + i, 9)) for i in range(6)] + [np.array([5.0]), np.round(np.sort(
         rng.normal(0, 1, 11)), 1)]  # one constant feature, one quantized with repeated edges
     search = PerFeatureTables([t.tolist() for t in tables])
-    for row in [rng.normal(0, 5, len(tables)) for _ in range(500)] + [np.array([t[3] for t in tables[:6]] + [5.0, 0.0])]:
+    on_edges = np.array([t[3] for t in tables[:6]] + [5.0, 0.0])  # values equal to an edge
+    for row in [rng.normal(0, 5, len(tables)) for _ in range(500)] + [on_edges]:
         expected = [np.searchsorted(t, v, side="right") for t, v in zip(tables, row)]
         assert search.searchsorted_right(row).tolist() == expected
 
