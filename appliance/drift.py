@@ -364,6 +364,27 @@ class DriftDetector:
             return cls(None, **settings)
         return cls(load_reference(Path(path)), **settings)
 
+    @classmethod
+    def for_model(cls, model) -> "DriftDetector | None":
+        """The detector a model's YAML asks for (`drift:`), or None when drift detection is off. A reference made
+        for other weights counts as none (NoReference; `mismatch` says why), so a deployed version without a fresh
+        reference never compares against the wrong statistics."""
+        if model.drift is None:
+            return None
+        settings = dict(window=model.drift.window, test=model.drift.test, threshold=model.drift.threshold,
+                        adwin_delta=model.drift.adwin_delta)
+        path = model.drift_reference_path
+        detector = cls.from_file(path, **settings)
+        model_file = model.resolved_path
+        if detector.reference is not None and model_file is not None and model_file.is_file():
+            why = reference_mismatch(detector.reference, model_file)
+            if why is not None:
+                detector = cls(None, **settings)
+                detector.mismatch = why
+        return detector
+
+    mismatch: str | None = None  # why a reference file beside the model was not used
+
     @property
     def warm(self) -> bool:
         """True once the window is full and the status is a judgement."""

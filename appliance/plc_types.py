@@ -156,7 +156,7 @@ def _scl_example_fb(model_name: str, method: Method) -> list[str]:
              "   VAR_INPUT", "      Execute : Bool;   // rising edge starts one call", "   END_VAR",
              "   VAR_OUTPUT", "      Done : Bool;", "      Busy : Bool;", "      Error : Bool;",
              "      Status : DWord;   // the instruction's status (connection, session) when Error",
-             "      MethodResult : DWord;   // the method's StatusCode: 0 Good, else e.g. 16#80AB0000 BadInvalidArgument",
+             "      MethodResult : DWord;   // the method's StatusCode: 0 Good, e.g. 16#80AB0000 BadInvalidArgument",
              "   END_VAR", "   VAR"]
     if method.inputs:
         lines.append(f'      Arguments : "{udt_name(model_name, method.name, "In")}";   // fill before Execute')
@@ -165,8 +165,8 @@ def _scl_example_fb(model_name: str, method: Method) -> list[str]:
     lines += ["      Call : OPC_UA_MethodCall_C;", "   END_VAR", "", "BEGIN",
               f"   // Calls Objects/Appliance/Models/{model_name}/{method.name}. The server endpoint, the session",
               "   // (MaintainSession) and the method's NodeId come from the OPC UA client interface configured in",
-              "   // TIA Portal (Basic256Sha256, SignAndEncrypt, user name). The parameters follow PLCopen UA_MethodCall",
-              "   // (OPC 30001); check their names against your TIA Portal version's help: not compiled here.",
+              "   // TIA Portal (Basic256Sha256, SignAndEncrypt, user name). The parameters follow PLCopen",
+              "   // UA_MethodCall (OPC 30001); check them against your TIA Portal version's help (not compiled here).",
               "   #Call(REQ := #Execute,"]
     if method.inputs:
         lines.append("         InputArguments := #Arguments,")

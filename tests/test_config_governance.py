@@ -89,8 +89,9 @@ def test_a_missing_labels_file_is_reported(tmp_path):
      ["t.yaml:5: models.te.drift.test: expected one of psi, ks, got 'chi2'",
       "t.yaml:5: models.te.drift.window: expected an integer in [10, 1000000], got 5"]),
     ("    keep_versions: 1\n", ["t.yaml:5: models.te.keep_versions: expected an integer in [2, 1000], got 1"]),
-    ("    drift: {windw: 50}\n", ["t.yaml:5: models.te.drift.windw: unknown key 'windw' in models.te.drift; did you mean "
-                                 "'window'? valid keys: window, test, threshold, adwin_delta, reference"]),
+    ("    drift: {windw: 50}\n",
+     ["t.yaml:5: models.te.drift.windw: unknown key 'windw' in models.te.drift; did you mean 'window'? valid keys: "
+      "window, test, threshold, adwin_delta, reference"]),
 ])
 def test_classifier_key_mistakes_carry_line_and_key(extra, expected):
     assert sorted(errors_of(te(extra))) == sorted(expected)

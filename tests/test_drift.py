@@ -162,6 +162,25 @@ def test_the_vectorised_per_feature_search_equals_searchsorted_per_feature():
     tables = [np.sort(rng.normal(i, 1 + i, 9)) for i in range(6)] + [np.array([5.0]), np.round(np.sort(
         rng.normal(0, 1, 11)), 1)]  # one constant feature, one quantized with repeated edges
     search = PerFeatureTables([t.tolist() for t in tables])
-    for row in [rng.normal(0, 5, len(tables)) for _ in range(500)] + [np.array([t[3] for t in tables[:6]] + [5.0, 0.0])]:
+    on_edges = np.array([t[3] for t in tables[:6]] + [5.0, 0.0])  # values equal to an edge
+    for row in [rng.normal(0, 5, len(tables)) for _ in range(500)] + [on_edges]:
         expected = [np.searchsorted(t, v, side="right") for t, v in zip(tables, row)]
         assert search.searchsorted_right(row).tolist() == expected
+
+
+def test_a_detector_is_built_from_the_models_yaml_and_refuses_a_reference_of_other_weights(tmp_path):
+    import shutil
+
+    from appliance.config import demo_config, load_config_text
+    model = demo_config().models["te-classifier"]
+    detector = DriftDetector.for_model(model)
+    assert (detector.window, detector.test, detector.threshold) == (100, "ks", 2.0)
+    assert detector.status.state == "Ok" and detector.mismatch is None
+    assert DriftDetector.for_model(load_config_text(
+        "models:\n  te: {kind: tensor, path: builtin:te-classifier}\n").models["te"]) is None  # drift off
+    (tmp_path / "m.onnx").write_bytes(te.ONNX_PATH.read_bytes() + b"\0")  # other weights, the old reference
+    shutil.copy(REFERENCE, tmp_path / "m.drift.json")
+    other = load_config_text("models:\n  te: {kind: tensor, path: m.onnx, drift: {window: 50}}\n",
+                             base_dir=tmp_path).models["te"]
+    detector = DriftDetector.for_model(other)
+    assert detector.status.state == "NoReference" and "made for other weights" in detector.mismatch

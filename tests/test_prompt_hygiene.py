@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("ﬁlter ① ㎏", "filter 1 kg"),
     ("line one\r\nline two\rthree", "line one\nline two\nthree"),
     ("tab\tand\nnewline stay", "tab\tand\nnewline stay"),
-    ("emoji 👩‍🔧 and Störung", "emoji 👩‍🔧 and Störung"),  # the ZWJ of an emoji sequence is not a control
+    ("emoji 👩‍🔧 and Störung", "emoji 👩‍🔧 and Störung"),  # an emoji sequence's ZWJ is no control
     ("e\u0301", "é"),
 ])
 def test_prompts_are_nfkc_normalised_with_lf_line_ends(text, expected):
