@@ -53,6 +53,10 @@ class Metrics:
                                        ["model"], registry=r)
         self.alarm_active = Gauge("appliance_alarm_active", "1 while the alarm is active (Objects/Appliance/Alarms)",
                                   ["alarm"], registry=r)
+        self.drift_score = Gauge("appliance_drift_score", "Drift score of a tensor model's inputs (0: like the "
+                                 "reference data; above the threshold: Drifting)", ["model"], registry=r)
+        self.drift_state = Gauge("appliance_drift_state", "Drift state: 0 Ok, 1 Drifting, 2 NoReference", ["model"],
+                                 registry=r)
         self.jobs = Gauge("appliance_jobs", "Unreleased jobs by state (running | done | failed)", ["model", "state"],
                           registry=r)
         self.rate_limited = Counter("appliance_rate_limited", "Calls refused with BadTooManyOperations by a rate limit",

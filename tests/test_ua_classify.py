@@ -65,3 +65,31 @@ def test_an_alarm_class_raises_and_clears(app):
             assert status_name(r) == "Good"
             assert await read(c, "Alarms", "IDV1 A-C feed ratio step") is False
     run(go())
+
+
+def test_drift_on_a_fault_file_raises_the_drift_alarm(tmp_path):
+    models = {"te": {"kind": "tensor", "path": "builtin:te-classifier", "labels": "labels.txt",
+                     "drift": {"window": 100}}}
+    app = RunningAppliance(tmp_path / "state", models)
+    try:
+        operator = app.issue("plc", "operator")
+        x = windows(6, 192, 400)  # IDV(6), A feed loss: far from normal operation
+
+        async def go():
+            async with session(app, *operator) as c:
+                assert await read(c, "Models", "te", "Drift", "State") == "Ok"
+                for chunk in np.split(x, 3):
+                    assert status_name(await call(c, "te", "Infer", [floats(chunk.ravel())])) == "Good"
+                await asyncio.sleep(0.6)  # published within 0.25 s
+                assert await read(c, "Models", "te", "Drift", "State") == "Drifting"
+                assert await read(c, "Models", "te", "Drift", "Score") > 2.0
+                assert await read(c, "Models", "te", "Drift", "Feature")
+                assert await read(c, "Models", "te", "Drift", "Since") is not None
+                assert await read(c, "Alarms", "Drift", "te") is True
+        run(go())
+        import urllib.request
+        text = urllib.request.urlopen(app.metrics_url + "/metrics", timeout=5).read().decode()
+        assert 'appliance_drift_state{model="te"} 1.0' in text
+        assert 'appliance_alarm_active{alarm="Drift/te"} 1.0' in text
+    finally:
+        app.stop()

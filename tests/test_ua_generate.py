@@ -159,6 +159,8 @@ def test_reject_mode_answers_resource_unavailable(tmp_path, model_dir):
     (gen_args(""), 0, "BadInvalidArgument"),
     (gen_args("x" * (16 * 1024 + 1)), 0, "BadOutOfRange"),
     (gen_args("\udcff\udcfe broken utf-8"), 0, "BadInvalidArgument"),
+    (gen_args("open valve\x1b[2J now"), 0, "BadInvalidArgument"),  # a control character (prompt hygiene)
+    (gen_args("pump \u202eevil"), 0, "BadInvalidArgument"),  # a bidi override
     (gen_args("hi", max_tokens=0), 1, "BadOutOfRange"),
     (gen_args("hi", max_tokens=33), 1, "BadOutOfRange"),
     (gen_args("hi", temperature=2.5), 2, "BadOutOfRange"),

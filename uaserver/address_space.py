@@ -91,8 +91,9 @@ class AddressSpaceBuilder:
         return node  # read-only: asyncua variables are not writable unless set_writable() is called
 
     async def build(self, device: str, models: dict, callbacks: dict, alarms: tuple[str, ...] = (),
-                    classifiers: dict | None = None) -> ApplianceNodes:
-        """classifiers: model name -> (labels, alarm class indices) for tensor models with labels."""
+                    classifiers: dict | None = None, drift: tuple[str, ...] = ()) -> ApplianceNodes:
+        """classifiers: model name -> (labels, alarm class indices) for tensor models with labels; drift: the
+        models with drift detection."""
         classifiers = classifiers or {}
         objects = self.server.nodes.objects
         root = await objects.add_object(self.nid("Appliance"), ua.QualifiedName("Appliance", self.ns))
@@ -119,6 +120,11 @@ class AddressSpaceBuilder:
                 m.values["MaxSamples"] = await self.variable(obj, path, "MaxSamples", int(st.max_samples), V.UInt32)
                 await obj.add_method(self.nid(f"{path}/Infer"), ua.QualifiedName("Infer", self.ns),
                                      callbacks[(name, "Infer")], INFER_IN, INFER_OUT)
+                if name in drift:
+                    obj_drift = await obj.add_object(self.nid(f"{path}/Drift"), ua.QualifiedName("Drift", self.ns))
+                    for key, value, vtype in (("State", "NoReference", V.String), ("Score", 0.0, V.Double),
+                                              ("Feature", "", V.String), ("Since", None, V.DateTime)):
+                        m.values[f"Drift/{key}"] = await self.variable(obj_drift, f"{path}/Drift", key, value, vtype)
                 if name in classifiers:
                     await obj.add_method(self.nid(f"{path}/Classify"), ua.QualifiedName("Classify", self.ns),
                                          callbacks[(name, "Classify")], INFER_IN, CLASSIFY_OUT)
@@ -146,6 +152,12 @@ class AddressSpaceBuilder:
         alarms_obj = await root.add_object(self.nid("Appliance/Alarms"), ua.QualifiedName("Alarms", self.ns))
         for alarm in alarms:
             nodes.alarms[alarm] = await self.variable(alarms_obj, "Appliance/Alarms", alarm, False, V.Boolean)
+        if drift:
+            drift_alarms = await alarms_obj.add_object(self.nid("Appliance/Alarms/Drift"),
+                                                       ua.QualifiedName("Drift", self.ns))
+            for name in drift:
+                nodes.alarms[f"Drift/{name}"] = await self.variable(drift_alarms, "Appliance/Alarms/Drift", name,
+                                                                    False, V.Boolean)
         for name, (labels, alarm_classes) in classifiers.items():
             for c in alarm_classes:  # BrowseName: the class label; NodeId: unique per model
                 nodes.class_alarms[(name, c)] = await alarms_obj.add_variable(

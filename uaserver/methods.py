@@ -195,11 +195,13 @@ class MethodHandlers:
 
     # --- argument helpers shared by the bodies ---
 
-    def float_array(self, arg: ua.Variant, index: int) -> np.ndarray:
+    def float_array(self, arg: ua.Variant, index: int, most: int = 0) -> np.ndarray:
+        """most: the model's own bound (MaxSamples x sample length), which the contract says is always accepted,
+        also where it exceeds security.limits.max_array_length."""
         values = require_type(arg, index, FLOATS, array=True)
         if values is None or len(values) == 0:
             raise InvalidArgument("the input array is empty", index, OUT_OF_RANGE)
-        if len(values) > self.max_array_length:
+        if len(values) > max(self.max_array_length, most):
             raise InvalidArgument("the input array is too long", index, OUT_OF_RANGE)
         try:
             out = np.asarray(values, dtype=np.float32)

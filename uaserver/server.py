@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -22,6 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
 from appliance.classify import ClassifierState
+from appliance.drift import DriftDetector
 from appliance.rate_limit import RateLimiter
 from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
 from appliance.jobs import Job, JobStore
@@ -107,6 +109,9 @@ class ApplianceUaServer:
         limits = config.security.limits
         self.classifiers = {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence)
                             for name, m in config.models.items() if m.kind == "tensor" and m.labels}
+        self.drift = {name: d for name, m in config.models.items() if m.kind == "tensor"
+                      and (d := DriftDetector.for_model(m)) is not None}
+        self._drift_published: dict[str, str] = {}  # model -> state last written
         jobs = config.jobs
         self.jobs = JobStore(max_per_client=jobs.max_per_client, result_ttl_s=jobs.result_ttl_s,
                              max_wait_s=jobs.max_wait_ms / 1000.0, on_ready=self._job_ready)
@@ -181,7 +186,8 @@ class ApplianceUaServer:
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
         self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()),
-                                         {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()})
+                                         {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()},
+                                         tuple(self.drift))
         self._event_gen = await server.get_event_generator()
         job_event = await server.create_custom_event_type(
             self.ns, "JobResultReadyEventType", ua.ObjectIds.BaseEventType,
@@ -311,6 +317,7 @@ class ApplianceUaServer:
         for alarm, active in self.alarms().items():
             if alarm in n.alarms:
                 await write(s, n.alarms[alarm], bool(active), V.Boolean)
+        await self._publish_drift()
         await write(s, n.values["Engine/QueueDepth"], queue, V.UInt32)
         await write(s, n.values["Engine/SlotsTotal"], slots_total, V.UInt32)
         await write(s, n.values["Engine/SlotsInUse"], slots_used, V.UInt32)
@@ -366,12 +373,14 @@ class ApplianceUaServer:
 
     def _start_infer_body(self, svc):
         async def body(ctx: CallContext, args):
-            samples = self.handlers.float_array(args[0], 0)
+            samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
             ctx.input_digest = digest(samples)
             require_ready(svc)
 
             async def run(on_progress):
                 r = await svc.infer(samples, self.handlers.deadline())
+                if svc.name in self.drift:
+                    self._drift_update(svc.name, samples, r.output)
                 classifier = self.classifiers.get(svc.name)
                 if classifier is not None:
                     await self._classified(svc.name, classifier, r.output)
@@ -441,6 +450,33 @@ class ApplianceUaServer:
                 log.exception("JobResultReady event failed")
         asyncio.ensure_future(trigger())
 
+    def _drift_update(self, model: str, samples, output) -> None:
+        try:
+            status = self.drift[model].update(samples, output)
+        except Exception:  # a sample the reference cannot take: drift is advisory, never the call's failure
+            log.exception("drift update of model %s failed", model)
+            return
+        previous = self._drift_published.get(model)
+        self._drift_published[model] = status.state
+        if previous is not None and previous != status.state and status.state != "NoReference":
+            drifting = status.state == "Drifting"
+            self.emit_event(f"Model {model}: input drift {'detected' if drifting else 'cleared'} (score "
+                            f"{status.score:.2f}, {status.feature or 'no feature'})", severity=700 if drifting else 300)
+
+    async def _publish_drift(self) -> None:
+        s = self.server
+        for model, detector in self.drift.items():
+            st, values = detector.status, self.nodes.models[model].values
+            await write(s, values["Drift/State"], st.state, V.String)
+            await write(s, values["Drift/Score"], float(st.score), V.Double)
+            await write(s, values["Drift/Feature"], st.feature, V.String)
+            await write(s, values["Drift/Since"], st.since, V.DateTime)
+            await write(s, self.nodes.alarms[f"Drift/{model}"], st.state == "Drifting", V.Boolean)
+            if self.metrics is not None:
+                self.metrics.drift_score.labels(model).set(st.score)
+                self.metrics.drift_state.labels(model).set({"Ok": 0, "Drifting": 1}.get(st.state, 2))
+                self.metrics.alarm_active.labels(f"Drift/{model}").set(1 if st.state == "Drifting" else 0)
+
     def _slot_key(self, ctx: CallContext, conversation: str, model: str, index: int) -> str:
         """The KV slot of a conversation: keyed by the caller's identity and the id, not by the session, so a PLC
         that opens a session per call continues it; another identity's same id is another conversation."""
@@ -472,12 +508,14 @@ class ApplianceUaServer:
         classifier = self.classifiers.get(svc.name)
 
         async def body(ctx: CallContext, args):
-            samples = self.handlers.float_array(args[0], 0)
+            samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
             ctx.input_digest = digest(samples)
             require_ready(svc)
             r = await svc.infer(samples, self.handlers.deadline())
             ctx.version = r.model_version
             ctx.output_digest = digest(r.output)
+            if svc.name in self.drift:  # after the answer is sent: drift costs the caller nothing
+                asyncio.get_running_loop().call_soon(self._drift_update, svc.name, samples, r.output)
             if classifier is None:
                 return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
             result = await self._classified(svc.name, classifier, r.output)
@@ -553,3 +591,9 @@ class ApplianceUaServer:
         self.emit_event(f"Model {name} reloaded, version {version}", severity=300)
         return [ua.Variant(version, V.String)]
 
+
+
+def _most_floats(model) -> int:
+    """MaxSamples samples of the model's input, the most one Infer call may carry."""
+    st = model.status()
+    return st.max_samples * math.prod(st.input_shape) if st.input_shape else 0

@@ -154,7 +154,7 @@ class GenerativeModelService(ModelStatus):
 
     async def _generate(self, session_key: str, prompt: str, max_tokens: int, temperature: float,
                         deadline: float, on_progress=None) -> GenerateResult:
-        self._validate(prompt, max_tokens, temperature)
+        prompt = self._validate(prompt, max_tokens, temperature)
         self._require_ready()
         if self.queue_depth >= self.settings.max_queue_size:
             raise ResourceUnavailable("the model's queue is full")
@@ -197,7 +197,8 @@ class GenerativeModelService(ModelStatus):
             self._engine_loop.release(session_key)
 
     # ---- event-loop helpers --------------------------------------------------------------------------------
-    def _validate(self, prompt: Any, max_tokens: Any, temperature: Any) -> None:
+    def _validate(self, prompt: Any, max_tokens: Any, temperature: Any) -> str:
+        """The prompt as it will be tokenized (NFKC, LF line ends), or InvalidArgument naming the argument."""
         if not isinstance(prompt, str) or not prompt:
             raise InvalidArgument("Prompt must be a non-empty string", 0, INVALID)
         try:
@@ -214,6 +215,11 @@ class GenerativeModelService(ModelStatus):
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
                 or math.isnan(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
             raise InvalidArgument(f"Temperature must be between 0 and {MAX_TEMPERATURE:g}", 2, OUT_OF_RANGE)
+        from models.tokenizer import PromptRejected, normalize_prompt
+        try:
+            return normalize_prompt(prompt)
+        except PromptRejected as e:
+            raise InvalidArgument(str(e), 0, INVALID) from None
 
     def _require_ready(self) -> None:
         if self._stopped or self.state != "Ready" or self._engine is None:
