@@ -484,6 +484,8 @@ class EngineConfig:
     prefill_chunk: int = setting(256, integer(1))
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
     seed: int = setting(0, integer(0, 2**63 - 1))
+    kernels: str = setting("auto", choice("auto", "triton", "torch"))  # generative: Triton on CUDA, else torch
+    tensorrt_fp16: bool = setting(True, boolean())  # backend tensorrt: build fp16 engines (fp32 inputs/outputs)
 
 
 TENSOR_ONLY = ("max_samples",)
@@ -497,7 +499,7 @@ class ModelConfig:
     version: str | None = setting(None, optional(text("a version label of 1-64 printable characters",
                                                       lambda v: v.isprintable() and 0 < len(v.strip()),
                                                       max_len=64)))
-    backend: str = setting("auto", choice("auto", "onnxruntime", "torch"))
+    backend: str = setting("auto", choice("auto", "onnxruntime", "torch", "tensorrt"))
     max_samples: int = setting(64, integer(1, 65536))  # tensor: most samples per Infer call
     max_batch_size: int | None = setting(None, optional(integer(1, 65536)))
     max_queue_delay_ms: float | None = setting(None, optional(number(0, 1000)))
@@ -802,8 +804,8 @@ def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
                 ctx.error(nodes[key], f"{path}.{key}", f"{key} applies to {owner} models only (this model is "
                           f"kind {kind})")
                 ok = False
-    if kind == "generative" and values.get("backend") == "onnxruntime":
-        ctx.error(nodes["backend"], f"{path}.backend", "backend 'onnxruntime' applies to tensor models only; "
+    if kind == "generative" and values.get("backend") in ("onnxruntime", "tensorrt"):
+        ctx.error(nodes["backend"], f"{path}.backend", f"backend '{values['backend']}' applies to tensor models only; "
                   "valid for generative models: auto, torch")
         ok = False
     resolved = _model_path(values["path"], kind, nodes, ctx, path) if "path" in values else None
