@@ -554,6 +554,9 @@ class WatchdogConfig:
     temperature_warning_c: float = setting(83.0, number(0, 150))
     temperature_critical_c: float = setting(90.0, number(0, 150))  # must exceed the warning temperature
     memory_warning_ratio: float = setting(0.95, number(0, 1, lo_open=True))
+    memory_critical_ratio: float = setting(0.99, number(0, 1, lo_open=True))  # must exceed the warning ratio
+    temperature_hysteresis_c: float = setting(2.0, number(0, 50))  # a state is left this far below its threshold
+    lost_after_failures: int = setting(3, integer(1, 100))  # unreadable samples in a row that mean "GPU lost"
 
 
 @dataclass
@@ -861,6 +864,9 @@ def _cross_check(cfg: ApplianceConfig, ctx: _Context) -> None:
     check("watchdog", "temperature_critical_c", "temperature_warning_c",
           wd.temperature_critical_c > wd.temperature_warning_c,
           f"expected a number > temperature_warning_c ({wd.temperature_warning_c}), got {wd.temperature_critical_c}")
+    check("watchdog", "memory_critical_ratio", "memory_warning_ratio",
+          wd.memory_critical_ratio > wd.memory_warning_ratio,
+          f"expected a number > memory_warning_ratio ({wd.memory_warning_ratio}), got {wd.memory_critical_ratio}")
 
 
 def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
