@@ -76,12 +76,14 @@ class KernelLlama:
 
     @torch.no_grad()
     def decode_step(self, kv: torch.Tensor, token_ids: torch.Tensor, slot_ids: torch.Tensor,
-                    positions: torch.Tensor) -> torch.Tensor:
+                    positions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """lengths: cache positions each row attends over, positions + 1 unless given (a padded row of a CUDA
+        graph writes the scratch cell max_seq_len and attends over 1)."""
         c, be = self.config, self.backend
         n_h, n_kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         b = token_ids.shape[0]
         token_ids, slot_ids, positions = (t.to(self.device) for t in (token_ids, slot_ids, positions))
-        lengths = positions + 1
+        lengths = positions + 1 if lengths is None else lengths.to(self.device)
         h = self.embed[token_ids]  # the residual stream, updated in place by add_rms_norm
         delta = None
         for li, lw in enumerate(self.layers):
