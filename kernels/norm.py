@@ -30,6 +30,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     from kernels.triton_norm import add_rms_norm_kernel
 
     hidden = x.shape[-1]
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError("add_rms_norm: residual must have x's shape and a contiguous last dim")
     rows = x.reshape(-1, hidden)
     res_rows = residual.view(-1, hidden) if residual is not None else rows  # a view: the kernel writes through it
     out = torch.empty_like(rows)
