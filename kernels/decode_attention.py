@@ -53,7 +53,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     group = n_heads // n_kv
     split_len = next_pow2(min(split_len, max(t_cap, 16)))
-    block_t = min(64, split_len)
+    # fp32 tiles at 64 positions need 144 KB of shared memory at head_dim 128 (compiled for sm_90): halve them
+    block_t = min(32 if q.dtype == torch.float32 else 64, split_len)
     n_splits = -(-t_cap // split_len)
     part_out = torch.empty(b, n_heads, n_splits, hd, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, n_heads, n_splits, dtype=torch.float32, device=q.device)
