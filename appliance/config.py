@@ -559,6 +559,8 @@ class EngineConfig:
     worker_restart_backoff_s: float = setting(0.25, number(0, 3600))
     worker_restart_backoff_max_s: float = setting(30.0, number(0, 86400))
     conversation_ttl_s: float = setting(86400.0, number(1, 365 * 86400))  # a Converse conversation unused this long ends
+    kernels: str = setting("auto", choice("auto", "triton", "torch"))  # generative: Triton on CUDA, else torch
+    tensorrt_fp16: bool = setting(True, boolean())  # backend tensorrt: build fp16 engines (fp32 inputs/outputs)
 
 
 @dataclass
@@ -584,7 +586,7 @@ class ModelConfig:
     version: str | None = setting(None, optional(text("a version label of 1-64 printable characters",
                                                       lambda v: v.isprintable() and 0 < len(v.strip()),
                                                       max_len=64)))
-    backend: str = setting("auto", choice("auto", "onnxruntime", "torch"))
+    backend: str = setting("auto", choice("auto", "onnxruntime", "torch", "tensorrt"))
     max_samples: int = setting(64, integer(1, 65536))  # tensor: most samples per Infer call
     max_batch_size: int | None = setting(None, optional(integer(1, 65536)))
     max_queue_delay_ms: float | None = setting(None, optional(number(0, 1000)))
@@ -666,6 +668,9 @@ class WatchdogConfig:
     temperature_warning_c: float = setting(83.0, number(0, 150))
     temperature_critical_c: float = setting(90.0, number(0, 150))  # must exceed the warning temperature
     memory_warning_ratio: float = setting(0.95, number(0, 1, lo_open=True))
+    memory_critical_ratio: float = setting(0.99, number(0, 1, lo_open=True))  # must exceed the warning ratio
+    temperature_hysteresis_c: float = setting(2.0, number(0, 50))  # a state is left this far below its threshold
+    lost_after_failures: int = setting(3, integer(1, 100))  # unreadable samples in a row that mean "GPU lost"
 
 
 @dataclass
@@ -937,8 +942,8 @@ def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
                 ctx.error(nodes[key], f"{path}.{key}", f"{key} applies to {owner} models only (this model is "
                           f"kind {kind})")
                 ok = False
-    if kind == "generative" and values.get("backend") == "onnxruntime":
-        ctx.error(nodes["backend"], f"{path}.backend", "backend 'onnxruntime' applies to tensor models only; "
+    if kind == "generative" and values.get("backend") in ("onnxruntime", "tensorrt"):
+        ctx.error(nodes["backend"], f"{path}.backend", f"backend '{values['backend']}' applies to tensor models only; "
                   "valid for generative models: auto, torch")
         ok = False
     resolved = _model_path(values["path"], kind, nodes, ctx, path) if "path" in values else None
@@ -1054,6 +1059,9 @@ def _cross_check(cfg: ApplianceConfig, ctx: _Context) -> None:
     check("watchdog", "temperature_critical_c", "temperature_warning_c",
           wd.temperature_critical_c > wd.temperature_warning_c,
           f"expected a number > temperature_warning_c ({wd.temperature_warning_c}), got {wd.temperature_critical_c}")
+    check("watchdog", "memory_critical_ratio", "memory_warning_ratio",
+          wd.memory_critical_ratio > wd.memory_warning_ratio,
+          f"expected a number > memory_warning_ratio ({wd.memory_warning_ratio}), got {wd.memory_critical_ratio}")
 
 
 def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:

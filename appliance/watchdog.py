@@ -1,8 +1,13 @@
 """Accelerator health: temperature, memory, uncorrected ECC errors, behind one backend interface.
 
-States: Critical when a GPU is at or above the critical temperature, reports new uncorrected ECC errors since the
-watchdog started, cannot be read, or has disappeared; Warning at or above the warning temperature or memory ratio;
-Ok otherwise; NoGpu when there is no backend at all (CPU-only box). The worst GPU decides.
+States: Critical when a GPU is at or above the critical temperature or memory ratio, reports new uncorrected ECC
+errors since the watchdog started, cannot be read, or has disappeared; Warning at or above the warning temperature
+or memory ratio; Ok otherwise; NoGpu when there is no backend at all (CPU-only box). The worst GPU decides. Leaving a
+temperature state needs `temperature_hysteresis_c` below its threshold, so a GPU hovering at 83 C does not flap.
+
+Fault (latched until restart, reported once through `on_fault(message)`): a new uncorrected ECC error, a GPU that
+vanished from the samples or reports NVML's GPU_IS_LOST, or `lost_after_failures` unreadable samples in a row.
+The state stays Critical while faulted. What the daemon does about each is `actions_for(state, fault)`.
 """
 from __future__ import annotations
 
@@ -18,6 +23,20 @@ log = logging.getLogger("appliance.watchdog")
 
 OK, WARNING, CRITICAL, NO_GPU = "Ok", "Warning", "Critical", "NoGpu"
 _SEVERITY = {OK: 0, WARNING: 1, CRITICAL: 2}
+
+
+@dataclass(frozen=True)
+class WatchdogActions:
+    """What the appliance does in a watchdog state (the daemon carries them out)."""
+    alarm: bool  # raise the alarm: OPC UA event, Health variables, log at WARNING
+    shed_load: bool  # smaller batches, no new generative sessions, tensor models may move to the CPU
+    stop_gpu_workers: bool  # GPU workers stop; the appliance is Fault; CPU models keep serving
+
+
+def actions_for(state: str, fault: str | None) -> WatchdogActions:
+    if fault is not None:
+        return WatchdogActions(alarm=True, shed_load=True, stop_gpu_workers=True)
+    return WatchdogActions(alarm=state in (WARNING, CRITICAL), shed_load=state == CRITICAL, stop_gpu_workers=False)
 
 
 class WatchdogUnavailable(RuntimeError):
@@ -148,30 +167,58 @@ def make_backend(kind: str) -> GpuBackend | None:
 
 
 class Watchdog:
-    """Evaluates backend samples into a state; reports changes through metrics and `on_event(state, previous,
-    message)`. In `run()` the sampling happens in a worker thread and the evaluation (and so `on_event`) on the
-    event loop, so `on_event` may touch asyncio objects."""
+    """Evaluates backend samples into a state; reports changes through metrics, `on_state(state, previous,
+    message)` (also accepted as `on_event`) and a latched fault through `on_fault(message)`. In `run()` the
+    sampling happens in a worker thread and the evaluation (and so the callbacks) on the event loop, so callbacks
+    may touch asyncio objects."""
 
     def __init__(self, backend: GpuBackend | None, *, temperature_warning_c: float = 83.0,
-                 temperature_critical_c: float = 90.0, memory_warning_ratio: float = 0.95, metrics=None,
+                 temperature_critical_c: float = 90.0, memory_warning_ratio: float = 0.95,
+                 memory_critical_ratio: float = 0.99, temperature_hysteresis_c: float = 0.0,
+                 lost_after_failures: int = 3, metrics=None,
+                 on_state: Callable[[str, str, str], None] | None = None,
+                 on_fault: Callable[[str], None] | None = None,
                  on_event: Callable[[str, str, str], None] | None = None, sample_timeout_s: float = 10.0):
         self.backend = backend
         self.temperature_warning_c = float(temperature_warning_c)
         self.temperature_critical_c = float(temperature_critical_c)
         self.memory_warning_ratio = float(memory_warning_ratio)
+        self.memory_critical_ratio = float(memory_critical_ratio)
+        self.temperature_hysteresis_c = float(temperature_hysteresis_c)
+        self.lost_after_failures = max(1, int(lost_after_failures))
         self.sample_timeout_s = sample_timeout_s
         self._metrics = metrics
-        self._on_event = on_event
+        self._on_state = on_state or on_event
+        self._on_fault = on_fault
         self._ecc_baseline: dict[int, int] = {}
         self._known_gpus: set[int] = set()
+        self._failures_in_a_row = 0
+        self._temperature_level: dict[int, int] = {}  # per GPU: 0, 1 (warning) or 2 (critical), for hysteresis
         self.state = NO_GPU if backend is None else OK
         self.message = "no GPU" if backend is None else "not sampled yet"
+        self.fault: str | None = None
         self.temperature_c = 0.0
         self.memory_used_bytes = 0
         self.ecc_errors = 0
         self.samples: list[GpuSample] = []
         self._pending_sample: threading.Thread | None = None
         self._publish_state()
+
+    @classmethod
+    def from_config(cls, backend: GpuBackend | None, cfg, *, metrics=None,
+                    on_state: Callable[[str, str, str], None] | None = None,
+                    on_fault: Callable[[str], None] | None = None) -> "Watchdog":
+        """From the YAML's `watchdog` section (appliance.config.WatchdogConfig)."""
+        return cls(backend, temperature_warning_c=cfg.temperature_warning_c,
+                   temperature_critical_c=cfg.temperature_critical_c, memory_warning_ratio=cfg.memory_warning_ratio,
+                   memory_critical_ratio=cfg.memory_critical_ratio,
+                   temperature_hysteresis_c=cfg.temperature_hysteresis_c,
+                   lost_after_failures=cfg.lost_after_failures, metrics=metrics, on_state=on_state,
+                   on_fault=on_fault)
+
+    @property
+    def actions(self) -> WatchdogActions:
+        return actions_for(self.state, self.fault)
 
     # ---- evaluation ---------------------------------------------------------------------------------------------
 
@@ -185,50 +232,89 @@ class Watchdog:
             return self._apply(None, exc)
 
     def _apply(self, samples: list[GpuSample] | None, error: BaseException | None) -> str:
+        fault = None
         try:
             if self.backend is None:
                 state, message = NO_GPU, "no GPU"
             elif error is not None:
+                self._failures_in_a_row += 1
                 state, message = CRITICAL, f"GPU cannot be read: {error}"
+                if "GPU_IS_LOST" in str(error).upper().replace(" ", "_"):
+                    fault = f"GPU lost: {error}"
+                elif self._failures_in_a_row >= self.lost_after_failures:
+                    fault = f"GPU unreadable {self._failures_in_a_row} times in a row: {error}"
             elif not samples:
+                self._failures_in_a_row += 1
                 state, message = CRITICAL, "the GPU no longer reports (fell off the bus?)"
+                fault = "GPU lost: NVML reports no GPU any more"
             else:
-                state, message = self._evaluate(samples)
+                self._failures_in_a_row = 0
+                state, message, fault = self._evaluate(samples)
         except Exception as exc:  # noqa: BLE001 - a malformed sample must not stop the watchdog
             state, message = CRITICAL, f"GPU sample unreadable: {exc}"
+        if self.fault is not None:  # latched: only a restart clears a lost GPU or an ECC fault
+            state = CRITICAL
+            if self.fault not in message:
+                message = f"{message}; fault: {self.fault}"
         previous = self.state
         self.state, self.message = state, message
         self._publish_state()
+        if fault is not None and self.fault is None:
+            self.fault = fault
+            log.error("watchdog fault: %s", fault)
+            self._call(self._on_fault, fault)
         if state != previous:
             log.log(logging.INFO if state in (OK, NO_GPU) else logging.WARNING,
                     "watchdog %s -> %s: %s", previous, state, message)
-            if self._on_event is not None:
-                try:
-                    self._on_event(state, previous, message)
-                except Exception:  # noqa: BLE001
-                    log.exception("watchdog event handler failed")
+            self._call(self._on_state, state, previous, message)
         return state
 
-    def _evaluate(self, samples: list[GpuSample]) -> tuple[str, str]:
+    @staticmethod
+    def _call(callback, *args) -> None:
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("watchdog callback failed")
+
+    def _temperature_finding(self, s: GpuSample, label: str) -> tuple[int, str] | None:
+        """Level 2/1/0 with hysteresis: a GPU stays at its level until it is `hysteresis` below the threshold."""
+        held = self._temperature_level.get(s.index, 0)
+        crit = self.temperature_critical_c - (self.temperature_hysteresis_c if held >= 2 else 0.0)
+        warn = self.temperature_warning_c - (self.temperature_hysteresis_c if held >= 1 else 0.0)
+        level = 2 if s.temperature_c >= crit else 1 if s.temperature_c >= warn else 0
+        self._temperature_level[s.index] = level
+        if level == 2:
+            return 2, f"{label}: temperature {s.temperature_c:.0f} C >= critical {self.temperature_critical_c:.0f} C"
+        if level == 1:
+            return 1, f"{label}: temperature {s.temperature_c:.0f} C >= warning {self.temperature_warning_c:.0f} C"
+        return None
+
+    def _evaluate(self, samples: list[GpuSample]) -> tuple[str, str, str | None]:
         findings: list[tuple[int, str]] = []
+        faults: list[str] = []
         missing = self._known_gpus - {s.index for s in samples}
         for index in sorted(missing):
             findings.append((_SEVERITY[CRITICAL], f"GPU {index} no longer reports"))
+            faults.append(f"GPU {index} lost (no longer reports)")
         for s in samples:
             self._known_gpus.add(s.index)
             baseline = self._ecc_baseline.setdefault(s.index, s.ecc_errors)
             label = f"GPU {s.index} ({s.name})"
-            if s.temperature_c >= self.temperature_critical_c:
-                findings.append((2, f"{label}: temperature {s.temperature_c:.0f} C >= critical "
-                                    f"{self.temperature_critical_c:.0f} C"))
-            elif s.temperature_c >= self.temperature_warning_c:
-                findings.append((1, f"{label}: temperature {s.temperature_c:.0f} C >= warning "
-                                    f"{self.temperature_warning_c:.0f} C"))
+            finding = self._temperature_finding(s, label)
+            if finding is not None:
+                findings.append(finding)
             if s.ecc_errors > baseline:
-                findings.append((2, f"{label}: {s.ecc_errors - baseline} new uncorrected ECC error(s)"))
+                text = f"{label}: {s.ecc_errors - baseline} new uncorrected ECC error(s)"
+                findings.append((2, text))
+                faults.append(text)
             if s.memory_total_bytes > 0:
                 ratio = s.memory_used_bytes / s.memory_total_bytes
-                if ratio >= self.memory_warning_ratio:
+                if ratio >= self.memory_critical_ratio:
+                    findings.append((2, f"{label}: memory {ratio:.0%} used >= critical "
+                                        f"{self.memory_critical_ratio:.0%}"))
+                elif ratio >= self.memory_warning_ratio:
                     findings.append((1, f"{label}: memory {ratio:.0%} used >= warning "
                                         f"{self.memory_warning_ratio:.0%}"))
         self.samples = list(samples)
@@ -236,11 +322,12 @@ class Watchdog:
         self.memory_used_bytes = sum(s.memory_used_bytes for s in samples)
         self.ecc_errors = sum(s.ecc_errors for s in samples)
         self._publish_gpus(samples)
+        fault = "; ".join(faults) if faults else None
         if not findings:
-            return OK, "all GPUs within limits"
+            return OK, "all GPUs within limits", fault
         worst = max(level for level, _ in findings)
         state = {1: WARNING, 2: CRITICAL}[worst]
-        return state, "; ".join(text for level, text in sorted(findings, key=lambda f: -f[0]))
+        return state, "; ".join(text for level, text in sorted(findings, key=lambda f: -f[0])), fault
 
     # ---- metrics ------------------------------------------------------------------------------------------------
 

@@ -1,2 +1,26 @@
-"""Fused Triton kernels with pure-torch twins (decode attention, fused norms). Triton is imported lazily inside
-each kernel module so that importing this package never needs a GPU or triton."""
+"""Fused Triton kernels for decode, each with a pure-torch twin, chosen per call by device (see kernels.dispatch).
+
+Importing this package never imports triton or touches CUDA; a kernel module (kernels/triton_*.py) is imported the
+first time its Triton path runs. Every op takes `backend="auto" | "triton" | "torch"`.
+
+    add_rms_norm(x, residual, weight, eps)                 residual += x in place; RMSNorm(residual) * weight
+    apply_rotary_(q, k, positions, cos, sin)               rotary on q and k in place (tables: rotary_tables)
+    silu_mul(gate_up)                                      silu(gate) * up of a fused gate/up projection
+    write_kv_(k_cache, v_cache, k, v, slot_ids, positions) new keys/values into their slots
+    decode_attention(q, k_cache, v_cache, slot_ids, lengths)   one query per row over its slot, GQA, no gather
+    dequant_matmul(x, qw)                                  x @ W^T with W int8/int4 (group 32), see quantize_weight
+"""
+from kernels.activation import silu_mul, silu_mul_torch
+from kernels.decode_attention import decode_attention, decode_attention_torch
+from kernels.dequant_matmul import (QuantizedWeight, dequant_matmul, dequant_matmul_torch, quantize_weight)
+from kernels.dispatch import KERNEL_BACKENDS, KernelUnavailable, use_triton
+from kernels.kv_write import write_kv_, write_kv_torch
+from kernels.norm import add_rms_norm, add_rms_norm_torch
+from kernels.rotary import apply_rotary_, apply_rotary_torch, rotary_tables
+
+__all__ = [
+    "KERNEL_BACKENDS", "KernelUnavailable", "QuantizedWeight", "add_rms_norm", "add_rms_norm_torch",
+    "apply_rotary_", "apply_rotary_torch", "decode_attention", "decode_attention_torch", "dequant_matmul",
+    "dequant_matmul_torch", "quantize_weight", "rotary_tables", "silu_mul", "silu_mul_torch", "use_triton",
+    "write_kv_", "write_kv_torch",
+]

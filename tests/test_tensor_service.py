@@ -152,7 +152,7 @@ def test_backend_choice_errors_are_clear_and_path_free(tmp_path):
     (tmp_path / "bad.onnx").write_bytes(b"not a protobuf at all")
     cases = [((onnx_path, "torch"), "torch backend cannot load an ONNX model"),
              ((pt_path, "onnxruntime"), "onnxruntime backend cannot load a TorchScript model"),
-             ((onnx_path, "tensorrt"), "TensorRT backend is not available on this machine"),
+             ((pt_path, "tensorrt"), "builds its engine from an ONNX model"),
              ((tmp_path / "m.bin", "auto"), "unsupported model file type '.bin'"),
              ((tmp_path / "missing.onnx", "auto"), "does not exist"),
              ((tmp_path / "bad.onnx", "auto"), "ONNX model could not be loaded"),

@@ -168,3 +168,117 @@ def test_pynvml_is_not_imported_at_module_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False"
+
+
+# ---- faults, hysteresis, actions and the YAML thresholds (issue 12) ----------------------------------------------
+
+from appliance.watchdog import WatchdogActions, actions_for  # noqa: E402
+
+
+class Recorder:
+    def __init__(self):
+        self.states, self.faults = [], []
+
+    def dog(self, script, **kw) -> Watchdog:
+        kw = {"temperature_warning_c": 80, "temperature_critical_c": 90, "memory_warning_ratio": 0.9, **kw}
+        return Watchdog(FakeGpuBackend(script), on_state=lambda *e: self.states.append(e),
+                        on_fault=self.faults.append, **kw)
+
+
+def test_every_state_transition_calls_on_state_with_the_previous_state():
+    rec = Recorder()
+    dog = rec.dog([[gpu(50)], [gpu(85)], [gpu(50)], [gpu(95)], [gpu(85)], [gpu(95)], [gpu(50)]])
+    assert [dog.poll() for _ in range(7)] == ["Ok", "Warning", "Ok", "Critical", "Warning", "Critical", "Ok"]
+    assert [(s, p) for s, p, _ in rec.states] == [
+        ("Warning", "Ok"), ("Ok", "Warning"), ("Critical", "Ok"), ("Warning", "Critical"), ("Critical", "Warning"),
+        ("Ok", "Critical")]
+    assert rec.faults == []  # heat alone is no fault
+
+
+def test_memory_critical_ratio():
+    rec = Recorder()
+    dog = rec.dog([[gpu(used_gib=72)], [gpu(used_gib=79.5)], [gpu(used_gib=10)]], memory_critical_ratio=0.99)
+    assert [dog.poll() for _ in range(3)] == ["Warning", "Critical", "Ok"]
+    assert "memory 99% used >= critical 99%" in rec.states[1][2]
+
+
+def test_hysteresis_holds_a_state_until_the_gpu_is_clearly_below_the_threshold():
+    temps = [85, 79, 77.9, 91, 89, 88.5, 87.9, 80]
+    rec = Recorder()
+    dog = rec.dog([[gpu(t)] for t in temps], temperature_hysteresis_c=2)
+    assert [dog.poll() for _ in temps] == ["Warning", "Warning", "Ok", "Critical", "Critical", "Critical",
+                                           "Warning", "Warning"]
+    assert len(rec.states) == 4  # no flapping around 80 and 90
+
+
+def test_new_uncorrectable_ecc_error_is_a_latched_fault():
+    rec = Recorder()
+    dog = rec.dog([[gpu(ecc=2)], [gpu(ecc=3)], [gpu(ecc=3)], [gpu(ecc=4)]])
+    assert dog.poll() == "Ok" and dog.actions == WatchdogActions(False, False, False)
+    assert dog.poll() == "Critical"
+    assert rec.faults == ["GPU 0 (Test GPU): 1 new uncorrected ECC error(s)"]
+    assert dog.actions.stop_gpu_workers and dog.fault == rec.faults[0]
+    assert dog.poll() == "Critical" and "1 new uncorrected ECC" in dog.message  # the count stays above baseline
+    assert dog.poll() == "Critical"
+    assert len(rec.faults) == 1 and [s for s, _, _ in rec.states] == ["Critical"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("NVML_ERROR_GPU_IS_LOST"), RuntimeError("GPU is lost")])
+def test_gpu_is_lost_is_a_fault_at_once(error):
+    rec = Recorder()
+    dog = rec.dog([[gpu()], error, [gpu()]])
+    assert dog.poll() == "Ok"
+    assert dog.poll() == "Critical" and rec.faults and rec.faults[0].startswith("GPU lost")
+    assert dog.poll() == "Critical" and dog.actions.stop_gpu_workers  # a healthy sample does not clear it
+    assert dog.message.startswith("all GPUs within limits; fault: GPU lost")
+
+
+def test_a_vanished_gpu_is_a_fault():
+    rec = Recorder()
+    dog = rec.dog([[gpu(index=0), gpu(index=1)], [gpu(index=0)]])
+    dog.poll()
+    assert dog.poll() == "Critical" and rec.faults == ["GPU 1 lost (no longer reports)"]
+
+
+def test_transient_read_errors_recover_but_repeated_ones_mean_lost():
+    rec = Recorder()
+    flaky = rec.dog([[gpu()], OSError("timeout"), OSError("timeout"), [gpu()]], lost_after_failures=3)
+    assert [flaky.poll() for _ in range(4)] == ["Ok", "Critical", "Critical", "Ok"]
+    assert rec.faults == [] and flaky.fault is None
+    rec = Recorder()
+    dead = rec.dog([[gpu()], OSError("timeout"), OSError("timeout"), OSError("timeout"), [gpu()]],
+                   lost_after_failures=3)
+    assert [dead.poll() for _ in range(5)] == ["Ok", "Critical", "Critical", "Critical", "Critical"]
+    assert rec.faults == ["GPU unreadable 3 times in a row: timeout"]
+
+
+def test_a_failing_fault_callback_does_not_break_polling():
+    def broken(_):
+        raise ValueError("daemon bug")
+
+    dog = Watchdog(FakeGpuBackend([[gpu(ecc=0)], [gpu(ecc=1)], [gpu(ecc=1)]]), on_fault=broken)
+    assert [dog.poll() for _ in range(3)] == ["Ok", "Critical", "Critical"] and dog.fault
+
+
+def test_actions_per_state():
+    assert actions_for("Ok", None) == WatchdogActions(alarm=False, shed_load=False, stop_gpu_workers=False)
+    assert actions_for("NoGpu", None) == WatchdogActions(False, False, False)
+    assert actions_for("Warning", None) == WatchdogActions(alarm=True, shed_load=False, stop_gpu_workers=False)
+    assert actions_for("Critical", None) == WatchdogActions(alarm=True, shed_load=True, stop_gpu_workers=False)
+    assert actions_for("Critical", "GPU lost") == WatchdogActions(alarm=True, shed_load=True, stop_gpu_workers=True)
+
+
+def test_thresholds_come_from_the_yaml():
+    from appliance.config import ConfigError, load_config_text
+    cfg = load_config_text("models: {m: {kind: tensor, path: builtin:te-classifier}}\n"
+                           "watchdog: {temperature_warning_c: 70, temperature_critical_c: 75, "
+                           "memory_critical_ratio: 0.97, temperature_hysteresis_c: 1, lost_after_failures: 2}\n")
+    rec = Recorder()
+    dog = Watchdog.from_config(FakeGpuBackend([[gpu(72)], [gpu(69.5)], [gpu(68.9)], [gpu(used_gib=78)],
+                                               OSError("x"), OSError("x")]), cfg.watchdog,
+                               on_state=lambda *e: rec.states.append(e), on_fault=rec.faults.append)
+    assert [dog.poll() for _ in range(6)] == ["Warning", "Warning", "Ok", "Critical", "Critical", "Critical"]
+    assert rec.faults == ["GPU unreadable 2 times in a row: x"]
+    with pytest.raises(ConfigError, match="memory_critical_ratio"):
+        load_config_text("models: {m: {kind: tensor, path: builtin:te-classifier}}\n"
+                         "watchdog: {memory_warning_ratio: 0.9, memory_critical_ratio: 0.8}\n")

@@ -1,4 +1,10 @@
-"""Backends that run a tensor model on a batch of samples: ONNX Runtime and TorchScript.
+"""Backends that run a tensor model on a batch of samples: ONNX Runtime, TorchScript and TensorRT.
+
+Device choice is per backend: with device "auto", ONNX Runtime takes its CUDA provider only when the installed
+package has one (onnxruntime-gpu) and the session really runs on it, torch takes CUDA only when it sees a device,
+TensorRT needs the tensorrt package and a GPU; otherwise the CPU. `name` always says what runs:
+onnxruntime-cpu, onnxruntime-cuda, torch-cpu, torch-cuda, tensorrt, tensorrt-fp16. Backend "tensorrt" without
+TensorRT or a GPU serves with ONNX Runtime (and `name` says onnxruntime-...), with the reason in `note`.
 
 torch and onnxruntime are imported inside the loaders, so importing this module costs nothing. Every load ends with
 a probe run on one zero sample: a model that cannot run is refused at load time, not at the first PLC call.
@@ -11,7 +17,7 @@ import logging
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -28,7 +34,7 @@ _ORT_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, 
 
 
 class TensorBackend(Protocol):
-    name: str  # "onnxruntime-cpu", "onnxruntime-cuda", "torch-cpu", "torch-cuda"
+    name: str  # "onnxruntime-cpu", "onnxruntime-cuda", "torch-cpu", "torch-cuda", "tensorrt", "tensorrt-fp16"
     input_shape: tuple[int, ...]  # one sample, without the batch dimension
     output_shape: tuple[int, ...]
 
@@ -37,18 +43,78 @@ class TensorBackend(Protocol):
         ...
 
 
-def load_tensor_backend(path: Path, backend: str = "auto", device: str = "auto", threads: int = 0) -> TensorBackend:
-    """Load the model file at `path` with the backend asked for; EngineFailure (path-free message) if it cannot."""
+# ---- device choice (each query is a function of its own so tests can fake what is installed) ----
+
+def available_onnx_providers() -> list[str]:
+    import onnxruntime as ort
+    return list(ort.get_available_providers())
+
+
+def torch_sees_cuda() -> bool:
+    import torch
+    return bool(torch.cuda.is_available())
+
+
+def tensorrt_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+def tensorrt_unavailable_reason(device: str) -> str | None:
+    """None when a TensorRT engine can be built here, else why not (the fallback's note)."""
+    if device == "cpu":
+        return "device cpu was asked for"
+    if not tensorrt_installed():
+        return "the tensorrt package is not installed"
+    if not torch_sees_cuda():
+        return "no CUDA GPU is visible"
+    return None
+
+
+def onnx_providers(device: str, available: list[str]) -> list:
+    """ONNX Runtime providers in preference order for `device` ("auto", "cpu", "cuda", "cuda:N")."""
+    if device == "cpu" or "CUDAExecutionProvider" not in available:
+        if device.startswith("cuda"):
+            raise EngineFailure("device cuda was asked for, but ONNX Runtime has no CUDA provider here "
+                                "(install the gpu extra: onnxruntime-gpu)")
+        return ["CPUExecutionProvider"]
+    return [("CUDAExecutionProvider", {"device_id": _cuda_index(device)}), "CPUExecutionProvider"]
+
+
+def torch_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch_sees_cuda() else "cpu"
+    if device.startswith("cuda") and not torch_sees_cuda():
+        raise EngineFailure("device cuda was asked for, but torch has no CUDA device here")
+    return device
+
+
+_PROVIDER_NAMES = {"CUDAExecutionProvider": "onnxruntime-cuda", "TensorrtExecutionProvider": "onnxruntime-tensorrt",
+                   "CPUExecutionProvider": "onnxruntime-cpu"}
+
+
+def load_tensor_backend(path: Path, backend: str = "auto", device: str = "auto", threads: int = 0, *,
+                        tensorrt: "TensorRtSettings | None" = None) -> TensorBackend:
+    """Load the model file at `path` with the backend asked for; EngineFailure (path-free message) if it cannot.
+
+    `device` should be the YAML's engine.device as written ("auto" resolves per backend here, not once for all
+    models). `tensorrt` carries the engine cache directory and batch profile for backend "tensorrt"."""
     path = Path(path)
     if backend not in BACKEND_CHOICES:
         raise EngineFailure(f"unknown backend '{backend}'; expected one of {', '.join(BACKEND_CHOICES)}")
-    if backend == "tensorrt":
-        # The place for the TensorRT engine builder; until it exists, say so instead of pretending.
-        raise EngineFailure("TensorRT backend is not available on this machine")
     suffix = path.suffix.lower()
     kind = "onnxruntime" if suffix in ONNX_SUFFIXES else "torch" if suffix in TORCHSCRIPT_SUFFIXES else None
     if kind is None:
         raise EngineFailure(f"unsupported model file type '{suffix or '(none)'}'; expected .onnx or .pt (TorchScript)")
+    if backend == "tensorrt":
+        if kind != "onnxruntime":
+            raise EngineFailure(f"the tensorrt backend builds its engine from an ONNX model, not {suffix}; "
+                                "use backend 'torch' or 'auto'")
+        if not path.is_file():
+            raise EngineFailure("the model file does not exist or is not a file")
+        loaded = _load_tensorrt_or_fallback(path, device, threads, tensorrt)
+        _probe(loaded)
+        return loaded
     if backend != "auto" and backend != kind:
         what = "an ONNX model" if kind == "onnxruntime" else "a TorchScript model"
         raise EngineFailure(f"the {backend} backend cannot load {what} ({suffix}); use backend '{kind}' or 'auto'")
@@ -94,6 +160,7 @@ class OnnxRuntimeBackend:
     output_name: str
     input_dtype: Any
     one_at_a_time: bool  # the graph's batch dimension is fixed at 1
+    note: str = ""  # why this backend serves instead of the one asked for (TensorRT fallback)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=self.input_dtype)
@@ -112,18 +179,14 @@ def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
     if threads > 0:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-    providers = ["CPUExecutionProvider"]
-    if device != "cpu":
-        if "CUDAExecutionProvider" in ort.get_available_providers():
-            cuda_options = {"device_id": _cuda_index(device)}
-            providers = [("CUDAExecutionProvider", cuda_options), "CPUExecutionProvider"]
-        elif device.startswith("cuda"):
-            raise EngineFailure("device cuda was asked for, but ONNX Runtime has no CUDA provider here")
+    providers = onnx_providers(device, available_onnx_providers())
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:
         raise _load_failure("the ONNX model could not be loaded", exc) from None
-    on_cuda = session.get_providers()[0] == "CUDAExecutionProvider"
+    running = session.get_providers()[0]  # what the session really uses: onnxruntime-gpu without a GPU runs on CPU
+    if device.startswith("cuda") and running != "CUDAExecutionProvider":
+        raise EngineFailure("device cuda was asked for, but ONNX Runtime could not start its CUDA provider")
     inputs, outputs = session.get_inputs(), session.get_outputs()
     if len(inputs) != 1:
         raise EngineFailure(f"the ONNX model has {len(inputs)} inputs; a tensor model takes exactly one")
@@ -145,7 +208,7 @@ def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
     out_dims = list(graph_out.shape)[1:]
     declared_out = tuple(out_dims) if all(isinstance(d, int) and d > 0 for d in out_dims) else ()
     return OnnxRuntimeBackend(
-        name="onnxruntime-cuda" if on_cuda else "onnxruntime-cpu",
+        name=_PROVIDER_NAMES.get(running, "onnxruntime-cpu"),
         input_shape=tuple(sample_dims), output_shape=declared_out, session=session,
         input_name=graph_in.name, output_name=graph_out.name, input_dtype=_ORT_FLOAT_TYPES[graph_in.type],
         one_at_a_time=batch_dim == 1)
@@ -185,10 +248,7 @@ class TorchScriptBackend:
 def _load_torchscript(path: Path, device: str, threads: int) -> TorchScriptBackend:
     import torch
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device.startswith("cuda") and not torch.cuda.is_available():
-        raise EngineFailure("device cuda was asked for, but torch has no CUDA device here")
+    device = torch_device(device)
     if threads > 0:
         torch.set_num_threads(threads)  # process-wide in torch: the last model loaded sets it
     extra = {SHAPES_EXTRA_FILE: ""}
@@ -225,3 +285,33 @@ def _torchscript_shapes(path: Path, embedded: bytes | str) -> tuple[tuple[int, .
     if not input_shape or not all(d > 0 for d in input_shape + output_shape):
         raise EngineFailure("the TorchScript model's shapes must be lists of positive integers")
     return input_shape, output_shape
+
+
+# ---- TensorRT ----
+
+def _load_tensorrt_or_fallback(path: Path, device: str, threads: int,
+                               settings: "TensorRtSettings | None") -> TensorBackend:
+    """A TensorRT engine when TensorRT and a GPU are here, else ONNX Runtime with the reason in `note`. The ONNX
+    Runtime session is opened first either way: it checks the graph and gives the sample shape for the profile."""
+    reason = tensorrt_unavailable_reason(device)
+    if reason is None and settings is None:
+        reason = "no engine cache directory was configured"
+    fallback = _load_onnx(path, "auto" if device == "auto" else device, threads)
+    if reason is not None:
+        log.warning("TensorRT not used for %s: %s; serving with %s", path.name, reason, fallback.name)
+        fallback.note = f"TensorRT not used: {reason}"
+        return fallback
+    from appliance.engine.tensorrt_backend import load_tensorrt
+    try:
+        engine = load_tensorrt(path, device if device.startswith("cuda") else "cuda:0", fallback.input_shape,
+                               not fallback.one_at_a_time, settings)
+    except Exception as exc:  # noqa: BLE001 - a failed build still serves, on ONNX Runtime
+        log.warning("TensorRT engine for %s failed; serving with %s", path.name, fallback.name, exc_info=True)
+        fallback.note = f"TensorRT not used: the engine build failed ({type(exc).__name__})"
+        return fallback
+    log.info("model %s runs as %s (%s engine)", path.name, engine.name, "new" if engine.built_now else "cached")
+    return engine
+
+
+if TYPE_CHECKING:
+    from appliance.engine.tensorrt_backend import TensorRtSettings
