@@ -192,3 +192,19 @@ def test_too_many_restarts_leave_the_model_failed_until_reloaded(tmp_path):
         assert 'appliance_worker_up{model="affine"} 1.0' in text
     finally:
         app.stop()
+
+
+def test_a_big_serve_process_does_not_make_its_workers_look_big(tmp_path):
+    """A worker's memory is its own: getrusage's ru_maxrss would carry the parent's high-water mark over exec."""
+    ballast = bytearray(1200 * 2**20)
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = 1  # resident
+    app = RunningAppliance(tmp_path / "state", {"a": {"kind": "tensor", "path": str(affine_model(tmp_path / "a.onnx"))}},
+                           {"engine": {"worker_memory_mb": 600}})
+    try:
+        del ballast
+        time.sleep(1.0)  # a few liveness checks, each of which checks the worker's memory
+        st = app.app.services["a"].status()
+        assert st.state == "Ready" and st.worker_restarts == 0
+    finally:
+        app.stop()

@@ -110,7 +110,7 @@ class WorkerHost:
     def _check_memory(self) -> None:
         if self.memory_mb <= 0:
             return
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+        peak_mb = _peak_rss_mb()
         if peak_mb > self.memory_mb:
             log.error("worker memory peaked at %.0f MB, above engine.worker_memory_mb = %d: exiting", peak_mb,
                       self.memory_mb)
@@ -211,6 +211,20 @@ class WorkerHost:
             await asyncio.wait_for(self.channel.drain(), 5)
         except Exception:
             pass
+
+
+def _peak_rss_mb() -> float:
+    """This process image's peak resident memory (VmHWM). Not getrusage's ru_maxrss: that keeps the high-water
+    mark of the serve process's memory image from before exec, so a big parent made every worker look too big."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB; elsewhere than Linux
+
 
 
 def _die_with_parent(parent_pid: int) -> None:
