@@ -83,7 +83,10 @@ def model_spec(m, engine, device: str, state_dir: Path):
             log.error("%s", refused)
     if m.kind == "tensor":
         delay_ms = m.max_queue_delay_ms if m.max_queue_delay_ms is not None else engine.max_queue_delay_ms
-        settings = {"backend": m.backend, "device": device, "max_samples": m.max_samples,
+        # The YAML's device as written: "auto" resolves per backend in the worker (ONNX Runtime uses CUDA only when
+        # its package has the provider), not once for all models.
+        settings = {"backend": m.backend, "device": engine.device, "max_samples": m.max_samples,
+                    "tensorrt_cache_dir": str(state_dir / "tensorrt"), "tensorrt_fp16": engine.tensorrt_fp16,
                     "max_batch_size": m.max_batch_size or engine.max_batch_size,
                     "max_queue_delay_s": delay_ms / 1000.0, "max_queue_size": engine.max_queue_size}
     else:
@@ -94,6 +97,11 @@ def model_spec(m, engine, device: str, state_dir: Path):
                     "top_p": m.top_p, "max_queue_size": engine.max_queue_size}
     return ModelSpec(name=m.name, kind=m.kind, path=path, version_label=label, settings=settings,
                      refused=refused)
+
+
+def _on_gpu(spec) -> bool:
+    """The model's worker uses the GPU (its device names CUDA, or it builds TensorRT engines)."""
+    return str(spec.settings.get("device", "cpu")).startswith("cuda") or spec.settings.get("backend") == "tensorrt"
 
 
 ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical")
@@ -112,6 +120,7 @@ class Appliance:
         self._tasks: list[asyncio.Task] = []
         self._supervision_task: asyncio.Task | None = None
         self._stopping = False
+        self.gpu_fault: str | None = None  # the watchdog stopped the GPU workers: State Fault
 
     def build_services(self, device: str) -> dict:
         """One supervised worker per model, or per `worker` group of models."""
@@ -177,7 +186,7 @@ class Appliance:
     def alarms(self) -> dict[str, bool]:
         statuses = [m.status() for m in self.services.values()]
         wd = self.watchdog.state if self.watchdog is not None else "NoGpu"
-        return {"EngineFault": wd == "Critical", "WorkerRestarting": any(st.restarting for st in statuses),
+        return {"EngineFault": self.gpu_fault is not None, "WorkerRestarting": any(st.restarting for st in statuses),
                 "ModelFailed": any(st.state == "Failed" for st in statuses), "GpuWarning": wd == "Warning",
                 "GpuCritical": wd == "Critical"}
 
@@ -245,10 +254,8 @@ class Appliance:
         users = UserStore(state_dir, [(u.name, u.role, u.password_hash) for u in cfg.users],
                           backoff_s=cfg.security.login_backoff_s, backoff_max_s=cfg.security.login_backoff_max_s)
         wd = cfg.watchdog
-        self.watchdog = Watchdog(backend, temperature_warning_c=wd.temperature_warning_c,
-                                 temperature_critical_c=wd.temperature_critical_c,
-                                 memory_warning_ratio=wd.memory_warning_ratio, metrics=self.metrics,
-                                 on_event=self._watchdog_event)
+        self.watchdog = Watchdog.from_config(backend, wd, metrics=self.metrics, on_state=self._watchdog_event,
+                                             on_fault=self._watchdog_fault)
         self.watchdog.poll()
         self._tasks.append(asyncio.create_task(self.watchdog.run(wd.interval_s)))
 
@@ -278,6 +285,18 @@ class Appliance:
         if expiring:
             log.warning("the server certificate expires in %.0f days: renew it (appliance certs init --force)",
                         left / 86400)
+
+    def _watchdog_fault(self, message: str) -> None:
+        """A lost GPU or an uncorrectable ECC error: stop the workers of models on the GPU (the appliance is Fault);
+        models on the CPU keep serving. Called from the watchdog's task on the loop."""
+        log.error("watchdog fault: %s: stopping the GPU workers", message)
+        self.gpu_fault = message
+        if self.ua is not None:
+            self.ua.emit_event(f"Watchdog fault: {message}; models on the GPU stopped", severity=1000)
+        for sup in self.supervisors:
+            if any(_on_gpu(spec) for spec in sup.specs):
+                sup.failed, sup.death_reason = True, f"stopped by the GPU watchdog: {message}"  # Failed, with why
+                asyncio.ensure_future(sup.stop())
 
     def _watchdog_event(self, state: str, previous: str, message: str) -> None:
         log.warning("watchdog %s -> %s: %s", previous, state, message)

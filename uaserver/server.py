@@ -266,9 +266,9 @@ class ApplianceUaServer:
         restarted = any(st.restarting or st.worker_restarts for st in statuses)
         if not restarted and any(s == "Loading" for s in states) and not any(s == "Ready" for s in states):
             return "Starting"
-        if wd == "Critical":  # the watchdog stopped the engine; a Failed model alone degrades
+        if self.alarms().get("EngineFault"):  # the watchdog stopped the engine; a Failed model alone degrades
             return "Fault"
-        if wd == "Warning" or any(s != "Ready" for s in states):
+        if wd in ("Warning", "Critical") or any(s != "Ready" for s in states):
             return "Degraded"
         return "Ready"
 

@@ -39,9 +39,10 @@ class TensorModelService(ModelStatus):
     def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
                  max_samples: int, policy: BatchPolicy, metrics: Metrics | None,
                  on_event: Callable[[str, str], None] | None = None, liveness: Liveness | None = None,
-                 inline: bool = False):
+                 inline: bool = False, tensorrt=None):
         super().__init__(name, path, version_label=version_label, metrics=metrics, on_event=on_event)
         self.liveness = liveness or Liveness()
+        self.tensorrt = tensorrt  # TensorRtSettings for backend tensorrt (engine cache, batch profile)
         self.backend_choice = backend
         self.device = device
         self.threads = threads
@@ -174,7 +175,8 @@ class TensorModelService(ModelStatus):
         """In a worker thread: the version is hashed before loading, so it names the bytes that were loaded
         unless the file is replaced in between (replace files atomically: write beside, then rename)."""
         version = self.version_label or content_version(self.path)
-        backend = load_tensor_backend(self.path, self.backend_choice, self.device, self.threads)
+        backend = load_tensor_backend(self.path, self.backend_choice, self.device, self.threads,
+                                      tensorrt=self.tensorrt)
         return _Loaded(backend, version)
 
     def _publish_loaded(self) -> None:

@@ -47,10 +47,15 @@ def build_service(spec: p.ModelSpec, *, threads: int, metrics, liveness: Livenes
         from appliance.engine.tensor_service import TensorModelService
         policy = BatchPolicy(max_batch_size=s["max_batch_size"], max_queue_delay_s=s["max_queue_delay_s"],
                              max_queue_size=s["max_queue_size"])
+        tensorrt = None
+        if s["backend"] == "tensorrt":
+            from appliance.engine.tensorrt_backend import TensorRtSettings
+            tensorrt = TensorRtSettings(cache_dir=Path(s["tensorrt_cache_dir"]), max_batch_size=s["max_batch_size"],
+                                        fp16=s["tensorrt_fp16"])
         return TensorModelService(spec.name, Path(spec.path), backend=s["backend"], device=s["device"],
                                   threads=threads, version_label=spec.version_label, max_samples=s["max_samples"],
                                   policy=policy, metrics=metrics, on_event=on_event, liveness=liveness,
-                                  inline=inline_batches)
+                                  inline=inline_batches, tensorrt=tensorrt)
     from appliance.engine.llm_settings import GenerativeSettings
     from appliance.engine.llm_service import GenerativeModelService
     settings = GenerativeSettings(**{**s, "threads": threads})
