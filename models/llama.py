@@ -134,8 +134,12 @@ class LlamaModel:
     """Weights plus the forward pass; the KV cache is passed in so it can outlive a weight reload."""
 
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", pack: bool | None = None):
+                 device: torch.device | str = "cpu", pack: bool | None = None, kernels: str = "auto"):
+        """kernels (engine.kernels): "auto" runs decode steps through the fused Triton kernels on CUDA and through
+        this file's eager path elsewhere; "triton" forces the kernels (on a CPU only with TRITON_INTERPRET=1, for
+        tests); "torch" keeps the eager path everywhere."""
         self.config = config
+        self.kernels = kernels
         self.dtype = dtype
         self.device = torch.device(device)
         if pack is None:  # oneDNN packing is a CPU matter; GPUs take plain weights
@@ -181,6 +185,43 @@ class LlamaModel:
             self._rope_len = length
         return self._cos, self._sin
 
+    # -- decode through the fused kernels ----------------------------------------------------------------------
+    def use_kernels(self) -> bool:
+        if self.kernels == "torch":
+            return False
+        from kernels import use_triton
+        return use_triton(self.kernels, self.device)
+
+    def _decode_kernels(self, cache: KVCache, token_ids: torch.Tensor, slot_ids: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor:
+        """One token per row at its own position, every op a fused kernel (kernels/): add+RMSNorm, rotary in place,
+        KV written into the slots, decode attention reading each row's slot through its index and length (no
+        gather), SiLU-gate. Same numbers as forward() within the kernels' tolerance (tests/test_llama_kernels.py)."""
+        from kernels import add_rms_norm, apply_rotary_, decode_attention, rotary_tables, silu_mul, write_kv_
+        cfg, be = self.config, "triton"
+        if getattr(self, "_kernel_rope_len", 0) < cache.max_seq_len + 1:
+            self._kernel_cos, self._kernel_sin = rotary_tables(cfg.head_dim, cache.max_seq_len + 1, cfg.rope_theta,
+                                                               self.device)
+            self._kernel_rope_len = cache.max_seq_len + 1
+        b = token_ids.shape[0]
+        n_h, n_kv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        h = F.embedding(token_ids, self.embed).contiguous()  # the residual stream, updated in place
+        delta = None
+        for li, lw in enumerate(self.layers):
+            x = add_rms_norm(delta, h, lw.attn_norm, eps, backend=be) if delta is not None else \
+                add_rms_norm(h, None, lw.attn_norm, eps, backend=be)
+            qkv = lw.qkv(x, lw.qkv_bias).view(b, n_h + 2 * n_kv, hd)
+            q, k, v = (qkv[:, :n_h].contiguous(), qkv[:, n_h:n_h + n_kv].contiguous(),
+                       qkv[:, n_h + n_kv:].contiguous())
+            apply_rotary_(q, k, positions, self._kernel_cos, self._kernel_sin, backend=be)
+            write_kv_(cache.k_layers[li], cache.v_layers[li], k, v, slot_ids, positions, backend=be)
+            attn = decode_attention(q, cache.k_layers[li], cache.v_layers[li], slot_ids, positions + 1, backend=be)
+            delta = lw.o(attn.reshape(b, n_h * hd))
+            x = add_rms_norm(delta, h, lw.mlp_norm, eps, backend=be)
+            delta = lw.down(silu_mul(lw.gate_up(x), backend=be))
+        x = add_rms_norm(delta, h, self.norm, eps, backend=be)
+        return self.lm_head(x).float()
+
     # -- forward ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, cache: KVCache, token_ids: torch.Tensor, slot_ids: torch.Tensor, start_pos: torch.Tensor,
@@ -197,6 +238,8 @@ class LlamaModel:
         start_pos = start_pos.to(dev, torch.long)
         seq_lens = seq_lens.to(dev, torch.long)
         b, s = token_ids.shape
+        if s == 1 and not all_logits and self.use_kernels():  # decode steps: the fused kernels; prefill: below
+            return self._decode_kernels(cache, token_ids[:, 0], slot_ids, start_pos)
         offsets = torch.arange(s, device=dev)
         positions = start_pos.unsqueeze(1) + offsets  # (B, S)
         valid = offsets.unsqueeze(0) < seq_lens.unsqueeze(1)

@@ -66,7 +66,7 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
         log.warning("model %s: max_seq_len %d exceeds the model's %d positions; using %d", name,
                     max_seq_len, config.max_position_embeddings, config.max_position_embeddings)
         max_seq_len = config.max_position_embeddings
-    model = LlamaModel(config, loaded.tensors, dtype=dtype, device=device)
+    model = LlamaModel(config, loaded.tensors, dtype=dtype, device=device, kernels=s.kernels)
     del loaded.tensors
     cache = None
     if current is not None and _same_cache_shape(current.cache, config, s.kv_slots, max_seq_len, dtype, device):

@@ -25,3 +25,4 @@ class GenerativeSettings:
     system_prompt: str | None = None
     top_p: float = 0.95
     max_queue_size: int = 64
+    kernels: str = "auto"  # auto: fused Triton kernels for decode on CUDA, eager torch elsewhere | triton | torch
