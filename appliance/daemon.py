@@ -312,6 +312,65 @@ class Appliance:
             await asyncio.sleep(0.05)
         raise TimeoutError("models did not finish loading")
 
+    def status_line(self) -> str:
+        """One line for `systemctl status`: the appliance's state and each model's."""
+        state = self.ua.state if self.ua is not None else "Starting"
+        models = ", ".join(f"{n} {m.status().state}" + (" (worker restarting)" if m.status().restarting else "")
+                           for n, m in self.services.items())
+        return f"{state}: {models}"
+
+    async def tell_systemd(self, notifier, load_extension_s: float = 60.0) -> None:
+        """READY=1 once no model is Loading (each is Ready or Failed); EXTEND_TIMEOUT_USEC while they load;
+        WATCHDOG=1 only while this loop turns and the supervision of the workers runs; STATUS= as things change."""
+        if not notifier.enabled:
+            return
+        loop = asyncio.get_running_loop()
+        last_extend = last_ping = 0.0
+        ready = False
+        last_status = ""
+        while True:
+            now = loop.time()
+            loading = any(m.status().state == "Loading" for m in self.services.values())
+            if not ready and loading and now - last_extend > load_extension_s / 3:
+                notifier.extend_timeout(load_extension_s)  # a first start may compile or dequantise for a while
+                last_extend = now
+            if not ready and not loading:
+                notifier.ready(self.status_line())
+                ready = True
+            line = self.status_line()
+            if ready and line != last_status:
+                notifier.status(line)
+            last_status = line
+            interval = notifier.watchdog_interval_s
+            if interval and now - last_ping >= interval and self.supervision_alive():
+                notifier.watchdog()
+                last_ping = now
+            await asyncio.sleep(min(0.5, interval or 0.5))
+
+    async def reload_config(self, notifier) -> None:
+        """SIGHUP (`systemctl reload`): re-read what can change live: the log level and the rate limits (the trust
+        list is re-read whenever its folders change anyway). Everything else needs a restart; the log says so."""
+        notifier.reloading()
+        try:
+            from .config import ConfigError, load_config
+            if self.config.source.startswith("<") or not Path(self.config.source).exists():
+                log.warning("reload: the built-in demo configuration has no file to re-read")
+                return
+            try:
+                new = load_config(self.config.source)
+            except ConfigError as e:
+                log.error("reload refused, the configuration has errors (the running one stays):\n%s",
+                          "\n".join(e.errors))
+                return
+            configure_logging(new)
+            if self.ua is not None:
+                from .rate_limit import RateLimiter
+                self.ua.handlers.rate_limiter = RateLimiter(new.security.rate_limits)
+            log.warning("configuration re-read from %s: logging and rate limits applied; other changes need a "
+                        "restart", self.config.source)
+        finally:
+            notifier.ready(self.status_line())
+
     async def drain(self) -> None:
         """Stop taking calls; let those in flight finish within server.drain_timeout_s; answer the rest BadTimeout."""
         if self.ua is None:
@@ -375,7 +434,10 @@ async def serve(config: ApplianceConfig) -> int:
     # The event loop shares the GIL with the inference and audit threads; after a blocking call (a socket send)
     # it waits up to the switch interval to get the GIL back. 5 ms by default is longer than a whole call here.
     sys.setswitchinterval(0.0005)
+    from .sdnotify import Notifier
+
     app = Appliance(config)
+    notifier = Notifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -383,12 +445,21 @@ async def serve(config: ApplianceConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+    try:
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(app.reload_config(notifier)))
+    except (NotImplementedError, RuntimeError):
+        pass
+    notifier.status("starting: PKI, OPC UA server, model workers")
     await app.start()
     print(f"appliance: OPC UA on {config.server.endpoint}"
           + (f", monitoring on http://{config.metrics.listen}" if config.metrics.enabled else "")
           + f", state in {config.server.state_dir}", flush=True)
+    systemd = asyncio.create_task(app.tell_systemd(notifier))
     try:
         await stop.wait()
     finally:
+        notifier.stopping()
+        systemd.cancel()
         await app.stop()
+        notifier.close()
     return 0
