@@ -111,10 +111,7 @@ class DynamicBatcher:
         try:
             started = time.monotonic()
             outputs, tag = self._execute(samples)
-            self._timed(time.monotonic() - started)
-            outputs = np.asarray(outputs)
-            if outputs.ndim < 1 or outputs.shape[0] != len(samples):
-                raise RuntimeError(f"execute returned {outputs.shape[:1]} rows for {len(samples)} samples")
+            outputs = self._checked(outputs, len(samples), started)
         except Exception:
             log.exception("model %s failed on a batch of %d samples", self.model_name, len(samples))
             raise EngineFailure("the engine failed on this request") from None
@@ -122,8 +119,14 @@ class DynamicBatcher:
             raise EngineFailure("the model produced a non-finite value (NaN or Inf)")
         return outputs, tag
 
-    def _timed(self, seconds: float) -> None:
+    def _checked(self, outputs, rows: int, started: float) -> np.ndarray:
+        """A batch's outputs, one row per sample, and its time counted into the moving average."""
+        seconds = time.monotonic() - started
         self._exec_s = seconds if math.isinf(self._exec_s) else 0.8 * self._exec_s + 0.2 * seconds
+        outputs = np.asarray(outputs)
+        if outputs.ndim < 1 or outputs.shape[0] != rows:
+            raise RuntimeError(f"execute returned {outputs.shape[:1]} rows for {rows} samples")
+        return outputs
 
     async def close(self) -> None:
         """Refuse new requests, fail the waiting ones with NotReady, let the running batch finish."""
@@ -236,10 +239,7 @@ class DynamicBatcher:
             self._metrics.batch_size.labels(self.model_name).observe(len(inputs))
         try:
             outputs, tag = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, inputs)
-            self._timed(time.monotonic() - start)
-            outputs = np.asarray(outputs)
-            if outputs.ndim < 1 or outputs.shape[0] != len(inputs):
-                raise RuntimeError(f"execute returned {outputs.shape[:1]} rows for {len(inputs)} samples")
+            outputs = self._checked(outputs, len(inputs), start)
         except Exception:
             log.exception("model %s failed on a batch of %d samples", self.model_name, len(inputs))
             for request in live:
