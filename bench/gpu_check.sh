@@ -50,6 +50,10 @@ if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
     step 30 .venv-gpu/bin/pip uninstall -q -y onnxruntime
     step 120 .venv-gpu/bin/pip install -q --force-reinstall --no-deps onnxruntime-gpu==1.31.1
     PY=.venv-gpu/bin/python
+    if ! "$PY" -c "import torch, triton" >/dev/null 2>&1; then  # offline box: no index to install from
+        PY="${PYTHON:-python3}"
+        log "the gpu install did not complete (no package index?); going on with $PY as it is"
+    fi
 else
     PY="${PYTHON:-python3}"
 fi

@@ -2,6 +2,9 @@
 
 Every gpu_*.py prints `SKIP: ...` and exits 0 where torch sees no CUDA device, so `bash bench/gpu_check.sh` and the
 CPU test of these scripts run anywhere; on a GPU each prints `PASS`/`FAIL` lines and figures.
+
+`--cpu-dry-run` (gpu_kernels.py, gpu_decode.py): the same code on the CPU with the Triton interpreter and tiny
+shapes, so the script's own logic is checked before it spends GPU minutes; its figures mean nothing.
 """
 from __future__ import annotations
 
@@ -14,8 +17,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+DRY_RUN = "--cpu-dry-run" in sys.argv
+DEVICE = "cpu" if DRY_RUN else "cuda"
+
+
 def require_cuda(what: str):
     """torch with a CUDA device, or print SKIP and exit 0. The interpreter must be off for real kernels."""
+    if DRY_RUN:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel module is imported (they load lazily)
+        import torch
+        print(f"DRY RUN {what} on the CPU (Triton interpreter, tiny shapes): the figures mean nothing")
+        return torch
     if os.environ.get("TRITON_INTERPRET") == "1":
         print(f"SKIP {what}: TRITON_INTERPRET=1 is set (the GPU checks run compiled kernels)")
         sys.exit(0)
@@ -26,9 +38,26 @@ def require_cuda(what: str):
     return torch
 
 
+def sync() -> None:
+    if not DRY_RUN:
+        import torch
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    if not DRY_RUN:
+        import torch
+        torch.cuda.empty_cache()
+
+
 def cuda_ms(fn, warmup: int = 5, reps: int = 50) -> float:
     """Median milliseconds per call, timed with CUDA events around each call."""
     import torch
+    if DRY_RUN:
+        import time
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -48,6 +77,8 @@ def peak_bandwidth_bytes_s() -> tuple[float, str]:
     """The GPU's peak memory bandwidth: from the device properties when torch exposes clock and bus width, else
     from a table of known boards, else measured copy bandwidth (said so in the returned source)."""
     import torch
+    if DRY_RUN:
+        return 1e10, "dry run: a made-up 10 GB/s"
     props = torch.cuda.get_device_properties(0)
     clock_khz = getattr(props, "memory_clock_rate", 0)
     bus_bits = getattr(props, "memory_bus_width", 0)

@@ -1,7 +1,7 @@
 """Decode on a GPU: same greedy tokens through the kernels (eager and CUDA graphs) as the torch path and HF, then
 decode tokens/s at 1, 8 and 32 slots and decode attention's achieved bandwidth against the GPU's peak.
 
-    python bench/gpu_decode.py [--quick]        (prints SKIP and exits 0 without a CUDA device)
+    python bench/gpu_decode.py [--quick] [--cpu-dry-run]     (prints SKIP and exits 0 without a CUDA device)
 
 Models (random weights, built offline by transformers): "smollm2" has SmolLM2-135M's shape (576 hidden, 30 layers,
 9/3 heads, 49152 vocab), "llama1b" about 1.1B parameters (2048 hidden, 16 layers, 32/8 heads, 8192 inter., 32000
@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from gpu_common import Results, cuda_ms, peak_bandwidth_bytes_s, require_cuda
+from gpu_common import (DEVICE, DRY_RUN, Results, cuda_ms, free_memory, peak_bandwidth_bytes_s, require_cuda,  # noqa: I001
+                        sync)
 
 torch = require_cuda("decode")
 
@@ -36,13 +37,19 @@ SHAPES = {
                     num_attention_heads=32, num_key_value_heads=8),
 }
 CONTEXT, STEPS, MAX_SEQ = 32, 64, 512
+ATTENTION_CASES = ((8, 2048), (32, 2048), (32, 4096))
+if DRY_RUN:
+    SHAPES = {"tiny": dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1)}
+    CONTEXT, STEPS, MAX_SEQ = 4, 3, 32
+    ATTENTION_CASES = ((2, 40),)
 
 
 def hf_model(shape: dict, dtype):
     cfg = transformers.LlamaConfig(**shape, max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=1,
                                    eos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(DEVICE):
         model = transformers.LlamaForCausalLM(cfg)
     return model.to(dtype).eval()
 
@@ -50,29 +57,29 @@ def hf_model(shape: dict, dtype):
 def engine_model(hf, dtype):
     from models.llama import LlamaModel
     cfg = LlamaConfig.from_hf_dict(hf.config.to_dict())
-    return LlamaModel(cfg, dict(hf.state_dict()), dtype=dtype, device="cuda")
+    return LlamaModel(cfg, dict(hf.state_dict()), dtype=dtype, device=DEVICE)
 
 
 def kernel_model(hf, dtype, backend):
     cfg = LlamaConfig.from_hf_dict(hf.config.to_dict())
-    return KernelLlama(cfg, dict(hf.state_dict()), dtype=dtype, device="cuda", backend=backend)
+    return KernelLlama(cfg, dict(hf.state_dict()), dtype=dtype, device=DEVICE, backend=backend)
 
 
 def greedy_kernel(model: KernelLlama, prompts, new_tokens, graphs: bool) -> list[list[int]]:
     """All prompts the same length here: prompt fed token by token, then greedy, every step one token per row."""
     b = len(prompts)
     kv = model.new_cache(b, MAX_SEQ)
-    slot_ids = torch.arange(b, device="cuda")
+    slot_ids = torch.arange(b, device=DEVICE)
     step = model.decode_step
     if graphs:
-        runner = DecodeGraphs(lambda **kw: model.decode_step(kv, **kw), _specs(), max_batch=b, device="cuda")
+        runner = DecodeGraphs(lambda **kw: model.decode_step(kv, **kw), _specs(), max_batch=b, device=DEVICE)
         kv.zero_()
         step = lambda _kv, token_ids, slot_ids, positions: runner.run(  # noqa: E731
             token_ids=token_ids, slot_ids=slot_ids, positions=positions, lengths=positions + 1)
     seqs = [list(p) for p in prompts]
     for pos in range(len(prompts[0]) + new_tokens - 1):
-        tokens = torch.tensor([s[pos] for s in seqs], device="cuda")
-        logits = step(kv, token_ids=tokens, slot_ids=slot_ids, positions=torch.full((b,), pos, device="cuda"))
+        tokens = torch.tensor([s[pos] for s in seqs], device=DEVICE)
+        logits = step(kv, token_ids=tokens, slot_ids=slot_ids, positions=torch.full((b,), pos, device=DEVICE))
         if pos >= len(prompts[0]) - 1:
             for s, t in zip(seqs, logits.argmax(-1).tolist()):
                 s.append(t)
@@ -87,13 +94,13 @@ def _specs():
 def greedy_engine(model, prompts, new_tokens) -> list[list[int]]:
     from models.llama import KVCache
     b, n = len(prompts), len(prompts[0])
-    cache = KVCache(model.config, b, MAX_SEQ, model.dtype, "cuda")
-    slots = torch.arange(b, device="cuda")
-    logits = model.forward(cache, torch.tensor(prompts, device="cuda"), slots, torch.zeros(b, dtype=torch.long),
+    cache = KVCache(model.config, b, MAX_SEQ, model.dtype, DEVICE)
+    slots = torch.arange(b, device=DEVICE)
+    logits = model.forward(cache, torch.tensor(prompts, device=DEVICE), slots, torch.zeros(b, dtype=torch.long),
                            torch.full((b,), n))
     out = [[t] for t in logits.argmax(-1).tolist()]
     for i in range(new_tokens - 1):
-        tokens = torch.tensor([[o[-1]] for o in out], device="cuda")
+        tokens = torch.tensor([[o[-1]] for o in out], device=DEVICE)
         logits = model.forward(cache, tokens, slots, torch.full((b,), n + i), torch.ones(b, dtype=torch.long))
         for o, t in zip(out, logits.argmax(-1).tolist()):
             o.append(t)
@@ -101,7 +108,7 @@ def greedy_engine(model, prompts, new_tokens) -> list[list[int]]:
 
 
 def greedy_hf(hf, prompts, new_tokens) -> list[list[int]]:
-    ids = torch.tensor(prompts, device="cuda")
+    ids = torch.tensor(prompts, device=DEVICE)
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     return out[:, ids.shape[1]:].tolist()
@@ -116,7 +123,7 @@ def check_tokens(res: Results, name: str, quick: bool):
     """fp32 everywhere: on random weights bf16 rounding alone can flip near-tied argmaxes."""
     hf = hf_model(SHAPES[name], torch.float32)
     prompts = prompts_for(2, SHAPES[name]["vocab_size"], 12)
-    n = 8 if quick else 16
+    n = 4 if DRY_RUN else 8 if quick else 16
     want = greedy_hf(hf, prompts, n)
     res.check(greedy_engine(engine_model(hf, torch.float32), prompts, n) == want, f"{name} fp32 engine == HF")
     for backend, graphs in (("torch", False), ("triton", False), ("triton", True)):
@@ -125,19 +132,19 @@ def check_tokens(res: Results, name: str, quick: bool):
         res.check(got == want, f"{name} fp32 kernels[{backend}{'+graphs' if graphs else ''}] == HF greedy",
                   f"{agree}/{len(prompts) * n} tokens agree")
     del hf
-    torch.cuda.empty_cache()
+    free_memory()
 
 
 def decode_rate(step, batch: int) -> float:
-    slot_ids = torch.arange(batch, device="cuda")
-    tokens = torch.ones(batch, dtype=torch.long, device="cuda")
+    slot_ids = torch.arange(batch, device=DEVICE)
+    tokens = torch.ones(batch, dtype=torch.long, device=DEVICE)
     for i in range(3):
-        tokens = step(tokens, slot_ids, torch.full((batch,), CONTEXT + i, device="cuda")).argmax(-1)
-    torch.cuda.synchronize()
+        tokens = step(tokens, slot_ids, torch.full((batch,), CONTEXT + i, device=DEVICE)).argmax(-1)
+    sync()
     t0 = time.perf_counter()
     for i in range(STEPS):
-        tokens = step(tokens, slot_ids, torch.full((batch,), CONTEXT + i, device="cuda")).argmax(-1)
-    torch.cuda.synchronize()
+        tokens = step(tokens, slot_ids, torch.full((batch,), CONTEXT + i, device=DEVICE)).argmax(-1)
+    sync()
     return batch * STEPS / (time.perf_counter() - t0)
 
 
@@ -149,7 +156,7 @@ def throughput(res: Results, name: str, batches):
         try:
             eng = engine_model(hf, torch.bfloat16)
             from models.llama import KVCache
-            cache = KVCache(eng.config, batch, MAX_SEQ, torch.bfloat16, "cuda")
+            cache = KVCache(eng.config, batch, MAX_SEQ, torch.bfloat16, DEVICE)
             rates["torch eager"] = decode_rate(lambda t, s, p: eng.forward(
                 cache, t.view(-1, 1), s, p, torch.ones_like(p)), batch)
             del eng, cache
@@ -161,22 +168,22 @@ def throughput(res: Results, name: str, batches):
             rates[label] = decode_rate(lambda t, s, p: km.decode_step(kv, t, s, p), batch)
             if backend == "triton":
                 graphs = DecodeGraphs(lambda **kw: km.decode_step(kv, **kw), _specs(), max_batch=batch,
-                                      device="cuda")
+                                      device=DEVICE)
                 rates["triton+graphs"] = decode_rate(lambda t, s, p: graphs.run(
                     token_ids=t, slot_ids=s, positions=p, lengths=p + 1), batch)
                 del graphs
             del km, kv
-            torch.cuda.empty_cache()
-        ids = torch.tensor(prompts_for(batch, SHAPES[name]["vocab_size"], prompt_len), device="cuda")
+            free_memory()
+        ids = torch.tensor(prompts_for(batch, SHAPES[name]["vocab_size"], prompt_len), device=DEVICE)
         gen = lambda n: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,  # noqa: E731
                                     min_new_tokens=n, do_sample=False, pad_token_id=0)
         gen(2)
         timed = {}
         for n in (1, STEPS + 1):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             gen(n)
-            torch.cuda.synchronize()
+            sync()
             timed[n] = time.perf_counter() - t0
         rates["HF generate"] = batch * STEPS / (timed[STEPS + 1] - timed[1])
         line = ", ".join(f"{k} {v:,.0f}" for k, v in rates.items())
@@ -185,18 +192,18 @@ def throughput(res: Results, name: str, batches):
             ratio = rates["triton+graphs"] / rates["HF generate"]
             res.figure(f"{name} {batch} slots triton+graphs / HF", f"{ratio:.2f}x (goal at 8 slots: >= 3x)")
     del hf
-    torch.cuda.empty_cache()
+    free_memory()
 
 
 def attention_bandwidth(res: Results):
     peak, source = peak_bandwidth_bytes_s()
     res.figure("peak memory bandwidth", f"{peak / 1e9:,.0f} GB/s ({source})")
-    for batch, length in ((8, 2048), (32, 2048), (32, 4096)):
+    for batch, length in ATTENTION_CASES:
         n_kv, hd, heads = 8, 64, 32
-        kv = torch.randn(2, batch, n_kv, length + 1, hd, device="cuda", dtype=torch.bfloat16)
-        q = torch.randn(batch, heads, hd, device="cuda", dtype=torch.bfloat16)
-        slots = torch.randperm(batch, device="cuda")
-        lengths = torch.full((batch,), length, device="cuda")
+        kv = torch.randn(2, batch, n_kv, length + 1, hd, device=DEVICE, dtype=torch.bfloat16)
+        q = torch.randn(batch, heads, hd, device=DEVICE, dtype=torch.bfloat16)
+        slots = torch.randperm(batch, device=DEVICE)
+        lengths = torch.full((batch,), length, device=DEVICE)
         nbytes = 2 * batch * n_kv * length * hd * 2
         ms = cuda_ms(lambda: decode_attention(q, kv[0], kv[1], slots, lengths, backend="triton"))
         ms_twin = cuda_ms(lambda: decode_attention(q, kv[0], kv[1], slots, lengths, backend="torch"))
@@ -209,8 +216,9 @@ def attention_bandwidth(res: Results):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer tokens and batch sizes")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny model on the CPU through the interpreter")
     args = ap.parse_args()
-    res = Results("decode on " + torch.cuda.get_device_name(0))
+    res = Results("decode on " + (DEVICE if DRY_RUN else torch.cuda.get_device_name(0)))
     for name in SHAPES:
         try:
             check_tokens(res, name, args.quick)
@@ -222,7 +230,7 @@ def main():
         res.check(False, "decode attention bandwidth", repr(exc)[:300])
     for name in SHAPES:
         try:
-            throughput(res, name, (1, 8) if args.quick else (1, 8, 32))
+            throughput(res, name, (2,) if DRY_RUN else (1, 8) if args.quick else (1, 8, 32))
         except Exception as exc:  # noqa: BLE001
             res.check(False, f"{name} throughput", repr(exc)[:300])
     res.finish()

@@ -1,13 +1,13 @@
 """Every kernel against its torch twin on CUDA in fp32, fp16 and bf16, then kernel vs twin timings.
 
-    python bench/gpu_kernels.py        (prints SKIP and exits 0 without a CUDA device)
+    python bench/gpu_kernels.py [--cpu-dry-run]        (prints SKIP and exits 0 without a CUDA device)
 
 Shapes are SmolLM2-135M's (hidden 576, 9 heads / 3 kv heads of 64, intermediate 1536) and a Llama-1B's (2048,
 32 / 8 heads of 64, 8192) at decode batch 8 and 32; the cache holds 2048 positions per slot.
 """
 from __future__ import annotations
 
-from gpu_common import Results, cuda_ms, require_cuda
+from gpu_common import DEVICE, DRY_RUN, Results, cuda_ms, require_cuda
 
 torch = require_cuda("kernels vs twins")
 
@@ -18,6 +18,11 @@ TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = {"smollm2": dict(hidden=576, heads=9, kv=3, hd=64, inter=1536),
           "llama1b": dict(hidden=2048, heads=32, kv=8, hd=64, inter=8192)}
+SEQ, BATCHES, TIMED_BATCHES = 2048, (8, 32), (1, 8, 32)
+if DRY_RUN:
+    SHAPES = {"tiny-gqa4": dict(hidden=64, heads=4, kv=1, hd=64, inter=96),
+              "tiny-hd128": dict(hidden=128, heads=2, kv=2, hd=128, inter=64)}
+    SEQ, BATCHES, TIMED_BATCHES = 40, (3,), (2,)
 
 
 def close(a, b, dtype) -> tuple[bool, str]:
@@ -26,9 +31,9 @@ def close(a, b, dtype) -> tuple[bool, str]:
     return err <= TOL[dtype] * scale and bool(torch.isfinite(a.float()).all()), f"max err {err:.3g} (scale {scale:.3g})"
 
 
-def cases(shape, dtype, batch, seq=2048, slots=None):
+def cases(shape, dtype, batch, seq=SEQ, slots=None):
     slots = slots or max(batch, 8)
-    dev = "cuda"
+    dev = DEVICE
     g = torch.Generator(device=dev).manual_seed(0)
     s = shape
     kv = torch.randn(2, 1, slots, s["kv"], seq + 1, s["hd"], generator=g, device=dev).to(dtype)
@@ -51,9 +56,9 @@ def ops(shape, c, backend, fresh: bool = True):
     copies when checking (fresh=True) and in place when timing (the copies would dominate the time)."""
     copy = (lambda t: t.clone()) if fresh else (lambda t: t)
     s = shape
-    cos, sin = kernels.rotary_tables(s["hd"], 4096, 10000.0, "cuda")
-    q8 = kernels.quantize_weight(c["wmat"], 8).to("cuda")
-    q4 = kernels.quantize_weight(c["wmat"], 4).to("cuda")
+    cos, sin = kernels.rotary_tables(s["hd"], 4096, 10000.0, DEVICE)
+    q8 = kernels.quantize_weight(c["wmat"], 8).to(DEVICE)
+    q4 = kernels.quantize_weight(c["wmat"], 4).to(DEVICE)
     kc, vc = c["kv"][0, 0], c["kv"][1, 0]
     h = s["heads"]
 
@@ -85,10 +90,10 @@ def ops(shape, c, backend, fresh: bool = True):
 
 
 def main():
-    res = Results("kernels vs torch twins on " + torch.cuda.get_device_name(0))
+    res = Results("kernels vs torch twins on " + (DEVICE if DRY_RUN else torch.cuda.get_device_name(0)))
     for name, shape in SHAPES.items():
         for dtype in DTYPES:
-            for batch in (8, 32):
+            for batch in BATCHES:
                 c = cases(shape, dtype, batch)
                 tri, twin = ops(shape, c, "triton"), ops(shape, c, "torch")
                 for op in tri:
@@ -102,7 +107,7 @@ def main():
                         res.check(False, f"{op} {name} {str(dtype)[6:]} batch {batch}", repr(exc)[:300])
     # timings: bf16, kernel vs twin, same shapes
     for name, shape in SHAPES.items():
-        for batch in (1, 8, 32):
+        for batch in TIMED_BATCHES:
             c = cases(shape, torch.bfloat16, batch)
             tri, twin = ops(shape, c, "triton", fresh=False), ops(shape, c, "torch", fresh=False)
             for op in tri:

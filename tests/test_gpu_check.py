@@ -43,3 +43,14 @@ def test_the_whole_script_without_install_writes_its_summary(tmp_path):
     text = (tmp_path / "gpu_check.txt").read_text()
     assert out.returncode == 0, text
     assert text.count("SKIP ") == 4 and "summary: 0 PASS, 0 FAIL" in text
+
+
+@pytest.mark.parametrize("script,passes", [("gpu_kernels.py", 42), ("gpu_decode.py", 4)])
+def test_cpu_dry_run_of_the_gpu_scripts(script, passes):
+    """The scripts' own logic (shapes, comparisons, greedy loops, graph runner, HF calls) on tiny shapes through
+    the interpreter, so a bug in them does not cost GPU minutes."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--cpu-dry-run"], capture_output=True,
+                         text=True, cwd=ROOT, env=cpu_env(), timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "FAIL" not in out.stdout and out.stdout.count("\nPASS ") == passes, out.stdout[-3000:]
+    assert "FIGURE" in out.stdout

@@ -49,6 +49,7 @@ def test_first_load_builds_next_start_reuses(tmp_path):
     plan = cache.plan_path("te-classifier", KEY)
     assert plan.read_bytes() == b"PLAN:" + KEY.digest.encode()
     assert json.loads(plan.with_suffix(".json").read_text())["gpu_name"] == "NVIDIA H100 80GB HBM3"
+    assert (plan.parent.stat().st_mode & 0o777) == 0o700  # plans are executable code: owner only
     restarted = EngineCache(tmp_path / "tensorrt")  # a new process: only the files remain
     engine, built = restarted.get_or_build("te-classifier", KEY, builder.build, builder.deserialize)
     assert not built and builder.builds == 1 and engine == {"engine": KEY.digest}

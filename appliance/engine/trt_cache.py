@@ -4,6 +4,8 @@ An engine is only valid for the exact ONNX bytes, TensorRT version, GPU model, p
 built with, so all of them go into the key. Files live in `<state_dir>/tensorrt/` as `<model>-<key>.plan` with a
 `.json` beside it saying what the key stands for; storing a new engine for a model removes that model's older ones,
 and a plan that no longer deserialises (truncated, other driver) is rebuilt and overwritten.
+A plan is executable code (NVIDIA: never deserialise an engine from an untrusted source), so the directory is
+created owner-only and only engines this cache built are loaded from it.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class EngineCache:
 
     def store(self, model: str, key: EngineKey, plan: bytes) -> Path:
         """Atomic write (a crash leaves the old file or none, never half a plan); older engines of the model go."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         path = self.plan_path(model, key)
         for old in self.entries(model):
             if old != path:
