@@ -85,8 +85,10 @@ def test_concurrent_clients_share_batches_and_match_unbatched(app):
 
     async def go():
         alone = await unbatched()
+        await asyncio.sleep(0.6)  # engine metrics come from the worker with its liveness answers (4 a second)
         before = batch_histogram(app)
         together = await asyncio.gather(*[one_client(i) for i in range(16)])
+        await asyncio.sleep(0.6)
         after = batch_histogram(app)
         return alone, together, before, after
 
