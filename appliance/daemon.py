@@ -273,7 +273,8 @@ class Appliance:
                                f"{cfg.security.cert_expiry_warning_days} days: renew it with "
                                "`appliance certs init --force`", severity=700)
         if cfg.metrics.enabled:
-            self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics, self.readiness)
+            self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics, self.readiness,
+                                         status=self.status_snapshot)
             await self.http.start()
 
     def _watch_certificate(self, pki) -> None:
@@ -311,6 +312,34 @@ class Appliance:
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError("models did not finish loading")
+
+    def status_snapshot(self) -> dict:
+        """What the status page shows (no secrets: no paths, thumbprints or user names)."""
+        statuses = [m.status() for m in self.services.values()]
+        buckets: dict[str, dict[float, float]] = {}
+        for family in self.metrics.request_duration.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    per = buckets.setdefault(sample.labels["model"], {})
+                    per[le] = per.get(le, 0.0) + sample.value
+        return {
+            "state": self.ua.state if self.ua is not None else "Starting",
+            "device": self.ua.device if self.ua is not None else "",
+            "heartbeat": self.ua.heartbeat if self.ua is not None else 0,
+            "models": [{"name": st.name, "kind": st.kind, "state": st.state, "version": st.version,
+                        "backend": st.backend, "requests": st.request_count, "errors": st.error_count,
+                        "last_latency_ms": st.last_latency_ms, "worker_up": st.worker_up,
+                        "restarting": st.restarting, "worker_restarts": st.worker_restarts,
+                        "heartbeat": st.heartbeat, "failure_reason": st.failure_reason} for st in statuses],
+            "engine": {"queue_depth": sum(st.queue_depth for st in statuses),
+                       "slots_total": sum(st.slots_total for st in statuses),
+                       "slots_in_use": sum(st.slots_in_use for st in statuses)},
+            "alarms": self.alarms(),
+            "certificate_expiry_s": self.metrics.server_cert_expiry._value.get(),
+            "calls": {st.name: float(st.request_count) for st in statuses},
+            "latency_buckets": {m: sorted(b.items()) for m, b in buckets.items()},
+        }
 
     def status_line(self) -> str:
         """One line for `systemctl status`: the appliance's state and each model's."""

@@ -1,4 +1,5 @@
-"""The monitoring HTTP endpoint: /metrics (Prometheus), /healthz (liveness), /readyz (readiness). Stdlib asyncio.
+"""The monitoring HTTP endpoint: /metrics (Prometheus), /healthz (liveness), /readyz (readiness) and the status
+page at / (appliance/status_page.py). Stdlib asyncio.
 
 One request per connection (HTTP/1.1 with Connection: close). Request heads are bounded (8 KiB) and must arrive
 within a read timeout, and connections are capped, so slow or hostile clients cannot hang or exhaust the server.
@@ -12,6 +13,8 @@ import json
 import logging
 from typing import Callable
 
+from .status_page import CONTENT_SECURITY_POLICY, SAMPLE_S, StatusHistory, render
+
 log = logging.getLogger("appliance.http")
 
 MAX_HEAD_BYTES = 8 * 1024
@@ -23,8 +26,12 @@ _TEXT = "text/plain; charset=utf-8"
 
 class MonitoringServer:
     def __init__(self, host: str, port: int, metrics, readiness: Callable[[], tuple[bool, list[str]]], *,
-                 read_timeout_s: float = 5.0, max_connections: int = 64):
+                 read_timeout_s: float = 5.0, max_connections: int = 64, status: Callable[[], dict] | None = None):
+        """status: the snapshot the page at / shows (Appliance.status_snapshot); without it / is 404."""
         self.host, self.port = host, port
+        self._status = status
+        self._history = StatusHistory()
+        self._sampler: asyncio.Task | None = None
         self._metrics = metrics
         self._readiness = readiness
         self.read_timeout_s = read_timeout_s
@@ -37,9 +44,13 @@ class MonitoringServer:
         self._slots = asyncio.BoundedSemaphore(self._max_connections)
         self._server = await asyncio.start_server(self._handle, self.host, self.port, limit=MAX_HEAD_BYTES)
         self.port = self._server.sockets[0].getsockname()[1]
+        if self._status is not None:
+            self._sampler = asyncio.create_task(self._sample_loop())
         log.info("monitoring HTTP on %s:%d", self.host, self.port)
 
     async def stop(self) -> None:
+        if self._sampler is not None:
+            self._sampler.cancel()
         if self._server is None:
             return
         self._server.close()
@@ -84,15 +95,31 @@ class MonitoringServer:
             return await self._send(writer, 400, b"bad request\n", _TEXT, head_only=False)
         method, target = parts[0].decode("latin-1"), parts[1].decode("latin-1")
         path = target.split("?", 1)[0]
-        if path not in ("/metrics", "/healthz", "/readyz"):
+        if path not in ("/metrics", "/healthz", "/readyz") and not (path == "/" and self._status is not None):
             return await self._send(writer, 404, b"not found\n", _TEXT, head_only=method == "HEAD")
         if method not in ("GET", "HEAD"):
             return await self._send(writer, 405, b"method not allowed\n", _TEXT, head_only=False,
                                     extra={"Allow": "GET, HEAD"})
         status, body, content_type = self._route(path)
-        await self._send(writer, status, body, content_type, head_only=method == "HEAD")
+        extra = {"Content-Security-Policy": CONTENT_SECURITY_POLICY} if path == "/" else None
+        await self._send(writer, status, body, content_type, head_only=method == "HEAD", extra=extra)
+
+    async def _sample_loop(self) -> None:
+        while True:
+            try:
+                snap = self._status()
+                self._history.add(snap["calls"], snap["latency_buckets"])
+            except Exception:  # noqa: BLE001 - the page shows less history; the endpoint goes on
+                log.exception("status sample failed")
+            await asyncio.sleep(SAMPLE_S)
 
     def _route(self, path: str) -> tuple[int, bytes, str]:
+        if path == "/":
+            try:
+                return 200, render(self._status(), self._history).encode(), "text/html; charset=utf-8"
+            except Exception:  # noqa: BLE001
+                log.exception("status page failed")
+                return 500, b"status unavailable\n", _TEXT
         if path == "/healthz":
             return 200, json.dumps({"status": "ok"}).encode(), _JSON
         if path == "/readyz":

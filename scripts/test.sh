@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
+bash scripts/setup-system.sh
 exec .venv/bin/python -m pytest "$@"
