@@ -301,6 +301,10 @@ class Appliance:
 
     def _watchdog_event(self, state: str, previous: str, message: str) -> None:
         log.warning("watchdog %s -> %s: %s", previous, state, message)
+        shed = self.watchdog.actions.shed_load if self.watchdog is not None else False
+        for model in self.services.values():
+            if model.shedding != shed:
+                model.shed_load(shed)
         if self.ua is not None:
             self.ua.emit_event(f"Watchdog {state}: {message}", severity=900 if state == "Critical" else 600)
 

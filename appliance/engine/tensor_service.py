@@ -73,6 +73,13 @@ class TensorModelService(ModelStatus):
     def output_shape(self) -> tuple[int, ...]:
         return tuple(self._loaded.backend.output_shape) if self._loaded else ()
 
+    def shed_load(self, on: bool) -> None:
+        """The GPU watchdog is Critical: batches of at most half the configured size (less heat and memory), until
+        it is not."""
+        import dataclasses
+        size = max(1, self.policy.max_batch_size // 2) if on else self.policy.max_batch_size
+        self._batcher.policy = dataclasses.replace(self.policy, max_batch_size=size)
+
     @property
     def queue_depth(self) -> int:
         return self._batcher.queue_depth

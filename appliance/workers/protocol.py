@@ -77,6 +77,11 @@ class Reload(_Msg):
     version_label: str | None = None  # the deployed version's name, else the YAML's label
 
 
+class ShedLoad(_Msg):  # no answer: the GPU watchdog is Critical (True) or no longer (False)
+    model: str
+    on: bool
+
+
 class Cancel(_Msg):  # no answer: the caller stopped waiting for request `id`
     id: int
 
@@ -89,7 +94,7 @@ class Stop(_Msg):
     id: int
 
 
-ToWorker = Union[Start, Infer, Generate, Reset, Release, Reload, Cancel, Ping, Stop]
+ToWorker = Union[Start, Infer, Generate, Reset, Release, Reload, ShedLoad, Cancel, Ping, Stop]
 
 
 # ---- worker -> serve ----

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from appliance.errors import EngineFailure, NotReady
+from appliance.errors import EngineFailure, NotReady, ResourceUnavailable
 from appliance.model_port import GenerateResult, InferResult, ModelStatus
 from appliance.workers import protocol as p
 from appliance.workers.supervisor import WorkerSupervisor
@@ -29,6 +29,7 @@ class RemoteModel:
         self.error_count = 0
         self.last_latency_ms = 0.0
         self.heartbeat = 0
+        self.shedding = False  # the GPU watchdog is Critical: no new generative sessions
         self._sessions_with_state: set[str] = set()  # generative: sessions that hold a slot in the live worker
         self._sessions_lost: set[str] = set()  # ... that held one in a worker that died
         supervisor.on_restart.append(self._worker_lost)
@@ -86,6 +87,10 @@ class RemoteModel:
     async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
                        deadline: float, on_progress=None) -> GenerateResult:
         """on_progress(text, tokens): the reply so far, as it grows (jobs)."""
+        if self.shedding and session not in self._sessions_with_state:
+            self.request_count += 1
+            self.error_count += 1
+            raise ResourceUnavailable("the GPU watchdog is Critical: no new sessions until it recovers")
         message = p.Generate(id=0, model=self.name, session=session, prompt=prompt, max_tokens=int(max_tokens),
                              temperature=float(temperature), deadline=deadline, progress=on_progress is not None)
         reply = await self._counted(message, deadline, on_progress)
@@ -100,6 +105,11 @@ class RemoteModel:
         self._sessions_lost.discard(session)
         self._sessions_with_state.discard(session)
         await self.supervisor.call(p.Reset(id=0, model=self.name, session=session), None)
+
+    def shed_load(self, on: bool) -> None:
+        self.shedding = on
+        if self.kind == "tensor":
+            self.supervisor.send(p.ShedLoad(model=self.name, on=on))
 
     def release(self, session: str) -> None:
         self._sessions_lost.discard(session)

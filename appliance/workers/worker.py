@@ -144,6 +144,10 @@ class WorkerHost:
                 task = self._calls.get(message.id)
                 if task is not None:
                     task.cancel()
+            elif isinstance(message, p.ShedLoad):
+                svc = self.services.get(message.model)
+                if svc is not None and svc.kind == "tensor":
+                    svc.shed_load(message.on)
             elif isinstance(message, p.Release):
                 svc = self.services.get(message.model)
                 if svc is not None and svc.kind == "generative":
