@@ -223,11 +223,14 @@ def cmd_call(args) -> int:
     if args.input is not None:
         source = Path(args.input)
         try:
-            text = source.read_text() if source.exists() else args.input
+            is_file = source.is_file()
+        except OSError:  # inline values longer than a file name can be
+            is_file = False
+        try:
+            text = source.read_text() if is_file else args.input
             values = parse_floats(text)
         except (ValueError, OSError) as e:
-            where = str(source) if source.exists() else "--input"
-            return _fail(f"{where}: {e}")
+            return _fail(f"{source if is_file else '--input'}: {e}")
 
     async def run() -> int:
         try:

@@ -12,9 +12,9 @@ trap cleanup EXIT
 start=$(date +%s)
 mmdebstrap --quiet --variant=minbase --include=python3.11,libgomp1,adduser,systemd bookworm "$ROOT"
 cp "$DEB" "$ROOT/tmp/appliance.deb"
-mount -t proc proc "$ROOT/proc"
 chroot "$ROOT" dpkg -i /tmp/appliance.deb
 echo "installed in $(( $(date +%s) - start )) s; root $(du -sh "$ROOT" | cut -f1)"
+mount -t proc proc "$ROOT/proc"
 chroot "$ROOT" appliance check-config /etc/appliance/appliance.yaml
 chroot "$ROOT" test -f /var/lib/appliance/pki/own/cert.der
 chroot "$ROOT" test -L /etc/systemd/system/multi-user.target.wants/appliance.service

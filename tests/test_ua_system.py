@@ -217,6 +217,10 @@ def test_cli_call_with_csv_and_json(app, tmp_path):
     assert p.returncode == 1 and "BadInvalidArgument" in p.stdout and "BadOutOfRange" in p.stdout
     p = subprocess.run(base + ["--input", "[1, oops]"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--input" in p.stderr
+    # inline values longer than any file name (a PLC window of 1040 values) are values, not a path
+    p = subprocess.run(base + ["--input", "[" + ",".join(["0.5"] * 1040) + "]"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0 and "status: Good" in p.stdout, p.stderr
 
 
 def test_anonymous_when_enabled_is_monitor(tmp_path):
