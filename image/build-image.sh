@@ -14,7 +14,7 @@ ROOTFS="$OUT/appliance-rootfs-$VERSION.tar"
 start=$(date +%s)
 mmdebstrap --quiet --variant=minbase --include=python3.11,libgomp1,adduser,systemd,systemd-sysv,iproute2 \
   --customize-hook="copy-in $DEB /tmp" \
-  --customize-hook='chroot "$1" sh -c "dpkg -i /tmp/*.deb && rm /tmp/*.deb"' \
+  --customize-hook='chroot "$1" sh -c "APPLIANCE_IMAGE_BUILD=1 dpkg -i /tmp/*.deb && rm /tmp/*.deb"' \
   bookworm "$ROOTFS"
 echo "rootfs: $ROOTFS ($(du -h "$ROOTFS" | cut -f1)) in $(( $(date +%s) - start )) s"
 
