@@ -2,26 +2,13 @@
 Every mistake is reported with its file, line and key, like the rest of the configuration."""
 from __future__ import annotations
 
-import re
 import shutil
-from pathlib import Path
 
 import pytest
+from test_config import errors_of, load  # the same helpers: file t.yaml, every error placed
 
-from appliance.config import ConfigError, RateLimit, demo_config, load_config_text
+from appliance.config import RateLimit, demo_config
 from models.te_classifier import ONNX_PATH
-
-
-def load(text: str, base_dir: Path | None = None):
-    return load_config_text(text, source="t.yaml", base_dir=base_dir)
-
-
-def errors_of(text: str, base_dir: Path | None = None) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load(text, base_dir)
-    for error in info.value.errors:
-        assert re.match(r"t\.yaml:\d+: ", error), error
-    return info.value.errors
 
 
 def te(extra: str, path: str = "builtin:te-classifier") -> str:
