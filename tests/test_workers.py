@@ -208,3 +208,29 @@ def test_a_big_serve_process_does_not_make_its_workers_look_big(tmp_path):
         assert st.state == "Ready" and st.worker_restarts == 0
     finally:
         app.stop()
+
+
+def test_models_of_one_worker_group_share_a_process(tmp_path):
+    models = {"a": {"kind": "tensor", "path": str(affine_model(tmp_path / "a.onnx")), "worker": "line3"},
+              "b": {"kind": "tensor", "path": str(affine_model(tmp_path / "b.onnx", scale=3.0)), "worker": "line3"},
+              "c": {"kind": "tensor", "path": str(affine_model(tmp_path / "c.onnx"))}}
+    app = RunningAppliance(tmp_path / "state", models)
+    try:
+        assert worker_pid(app, "a") == worker_pid(app, "b") != worker_pid(app, "c")
+        plc = app.issue("plc", "operator")
+
+        async def go():
+            async with session(app, *plc) as c:
+                ra = await call(c, "a", "Infer", [floats([1, 1, 1, 1])])
+                rb = await call(c, "b", "Infer", [floats([1, 1, 1, 1])])
+                return ra.OutputArguments[0].Value, rb.OutputArguments[0].Value
+        assert run(go()) == ([3.0] * 4, [4.0] * 4)
+        # the group lives and dies together: both restart, the model outside it does not
+        pid = worker_pid(app, "a")
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: state(app, "a") == state(app, "b") == "Ready" and worker_pid(app, "a") != pid, 20,
+                 "the group back")
+        assert app.app.services["c"].status().worker_restarts == 0
+        assert app.app.services["b"].status().worker_restarts == 1
+    finally:
+        app.stop()
