@@ -605,6 +605,10 @@ class ModelConfig:
     drift: DriftConfig | None = setting(None, Section(DriftConfig, nullable=True))
     # versions kept under state_dir/models/<name>/ by `appliance models deploy` (the serving and previous included)
     keep_versions: int = setting(5, integer(2, 1000))
+    # another model of the same kind that answers when this one is not Ready, its worker restarts, or its queue says
+    # the request's deadline would be missed (ModelVersion then names the fallback's weights)
+    fallback: str | None = setting(None, optional(text("the name of another model", lambda v: bool(
+        _MODEL_NAME.fullmatch(v)))))
     # filled by the loader, not YAML keys
     name: str = ""
     resolved_path: Path | None = None
@@ -1064,6 +1068,30 @@ def _cross_check(cfg: ApplianceConfig, ctx: _Context) -> None:
           f"expected a number > memory_warning_ratio ({wd.memory_warning_ratio}), got {wd.memory_critical_ratio}")
 
 
+def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """A fallback names another configured model of the same kind, and following fallbacks never loops."""
+    for name, m in cfg.models.items():
+        if m.fallback is None:
+            continue
+        path = f"models.{name}.fallback"
+        node = ctx.nodes.get(path)
+        other = cfg.models.get(m.fallback)
+        if other is None or m.fallback == name:
+            others = ", ".join(n for n in cfg.models if n != name) or "none"
+            ctx.error(node, path, f"expected the name of another model ({others}), got {_shown(m.fallback)}")
+            continue
+        if other.kind != m.kind:
+            ctx.error(node, path, f"model '{m.fallback}' is {other.kind}, but '{name}' is {m.kind}: a fallback "
+                      "answers the same methods")
+            continue
+        seen, current = [name], m.fallback
+        while current is not None and current not in seen:
+            seen.append(current)
+            current = cfg.models[current].fallback if current in cfg.models else None
+        if current is not None:
+            ctx.error(node, path, "the fallbacks loop: " + " -> ".join(seen + [current]))
+
+
 def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
     mapping = _as_mapping(root, ctx, "", "a mapping with the sections " + ", ".join(_TOP_KEYS))
     if mapping is not None:
@@ -1082,6 +1110,7 @@ def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
     models = _parse_models(top.get("models"), mapping, ctx)
     cfg = ApplianceConfig(users=users, models=models, source=ctx.source, **sections)
     _cross_check(cfg, ctx)
+    _check_fallbacks(cfg, ctx)
     return cfg
 
 

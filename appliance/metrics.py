@@ -57,6 +57,8 @@ class Metrics:
                                  "reference data; above the threshold: Drifting)", ["model"], registry=r)
         self.drift_state = Gauge("appliance_drift_state", "Drift state: 0 Ok, 1 Drifting, 2 NoReference", ["model"],
                                  registry=r)
+        self.fallback = Counter("appliance_fallback", "Calls answered by a model's fallback, by reason "
+                                "(not_ready | restarting | deadline)", ["model", "reason"], registry=r)
         self.jobs = Gauge("appliance_jobs", "Unreleased jobs by state (running | done | failed)", ["model", "state"],
                           registry=r)
         self.rate_limited = Counter("appliance_rate_limited", "Calls refused with BadTooManyOperations by a rate limit",

@@ -46,6 +46,7 @@ class CallContext:
     version: str = ""
     input_digest: str = ""
     output_digest: str = ""
+    answered_by: str = ""  # the fallback model that answered instead (its name), if one did
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -200,7 +201,8 @@ class MethodHandlers:
                 action=ctx.method, session=s.key if s else "",
                 client=s.client_thumbprint if s else "", user=s.identity if s else "", role=(s.role or "") if s else "", model=ctx.model,
                 version=ctx.version, input_digest=ctx.input_digest, output_digest=ctx.output_digest,
-                status=status, latency_ms=round(elapsed * 1000, 3)))
+                status=status, latency_ms=round(elapsed * 1000, 3),
+                detail=f"answered by fallback {ctx.answered_by}" if ctx.answered_by else ""))
 
     def deadline(self) -> float:
         return time.monotonic() + self.request_timeout_s

@@ -375,10 +375,11 @@ class ApplianceUaServer:
         async def body(ctx: CallContext, args):
             samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
             ctx.input_digest = digest(samples)
-            require_ready(svc)
+            model = self._answering(svc, ctx)
+            require_ready(model)
 
             async def run(on_progress):
-                r = await svc.infer(samples, self.handlers.deadline())
+                r = await model.infer(samples, self.handlers.deadline())
                 if svc.name in self.drift:
                     self._drift_update(svc.name, samples, r.output)
                 classifier = self.classifiers.get(svc.name)
@@ -477,6 +478,36 @@ class ApplianceUaServer:
                 self.metrics.drift_state.labels(model).set({"Ok": 0, "Drifting": 1}.get(st.state, 2))
                 self.metrics.alarm_active.labels(f"Drift/{model}").set(1 if st.state == "Drifting" else 0)
 
+    def _answering(self, model, ctx: CallContext):
+        """The model that answers the call: the one asked, or the first of its fallbacks (YAML `fallback`) that can
+        when it cannot: not Ready, its worker restarting, or so much queued that the deadline would be missed."""
+        fallback = self.config.models[model.name].fallback
+        if fallback is None:
+            return model
+        reason = self._cannot_answer(model)
+        if reason is None:
+            return model
+        asked = model.status()
+        while fallback is not None:
+            other = self.services[fallback]
+            st = other.status()
+            same_shapes = asked.kind != "tensor" or not asked.input_shape or st.input_shape == asked.input_shape
+            if same_shapes and self._cannot_answer(other) is None:
+                ctx.answered_by = fallback
+                if self.metrics is not None:
+                    self.metrics.fallback.labels(model.name, reason).inc()
+                return other
+            fallback = self.config.models[fallback].fallback
+        return model  # none of them can: the model answers what it answers (BadInvalidState, ...)
+
+    def _cannot_answer(self, model) -> str | None:
+        st = model.status()
+        if st.state != "Ready":
+            return "restarting" if st.restarting else "not_ready"
+        if st.queue_depth and st.last_latency_ms * st.queue_depth / 1000.0 > self.handlers.request_timeout_s:
+            return "deadline"  # the calls queued before this one would outlast its deadline
+        return None
+
     def _slot_key(self, ctx: CallContext, conversation: str, model: str, index: int) -> str:
         """The KV slot of a conversation: keyed by the caller's identity and the id, not by the session, so a PLC
         that opens a session per call continues it; another identity's same id is another conversation."""
@@ -510,8 +541,9 @@ class ApplianceUaServer:
         async def body(ctx: CallContext, args):
             samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
             ctx.input_digest = digest(samples)
-            require_ready(svc)
-            r = await svc.infer(samples, self.handlers.deadline())
+            model = self._answering(svc, ctx)
+            require_ready(model)
+            r = await model.infer(samples, self.handlers.deadline())
             ctx.version = r.model_version
             ctx.output_digest = digest(r.output)
             if svc.name in self.drift:  # after the answer is sent: drift costs the caller nothing
@@ -562,8 +594,9 @@ class ApplianceUaServer:
                 key = self._slot_key(ctx, require_type(args[0], 0, (V.String,), array=False) or "", svc.name, 0)
             prompt, max_tokens, temperature = self._generate_args(args, first)
             ctx.input_digest = digest(prompt)
-            require_ready(svc)
-            r = await svc.generate(key, prompt, max_tokens, temperature, self.handlers.deadline())
+            model = self._answering(svc, ctx)
+            require_ready(model)
+            r = await model.generate(key, prompt, max_tokens, temperature, self.handlers.deadline())
             ctx.version = r.model_version
             ctx.output_digest = digest(r.text)
             return self._generate_outputs(r)
