@@ -2,7 +2,6 @@
 elsewhere, a strict Content-Security-Policy), no secrets; rendered by headless Chromium without console errors."""
 from __future__ import annotations
 
-import asyncio
 import shutil
 import subprocess
 import urllib.request

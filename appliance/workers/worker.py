@@ -21,7 +21,6 @@ import resource
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -171,10 +170,7 @@ class WorkerHost:
                 reply = p.InferDone(id=message.id, data=np.ascontiguousarray(out, np.float32).tobytes(),
                                     version=version)
             elif isinstance(message, p.Generate):
-                progress = None
-                if message.progress:
-                    def progress(text: str, tokens: int, request_id: int = message.id) -> None:
-                        self._send(p.GenerateProgress(id=request_id, text=text, token_count=tokens))
+                progress = self._progress_sender(message.id) if message.progress else None
                 r = await svc.generate(message.session, message.prompt, message.max_tokens, message.temperature,
                                        message.deadline, progress)
                 reply = p.GenerateDone(id=message.id, text=r.text, token_count=r.token_count,
@@ -208,6 +204,12 @@ class WorkerHost:
         finally:
             self._calls.pop(message.id, None)
         self._send(reply)
+
+    def _progress_sender(self, request_id: int):
+        """Jobs show partial text: the reply so far goes to the serve process as it grows."""
+        def send(text: str, tokens: int) -> None:
+            self._send(p.GenerateProgress(id=request_id, text=text, token_count=tokens))
+        return send
 
     async def _stop(self, stop_id: int) -> None:
         for svc in self.services.values():

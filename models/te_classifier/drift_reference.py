@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
 
 from appliance.drift import build_reference, sample_features, write_reference
 from models.te_classifier import INPUT_SHAPE, MODEL_DIR, N_CLASSES, ONNX_PATH, load_te_train_windows
