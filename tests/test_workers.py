@@ -122,37 +122,50 @@ def test_memory_hog_is_replaced(app):
                                            if r.get("action") == "Infer"]
 
 
-def test_stopped_worker_stops_its_heartbeat_only_and_is_replaced(app):
-    pid = worker_pid(app, "spare")
+STOP_TIMEOUT_S = 4.0  # the stopped-worker test's engine.worker_timeout_s: room to see a frozen Heartbeat first
 
-    async def go():
-        async with session(app, *app.operator) as c:
-            os.kill(pid, signal.SIGSTOP)
-            stopped_at = time.monotonic()
-            try:
-                # this model's Heartbeat no longer moves: read twice, both before the supervisor can kill the
-                # stopped worker (its last answer came at most one ping, 0.25 s, before SIGSTOP, so not before
-                # stopped_at + TIMEOUT_S - 0.25); a replacement worker would tick again.
-                await asyncio.sleep(0.3)
-                seen = await read(c, "Models", "spare", "Heartbeat")
-                await asyncio.sleep(1.0)
-                later = await read(c, "Models", "spare", "Heartbeat")
-                assert time.monotonic() - stopped_at < TIMEOUT_S - 0.25, "the test itself ran too slowly"
-                assert later == seen
-                # ... while the others' and the appliance's do
-                a0, h0 = await read(c, "Models", "affine", "Heartbeat"), await read(c, "Heartbeat")
+
+def test_stopped_worker_stops_its_heartbeat_only_and_is_replaced(tmp_path):
+    # Its own appliance with a longer liveness timeout: the Heartbeat stops at most ~1 s (the health window) plus
+    # one 1 Hz tick after SIGSTOP, and the supervisor replaces the worker not before timeout - one ping (0.25 s);
+    # with the module's 2 s the two overlap and a replacement can tick the Heartbeat between the reads.
+    models = {"affine": {"kind": "tensor", "path": str(affine_model(tmp_path / "affine.onnx"))},
+              "spare": {"kind": "tensor", "path": str(affine_model(tmp_path / "spare.onnx", scale=3.0))}}
+    app = RunningAppliance(tmp_path / "state", models, {"engine": {
+        "worker_timeout_s": STOP_TIMEOUT_S, "worker_restart_backoff_s": 0.1}})
+    try:
+        operator = app.issue("plc1", "operator")
+        pid = worker_pid(app, "spare")
+
+        async def go():
+            async with session(app, *operator) as c:
+                os.kill(pid, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+                try:
+                    # within 2 s this model's Heartbeat no longer moves ...
+                    await asyncio.sleep(2.2)
+                    seen = await read(c, "Models", "spare", "Heartbeat")
+                    await asyncio.sleep(1.1)
+                    later = await read(c, "Models", "spare", "Heartbeat")
+                    assert worker_pid(app, "spare") == pid and time.monotonic() - stopped_at < STOP_TIMEOUT_S - 0.25, \
+                        "the test itself ran too slowly to see the stopped worker before its replacement"
+                    assert later == seen
+                    # ... while the others' and the appliance's do
+                    a0, h0 = await read(c, "Models", "affine", "Heartbeat"), await read(c, "Heartbeat")
+                    await asyncio.sleep(1.3)
+                    assert await read(c, "Models", "affine", "Heartbeat") > a0 and await read(c, "Heartbeat") > h0
+                finally:
+                    await asyncio.to_thread(wait_for, lambda: worker_pid(app, "spare") != pid, 15, "a new worker")
+                await asyncio.to_thread(wait_for, lambda: state(app, "spare") == "Ready", 20, "spare Ready again")
+                r = await call(c, "spare", "Infer", [floats([1, 1, 1, 1])])
+                assert status_name(r) == "Good"
+                b0 = await read(c, "Models", "spare", "Heartbeat")
                 await asyncio.sleep(1.3)
-                assert await read(c, "Models", "affine", "Heartbeat") > a0 and await read(c, "Heartbeat") > h0
-            finally:
-                await asyncio.to_thread(wait_for, lambda: worker_pid(app, "spare") != pid, 10, "a new worker")
-            await asyncio.to_thread(wait_for, lambda: state(app, "spare") == "Ready", 20, "spare Ready again")
-            r = await call(c, "spare", "Infer", [floats([1, 1, 1, 1])])
-            assert status_name(r) == "Good"
-            b0 = await read(c, "Models", "spare", "Heartbeat")
-            await asyncio.sleep(1.3)
-            assert await read(c, "Models", "spare", "Heartbeat") > b0
-    run(go())
-    assert wait_for(lambda: process_gone(pid), 5, "the stopped worker to be gone")
+                assert await read(c, "Models", "spare", "Heartbeat") > b0
+        run(go())
+        assert wait_for(lambda: process_gone(pid), 5, "the stopped worker to be gone")
+    finally:
+        app.stop()
 
 
 def test_too_many_restarts_leave_the_model_failed_until_reloaded(tmp_path):
