@@ -550,6 +550,11 @@ class EngineConfig:
     slot_policy: str = setting("evict_lru", choice("evict_lru", "reject"))
     prefill_chunk: int = setting(256, integer(1))
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
+    # generative: weights kept as the file has them (auto: a Q4_0/Q4_1 GGUF as int4, Q8_0 as int8, float files as
+    # `dtype`), or converted at load; quantized weights are cached under state_dir/cache/weights
+    weights: str = setting("auto", choice("auto", "float32", "bfloat16", "int8", "int4"))
+    kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16"))  # auto: bfloat16 with quantized weights
+    prefix_cache_entries: int = setting(8, integer(0, 4096))  # shared prompt prefixes kept (0: no prefix sharing)
     seed: int = setting(0, integer(0, 2**63 - 1))
     # Worker processes (one per model, or per `worker` group): liveness, memory and restarts.
     worker_timeout_s: float = setting(5.0, number(0.2, 3600))

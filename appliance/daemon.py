@@ -94,7 +94,10 @@ def model_spec(m, engine, device: str, state_dir: Path):
                     "max_new_tokens": engine.max_new_tokens, "slot_policy": engine.slot_policy,
                     "prefill_chunk": engine.prefill_chunk, "dtype": engine.dtype, "device": device,
                     "seed": engine.seed, "max_text_chars": m.max_text_chars, "system_prompt": m.system_prompt,
-                    "top_p": m.top_p, "max_queue_size": engine.max_queue_size, "kernels": engine.kernels}
+                    "top_p": m.top_p, "max_queue_size": engine.max_queue_size, "kernels": engine.kernels,
+                    "weights": engine.weights, "kv_dtype": engine.kv_dtype,
+                    "weight_cache_dir": str(state_dir / "cache" / "weights" / m.name),
+                    "prefix_cache_entries": engine.prefix_cache_entries}
     return ModelSpec(name=m.name, kind=m.kind, path=path, version_label=label, settings=settings,
                      refused=refused)
 

@@ -147,21 +147,44 @@ def _decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32
-              ) -> tuple[LlamaConfig, dict[str, torch.Tensor], ChatTokenizer]:
-    """(config, HF-named tensors in `dtype`, tokenizer) of a Llama GGUF file."""
+def matrix_types(path: Path) -> set[str]:
+    """The GGUF types of the file's matrices (e.g. {"Q4_1", "Q8_0"}), read from its header."""
+    import gguf
+
+    return {t.tensor_type.name for t in gguf.GGUFReader(path, "r").tensors if len(t.shape) == 2}
+
+
+def gguf_header(path: Path) -> tuple[LlamaConfig, ChatTokenizer]:
+    """The config and tokenizer of a GGUF file, without touching its tensors' data."""
+    import gguf
+
+    return _header(gguf.GGUFReader(path, "r"))
+
+
+def _header(reader) -> tuple[LlamaConfig, ChatTokenizer]:
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    return (config_from_gguf_metadata(meta, has_output_tensor="output.weight" in names),
+            ChatTokenizer.from_gguf_metadata(meta))
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: str | None = None
+              ) -> tuple[LlamaConfig, dict[str, Any], ChatTokenizer]:
+    """(config, HF-named tensors, tokenizer) of a Llama GGUF file. Without `quantized` every tensor is dequantised
+    to `dtype`; with "int8" / "int4" every matrix stays quantized (models/quant.py: Q8_0 / Q4_x blocks are
+    requantized a row chunk at a time, float matrices quantized) and only norms are floats."""
     import gguf
 
     # "c": copy-on-write map, so the arrays are writable (torch wants that) while the file stays untouched.
     reader = gguf.GGUFReader(path, "c")
-    meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = config_from_gguf_metadata(meta, has_output_tensor="output.weight" in names)
-    tokenizer = ChatTokenizer.from_gguf_metadata(meta)
+    config, tokenizer = _header(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+        if quantized and len(shape) == 2:
+            tensors[name] = _quantized_matrix(t.data, t.tensor_type.name, shape, quantized, name, config)
+            continue
         w = dequantize(t.data, t.tensor_type.name, shape)
         if name.endswith("q_proj.weight"):
             w = unpermute_rotary_rows(w, config.num_attention_heads)
@@ -169,3 +192,30 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32
             w = unpermute_rotary_rows(w, config.num_key_value_heads)
         tensors[name] = w if w.dtype == dtype else w.to(dtype)
     return config, tensors, tokenizer
+
+
+def _rotary_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
+    """Row index that undoes llama.cpp's q/k permutation (None for other matrices)."""
+    heads = (config.num_attention_heads if name.endswith("q_proj.weight")
+             else config.num_key_value_heads if name.endswith("k_proj.weight") else None)
+    if heads is None:
+        return None
+    rows = heads * config.head_dim
+    return unpermute_rotary_rows(torch.arange(rows), heads)
+
+
+def _quantized_matrix(raw: np.ndarray, type_name: str, shape: tuple[int, int], fmt: str, name: str,
+                      config: LlamaConfig):
+    from models import quant
+
+    if name in quant.HEAD_NAMES:  # bfloat16, a row chunk at a time (see quant.HEAD_NAMES)
+        rows = np.asarray(raw).reshape(shape[0], -1)
+        return torch.cat([dequantize(rows[i:i + quant.ROW_CHUNK], type_name, (min(quant.ROW_CHUNK, shape[0] - i),
+                                                                                shape[1])).to(torch.bfloat16)
+                          for i in range(0, shape[0], quant.ROW_CHUNK)])
+    if type_name in _BLOCK:
+        m = quant.from_gguf_blocks(raw, type_name, shape, fmt, _dequantize_blocks)
+    else:
+        m = quant.quantize(dequantize(raw, type_name, shape), fmt)
+    order = _rotary_row_order(name, config)
+    return m if order is None else quant.permute_rows(m, order)

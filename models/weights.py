@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from models.gguf_loader import load_gguf
+from models import quant, weight_cache
+from models.gguf_loader import gguf_header, load_gguf
 from models.llama_config import LlamaConfig
 from models.tokenizer import ChatTokenizer
+
+log = logging.getLogger(__name__)
 
 FINGERPRINT_EDGE_BYTES = 1 << 20
 _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -26,23 +30,63 @@ _LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 @dataclass
 class LoadedWeights:
     config: LlamaConfig
-    tensors: dict[str, torch.Tensor]  # HF checkpoint names; no "lm_head.weight" when embeddings are tied
+    tensors: dict  # HF checkpoint names -> tensor (or quant.Int8Rows / Int4Groups); no "lm_head.weight" when tied
     tokenizer: ChatTokenizer
     version: str  # 12 hex digits of `fingerprint` over the files read
     source_format: str  # "safetensors" | "gguf"
 
 
-def load_weights(path: Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+def load_weights(path: Path, dtype: torch.dtype = torch.float32, quantized: str | None = None,
+                 cache_dir: Path | None = None) -> LoadedWeights:
     """A directory (config.json, *.safetensors [+ model.safetensors.index.json], tokenizer.json
-    [+ tokenizer_config.json, chat_template.jinja, generation_config.json]) or a .gguf file."""
+    [+ tokenizer_config.json, chat_template.jinja, generation_config.json]) or a .gguf file.
+
+    quantized ("int8" | "int4"): every matrix is kept quantized (models/quant.py), norms in float32; with
+    `cache_dir` the quantized tensors are cached there (models/weight_cache.py) and a second load maps them."""
     path = Path(path)
+    if quantized is not None and quantized not in quant.FORMATS:
+        raise ValueError(f"weights format {quantized!r} is not one of {', '.join(quant.FORMATS)}")
     if path.is_file() and path.suffix == ".gguf":
-        config, tensors, tokenizer = load_gguf(path, dtype)
+        version = fingerprint([path])
+        cached = _cached(cache_dir, version, quantized)
+        if cached is not None:
+            config, tokenizer = gguf_header(path)
+            _check_tensors(config, cached)
+            return LoadedWeights(config, cached, tokenizer, version, "gguf")
+        config, tensors, tokenizer = load_gguf(path, torch.float32 if quantized else dtype, quantized)
         _check_tensors(config, tensors)
-        return LoadedWeights(config, tensors, tokenizer, fingerprint([path]), "gguf")
+        _store(cache_dir, version, quantized, tensors)
+        return LoadedWeights(config, tensors, tokenizer, version, "gguf")
     if not path.is_dir():
         raise ValueError(f"model path {path.name!r} is neither a directory nor a .gguf file")
-    return _load_safetensors_dir(path, dtype)
+    loaded = _load_safetensors_dir(path, dtype, quantized, cache_dir)
+    return loaded
+
+
+def _cached(cache_dir: Path | None, version: str, quantized: str | None) -> dict | None:
+    if cache_dir is None or quantized is None:
+        return None
+    return weight_cache.load(weight_cache.cache_path(cache_dir, version, quantized))
+
+
+def _store(cache_dir: Path | None, version: str, quantized: str | None, tensors: dict) -> None:
+    if cache_dir is None or quantized is None:
+        return
+    try:
+        weight_cache.save(weight_cache.cache_path(cache_dir, version, quantized), tensors)
+    except OSError as exc:  # a full or read-only disk costs the next start time, not this one its model
+        log.warning("could not cache quantized weights in %s: %s", cache_dir, exc)
+
+
+def _quantize_matrices(tensors: dict, quantized: str) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        if t.dim() != 2:
+            out[name] = t.float()
+            continue
+        # a row chunk at a time from the file's map; the embeddings / lm_head in bfloat16 (quant.HEAD_NAMES)
+        out[name] = t.to(torch.bfloat16) if name in quant.HEAD_NAMES else quant.quantize(t, quantized)
+    return out
 
 
 def fingerprint(files: list[Path]) -> str:
@@ -61,7 +105,8 @@ def fingerprint(files: list[Path]) -> str:
     return h.hexdigest()[:12]
 
 
-def _load_safetensors_dir(directory: Path, dtype: torch.dtype) -> LoadedWeights:
+def _load_safetensors_dir(directory: Path, dtype: torch.dtype, quantized: str | None = None,
+                          cache_dir: Path | None = None) -> LoadedWeights:
     hf = _read_json(directory / "config.json")
     if hf is None:
         raise ValueError("model directory has no config.json")
@@ -78,6 +123,14 @@ def _load_safetensors_dir(directory: Path, dtype: torch.dtype) -> LoadedWeights:
         config.bos_token_id = tokenizer.bos_token_id
 
     files = _safetensors_files(directory)
+    extras = [directory / n for n in ("config.json", "generation_config.json", "tokenizer.json",
+                                      "tokenizer_config.json", "chat_template.jinja",
+                                      "model.safetensors.index.json") if (directory / n).exists()]
+    version = fingerprint(files + extras)
+    cached = _cached(cache_dir, version, quantized)
+    if cached is not None:
+        _check_tensors(config, cached)
+        return LoadedWeights(config, cached, tokenizer, version, "safetensors")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as st:
@@ -85,14 +138,17 @@ def _load_safetensors_dir(directory: Path, dtype: torch.dtype) -> LoadedWeights:
                 if name.endswith("rotary_emb.inv_freq"):  # old checkpoints store the rotary table; we compute it
                     continue
                 t = st.get_tensor(name)  # a view of the file's memory map
-                tensors[name] = t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
+                if quantized is None:
+                    tensors[name] = t if t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
+                else:
+                    tensors[name] = t
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     _check_tensors(config, tensors)
-    extras = [directory / n for n in ("config.json", "generation_config.json", "tokenizer.json",
-                                      "tokenizer_config.json", "chat_template.jinja",
-                                      "model.safetensors.index.json") if (directory / n).exists()]
-    return LoadedWeights(config, tensors, tokenizer, fingerprint(files + extras), "safetensors")
+    if quantized is not None:
+        tensors = _quantize_matrices(tensors, quantized)
+        _store(cache_dir, version, quantized, tensors)
+    return LoadedWeights(config, tensors, tokenizer, version, "safetensors")
 
 
 def _safetensors_files(directory: Path) -> list[Path]:

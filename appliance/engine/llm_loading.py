@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from appliance.engine.llm_settings import DTYPES, MEMORY_HEADROOM, GenerativeSettings
+from appliance.engine.llm_settings import DTYPES, MEMORY_HEADROOM, WEIGHTS, GenerativeSettings
 from appliance.engine.slots import POLICIES
 from appliance.engine.thread_reply import Reply
 from appliance.errors import ApplianceError, EngineFailure
@@ -44,6 +44,8 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
         raise EngineFailure(f"slot_policy must be one of {', '.join(POLICIES)}")
     if s.dtype not in DTYPES:
         raise EngineFailure(f"dtype must be one of {', '.join(DTYPES)}")
+    if s.weights not in WEIGHTS:
+        raise EngineFailure(f"weights must be one of {', '.join(WEIGHTS)}")
     if min(s.kv_slots, s.max_seq_len, s.max_new_tokens, s.prefill_chunk, s.max_text_chars) < 1:
         raise EngineFailure("kv_slots, max_seq_len, max_new_tokens, prefill_chunk and max_text_chars must be "
                             "positive")
@@ -52,14 +54,13 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineFailure("device cuda was asked for but no GPU is available")
-    # fp32 on CPU: greedy output stays that of the reference (bf16 diverges within a few tokens) and batch-1
-    # decode is no faster in bf16 here; see bench/generate.py.
-    dtype_name = s.dtype if s.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    quantized, dtype_name = weight_format(s.weights, s.dtype, Path(path), device)
     dtype = getattr(torch, dtype_name)
+    kv_dtype = getattr(torch, s.kv_dtype if s.kv_dtype != "auto" else "bfloat16" if quantized else dtype_name)
     if s.threads > 0:
         torch.set_num_threads(s.threads)
 
-    loaded = load_weights(path, dtype)
+    loaded = load_weights(path, dtype, quantized, Path(s.weight_cache_dir) if s.weight_cache_dir else None)
     config = loaded.config
     max_seq_len = s.max_seq_len
     if max_seq_len > config.max_position_embeddings:
@@ -69,19 +70,53 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
     model = LlamaModel(config, loaded.tensors, dtype=dtype, device=device, kernels=s.kernels)
     del loaded.tensors
     cache = None
-    if current is not None and _same_cache_shape(current.cache, config, s.kv_slots, max_seq_len, dtype, device):
+    if current is not None and _same_cache_shape(current.cache, config, s.kv_slots, max_seq_len, kv_dtype, device):
         cache = current.cache  # every slot is dropped at the swap; no need for a second cache
     if cache is None:
-        need = KVCache.nbytes_for(config, s.kv_slots, max_seq_len, dtype)
+        need = KVCache.nbytes_for(config, s.kv_slots, max_seq_len, kv_dtype)
         available = _available_memory(device)
         if available is not None and need > MEMORY_HEADROOM * available:
             raise EngineFailure(
                 f"the KV cache for kv_slots={s.kv_slots} x max_seq_len={max_seq_len} needs "
                 f"{need / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of memory is available; "
                 "lower kv_slots or max_seq_len")
-        cache = KVCache(config, s.kv_slots, max_seq_len, dtype, device)
-    backend = "torch-cuda" if device.startswith("cuda") else "torch-cpu"
+        cache = KVCache(config, s.kv_slots, max_seq_len, kv_dtype, device)
+    backend = ("torch-cuda" if device.startswith("cuda") else "torch-cpu") + (f"-{quantized}" if quantized else "")
     return LoadedEngine(model, cache, loaded.tokenizer, version_label or loaded.version, backend, max_seq_len)
+
+
+def weight_format(weights: str, dtype: str, path: Path, device: str) -> tuple[str | None, str]:
+    """(quantized format or None, compute dtype) for `engine.weights` / `engine.dtype` on this file and device.
+
+    auto keeps a GGUF file's quantization on a CPU with AVX-512: Q4_0 / Q4_1 run as int4 (the file's own numbers,
+    exactly), Q8_0 as int8. Float files, GPUs and AVX2-only CPUs take `dtype` (auto: float32 on CPU, where bf16
+    greedy output diverges from the reference within a few tokens; bfloat16 on CUDA): on an AVX2-only EPYC torch's
+    int4 / int8 weight ops took 123 / 69 ms per SmolLM2 decode step at 1 sequence and ~1 s at 8, against 48 and
+    64 ms for fp32 (bench/generate.py --weights); with AVX-512 they beat fp32 (FIELD-NOTES in the README)."""
+    on_gpu = device.startswith("cuda")
+    compute = dtype if dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    if weights in ("float32", "bfloat16"):
+        return None, weights
+    if weights in ("int8", "int4"):
+        if on_gpu:
+            raise EngineFailure(f"weights: {weights} runs on the CPU only; use bfloat16 (or auto) on a GPU")
+        return weights, "float32"
+    if on_gpu or not (path.is_file() and path.suffix == ".gguf") or not quantized_ops_are_fast():
+        return None, compute
+    from models.gguf_loader import matrix_types
+    types = matrix_types(path)
+    if types & {"Q4_0", "Q4_1"}:
+        return "int4", "float32"
+    if "Q8_0" in types:
+        return "int8", "float32"
+    return None, compute
+
+
+def quantized_ops_are_fast() -> bool:
+    """torch's CPU int4 / int8 weight matmuls have vectorised kernels for AVX-512 (and newer), not for AVX2."""
+    import torch
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability.startswith("AVX512") or "AMX" in capability
 
 
 async def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -8,6 +8,7 @@ MAX_PROMPT_BYTES = 16 * 1024
 MAX_TEMPERATURE = 2.0
 MEMORY_HEADROOM = 0.8  # the KV cache may take at most this share of the memory available at load
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
 
 
 @dataclass
@@ -26,3 +27,7 @@ class GenerativeSettings:
     top_p: float = 0.95
     max_queue_size: int = 64
     kernels: str = "auto"  # auto: fused Triton kernels for decode on CUDA, eager torch elsewhere | triton | torch
+    weights: str = "auto"  # auto | float32 | bfloat16 | int8 | int4 (see llm_loading.weight_format)
+    kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the compute dtype) | float32 | bfloat16
+    weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
+    prefix_cache_entries: int = 8  # shared prompt prefixes kept in host memory (0: none)
