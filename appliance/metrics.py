@@ -34,6 +34,9 @@ class Metrics:
         self.kv_slots_used = Gauge("appliance_kv_slots_used", "KV-cache slots owned by a session", registry=r)
         self.tokens_total = Counter("appliance_tokens", "Tokens processed, by kind (prompt | generated)",
                                     ["model", "kind"], registry=r)
+        self.prefix_cache_hits_total = Counter(
+            "appliance_prefix_cache_hits", "Conversations whose shared prompt head was copied from the prefix cache "
+            "instead of computed", ["model"], registry=r)
         self.time_to_first_token = Histogram(
             "appliance_time_to_first_token_seconds", "Time from a Generate call's arrival to its first token",
             ["model"], buckets=LATENCY_BUCKETS, registry=r)

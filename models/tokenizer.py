@@ -157,6 +157,12 @@ class ChatTokenizer:
                                    **self.template_tokens))
 
     def turn_tokens(self, history: list[dict], user_text: str, system_prompt: str | None) -> list[int]:
+        return self.turn_tokens_and_head(history, user_text, system_prompt)[0]
+
+    def turn_tokens_and_head(self, history: list[dict], user_text: str, system_prompt: str | None
+                             ) -> tuple[list[int], int]:
+        """turn_tokens, and how many of its leading tokens come before the user's text and are tokenized on
+        their own (the same for every prompt: a shared prefix), 0 when the template altered the text."""
         """Tokens to append to a slot holding the rendering of `history` so that it then holds the rendering of
         history + this user turn + the generation prompt. Empty history: the whole prompt (the template's default
         system prompt included, or `system_prompt` when given).
@@ -179,9 +185,10 @@ class ChatTokenizer:
         if marked.count(_CONTENT_MARKER) == 1:
             head, tail = marked.split(_CONTENT_MARKER)
             if head + user_text + tail == suffix:  # inserted verbatim
-                return (self.encode(head) + self._literal.encode(user_text, add_special_tokens=False).ids
-                        + self.encode(tail))
-        return self.encode(suffix)  # the template altered the text (e.g. trimmed it): tokenize it whole
+                head_ids = self.encode(head)
+                return (head_ids + self._literal.encode(user_text, add_special_tokens=False).ids
+                        + self.encode(tail)), len(head_ids)
+        return self.encode(suffix), 0  # the template altered the text (e.g. trimmed it): tokenize it whole
 
     def assistant_suffix_tokens(self) -> list[int]:
         """What the template writes after an assistant reply's text, e.g. the ids of "<|im_end|>\\n". When the

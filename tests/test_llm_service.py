@@ -330,3 +330,27 @@ def test_stop_answers_running_and_waiting_requests_not_ready(model_dir):
         assert all(isinstance(r, NotReady) for r in results), results
         assert not svc.engine_alive and svc.slots_in_use == 0
     run(body())
+
+
+def test_shared_prompt_heads_are_copied_not_recomputed_and_give_the_same_tokens(model_dir):
+    """Sessions whose first turn starts with the same head (here a long system prompt) reuse its KV."""
+    standing = "You assist operators of line four. Answer briefly, name valves by their tag, never guess a reading."
+
+    async def answers(entries: int):
+        metrics = Metrics()
+        svc = await started(model_dir, metrics=metrics, system_prompt=standing, prefix_cache_entries=entries)
+        out = []
+        for i, prompt in enumerate(["Is the pump running?", "Tank level?", "Is the pump running?"]):
+            out.append((await svc.generate(f"s{i}", prompt, 10, 0.0, FAR)).text)
+        out.append((await svc.generate("s0", "And valve 3?", 10, 0.0, FAR)).text)  # a second turn: no head
+        prompt_tokens = metrics.tokens_total.labels("llm", "prompt")._value.get()
+        hits = metrics.prefix_cache_hits_total.labels("llm")._value.get()
+        await svc.stop()
+        return out, prompt_tokens, hits
+
+    recomputed, tokens_recomputed, no_hits = run(answers(0))
+    shared, tokens_shared, hits = run(answers(8))
+    assert shared == recomputed
+    assert no_hits == 0 and hits == 2
+    head = tokens_recomputed - tokens_shared
+    assert head > 0 and head % 2 == 0 and head // 2 >= len(standing) // 8  # two sessions skipped the whole head

@@ -24,10 +24,11 @@ class ChatTurns:
 
     def prepare(self, seq: Sequence, slot: Slot, acquired: Acquired) -> None:
         try:
-            ids = self.tokenizer.turn_tokens(slot.history, seq.prompt, self.system_prompt)
+            ids, head = self.tokenizer.turn_tokens_and_head(slot.history, seq.prompt, self.system_prompt)
         except Exception as exc:  # a template that cannot render this conversation
             log.warning("chat template failed: %r", exc)
             raise EngineFailure("the model's chat template could not render this conversation") from None
+        seq.shared_prefix = head if not slot.tokens else 0  # only a first turn starts with the shared head
         slot.tokens.extend(ids)
 
     def accept(self, seq: Sequence, slot: Slot, token: int) -> FinishReason | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 
-RELAYED = ("batch_size", "queue_wait", "time_to_first_token", "tokens_total")
+RELAYED = ("batch_size", "queue_wait", "time_to_first_token", "tokens_total", "prefix_cache_hits_total")
 DERIVED = ("queue_depth", "kv_slots_total", "kv_slots_used", "model_ready")
 
 Record = tuple[str, list[str], str, float]

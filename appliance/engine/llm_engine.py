@@ -15,6 +15,7 @@ from appliance.engine.chat_turns import ChatTurns
 from appliance.engine.liveness import Liveness
 from appliance.engine.llm_loading import LoadedEngine
 from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.prefix_index import PrefixIndex
 from appliance.engine.scheduler import Scheduler, StepPlan
 from appliance.engine.sequence import Sequence
 from appliance.engine.slots import SlotManager
@@ -83,7 +84,8 @@ class EngineLoop:
             torch.set_num_threads(s.threads)
         self._slots = SlotManager(s.kv_slots, engine.max_seq_len, s.slot_policy)
         self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len)
-        self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk)
+        self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
+                                    prefixes=PrefixIndex(s.prefix_cache_entries))
         self._runner = ModelRunner(engine.model, engine.cache)
         self._live_engine = engine
         self._pending_swap: tuple[LoadedEngine, Reply] | None = None
@@ -133,6 +135,8 @@ class EngineLoop:
             prompt_tokens = sum(len(c.tokens) for c in plan.prefill)
             if prompt_tokens:
                 m.tokens_total.labels(self.name, "prompt").inc(prompt_tokens)
+            if plan.prefix_loads:
+                m.prefix_cache_hits_total.labels(self.name).inc(len(plan.prefix_loads))
             if sampled:
                 m.tokens_total.labels(self.name, "generated").inc(len(sampled))
             if plan.decode:
@@ -201,6 +205,8 @@ class EngineLoop:
         self._turns = ChatTurns(engine.tokenizer, self.settings.system_prompt, self.settings.max_text_chars,
                                 engine.max_seq_len)
         self._scheduler.policy = self._turns
+        self._scheduler.prefixes.clear()  # heads computed by the old weights
+        self._scheduler.prefixes.take_evicted()  # the new runner starts without them
         from appliance.engine.runner import ModelRunner
         self._runner = ModelRunner(engine.model, engine.cache)
         self._live_engine = engine

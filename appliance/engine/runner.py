@@ -15,10 +15,16 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self._generators: dict[int, torch.Generator] = {}
+        self.prefixes: dict[tuple[int, ...], torch.Tensor] = {}  # shared heads' KV (keys: prefix_index)
 
     def run(self, plan: StepPlan) -> dict[int, int]:
         """request_id -> sampled token, for every decode row and every prefill chunk that completes its prompt."""
         sampled: dict[int, int] = {}
+        kv = self.cache.kv  # (2, layers, slots, kv_heads, positions, head_dim)
+        for key in plan.prefix_drops:
+            self.prefixes.pop(key, None)
+        for copy in plan.prefix_loads:
+            kv[:, :, copy.slot, :, :len(copy.key)] = self.prefixes[copy.key]
         if plan.prefill:
             chunks = plan.prefill
             width = max(len(c.tokens) for c in chunks)
@@ -28,6 +34,8 @@ class ModelRunner:
             logits = self.model.forward(
                 self.cache, ids, torch.tensor([c.slot for c in chunks]),
                 torch.tensor([c.start_pos for c in chunks]), torch.tensor([len(c.tokens) for c in chunks]))
+            for copy in plan.prefix_saves:
+                self.prefixes[copy.key] = kv[:, :, copy.slot, :, :len(copy.key)].clone()
             rows = [i for i, c in enumerate(chunks) if c.last]
             if rows:
                 self._sample(logits[rows], [chunks[i].seq for i in rows], sampled)

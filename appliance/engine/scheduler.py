@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from appliance.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
+from appliance.engine.prefix_index import Key, PrefixIndex
 from appliance.engine.sequence import FinishReason, Sequence, SeqState
 from appliance.engine.slots import Acquired, Slot, SlotManager
 
@@ -48,10 +49,19 @@ class DecodeRow:
 
 
 @dataclass
+class PrefixCopy:
+    key: Key  # the shared head's tokens
+    slot: int  # load: copy the stored KV into positions 0..len(key)-1 of this slot; save: copy them out
+
+
+@dataclass
 class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[DecodeRow] = field(default_factory=list)
     failed: list[tuple[Sequence, ApplianceError]] = field(default_factory=list)  # answered without running
+    prefix_loads: list[PrefixCopy] = field(default_factory=list)  # before the forwards
+    prefix_saves: list[PrefixCopy] = field(default_factory=list)  # after the prefill forward
+    prefix_drops: list[Key] = field(default_factory=list)  # stored heads the index let go
 
     @property
     def empty(self) -> bool:
@@ -60,7 +70,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, slots: SlotManager, policy: TurnPolicy, prefill_chunk: int = 256,
-                 max_prefill_tokens: int | None = None):
+                 max_prefill_tokens: int | None = None, prefixes: PrefixIndex | None = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         self.slots = slots
@@ -70,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.paused = False  # admit nobody (a weight swap waits for the running sequences to finish)
+        self.prefixes = prefixes if prefixes is not None else PrefixIndex(0)
 
     # -- intake ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -102,6 +113,10 @@ class Scheduler:
                 budget -= n
                 plan.prefill.append(PrefillChunk(seq, seq.slot, slot.kv_len,
                                                  slot.tokens[slot.kv_len:slot.kv_len + n], n == pending))
+                key = seq.save_prefix
+                if key is not None and slot.kv_len < len(key) <= slot.kv_len + n:  # this chunk completes the head
+                    plan.prefix_saves.append(PrefixCopy(key, seq.slot))
+        plan.prefix_drops = self.prefixes.take_evicted()
         return plan
 
     def _admit(self, plan: StepPlan, now: float) -> None:
@@ -147,6 +162,13 @@ class Scheduler:
                 plan.failed.append((seq, exc))
                 continue
             seq.prompt_tokens = len(slot.tokens) - seq.turn_start
+            if slot.kv_len == 0 and seq.shared_prefix < len(slot.tokens):  # a first turn: share its head
+                key = self.prefixes.lookup(slot.tokens, seq.shared_prefix)
+                if key is not None:
+                    plan.prefix_loads.append(PrefixCopy(key, seq.slot))
+                    slot.kv_len = len(key)
+                else:
+                    seq.save_prefix = self.prefixes.wanted(slot.tokens, seq.shared_prefix)
             seq.admitted_at = now
             seq.state = SeqState.PREFILL
             self.slots.set_busy(seq.slot, True)
@@ -160,6 +182,8 @@ class Scheduler:
         token). Returns the sequences that finished."""
         now = time.monotonic() if now is None else now
         finished: list[Sequence] = []
+        for copy in plan.prefix_saves:  # the forward that wrote them succeeded: the heads are stored
+            self.prefixes.add(copy.key)
         for chunk in plan.prefill:
             if chunk.seq.state is SeqState.FINISHED:
                 continue

@@ -41,6 +41,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     context_lost: bool = False
     prompt_tokens: int = 0  # tokens this turn added before generation (template + prompt)
+    shared_prefix: int = 0  # of a first turn: how many leading tokens every session shares (template head)
+    save_prefix: tuple[int, ...] | None = None  # store the KV of this head once computed (prefix_index.Key)
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
