@@ -47,6 +47,8 @@ class CallContext:
     input_digest: str = ""
     output_digest: str = ""
     answered_by: str = ""  # the fallback model that answered instead (its name), if one did
+    detail: str = ""  # for the audit record (e.g. the mailbox and its Request)
+    parent: Any = None  # the NodeId of the object the method was called on
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -148,7 +150,7 @@ class MethodHandlers:
     def wrap(self, method: str, model: str, role: str, n_args: int,
              body: Callable[[CallContext, tuple], Any]) -> Callable:
         async def callback(parent: ua.NodeId, *args: ua.Variant):
-            ctx = CallContext(session=current_session.get(), method=method, model=model)
+            ctx = CallContext(session=current_session.get(), method=method, model=model, parent=parent)
             status = "Good"
             self.in_flight += 1
             try:
@@ -202,7 +204,8 @@ class MethodHandlers:
                 client=s.client_thumbprint if s else "", user=s.identity if s else "", role=(s.role or "") if s else "", model=ctx.model,
                 version=ctx.version, input_digest=ctx.input_digest, output_digest=ctx.output_digest,
                 status=status, latency_ms=round(elapsed * 1000, 3),
-                detail=f"answered by fallback {ctx.answered_by}" if ctx.answered_by else ""))
+                detail="; ".join(d for d in (ctx.detail, f"answered by fallback {ctx.answered_by}"
+                                             if ctx.answered_by else "") if d)))
 
     def deadline(self) -> float:
         return time.monotonic() + self.request_timeout_s

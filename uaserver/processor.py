@@ -4,7 +4,8 @@
 - CreateSession's ClientCertificate must be the secure channel's certificate, which must pass the trust list.
 - Re-activation of a live session on a new channel only with the same client certificate; a failed attempt
   leaves the session where it was.
-- Write and node management are refused to every client (the address space is read-only by design).
+- Node management is refused to every client; Write reaches only the mailboxes' inputs (ApplianceSession.write:
+  every other node is read-only by design).
 - Method calls run as tasks, so a client's parallel calls (an S7-1500 sends up to 5) reach the batcher together;
   at most `max_requests_per_session` are outstanding per session.
 - User names and passwords only over SignAndEncrypt; the password hash is checked in a worker thread (scrypt takes
@@ -44,7 +45,7 @@ DISCOVERY = _ids("GetEndpoints", "FindServers", "FindServersOnNetwork", "CloseSe
 CREATE_SESSION = ua.NodeId(ua.ObjectIds.CreateSessionRequest_Encoding_DefaultBinary)
 ACTIVATE_SESSION = ua.NodeId(ua.ObjectIds.ActivateSessionRequest_Encoding_DefaultBinary)
 CALL = ua.NodeId(ua.ObjectIds.CallRequest_Encoding_DefaultBinary)
-REFUSED = _ids("Write", "AddNodes", "DeleteNodes", "AddReferences", "DeleteReferences", "RegisterServer",
+REFUSED = _ids("AddNodes", "DeleteNodes", "AddReferences", "DeleteReferences", "RegisterServer",
                "RegisterServer2", "HistoryUpdate")
 
 

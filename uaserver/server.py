@@ -29,7 +29,9 @@ from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
 from appliance.jobs import Job, JobStore
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
+from .asyncua_internals import external_sessions
 from .identity import ApplianceUserManager
+from .mailboxes import MailboxAnswer, Mailboxes
 from .methods import CallContext, MethodHandlers, caller_identity, require_ready, require_type
 from .processor import ChannelGuard, HardenedBinaryServer
 from .session import ApplianceSession
@@ -100,6 +102,7 @@ class ApplianceUaServer:
         self.alarms = alarms or (lambda: {})
         self.server: _AsyncuaServer | None = None
         self.nodes: ApplianceNodes | None = None
+        self.mailboxes: Mailboxes | None = None
         self.ns = 0
         self._updater: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,7 +183,7 @@ class ApplianceUaServer:
             validate_client_certificate=lambda der, uri: self.trust_list.validate_application_certificate(
                 der, uri).status,
             max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
-            sessions=lambda: len(iserver._external_sessions), max_nesting_depth=lim.max_nesting_depth,
+            sessions=lambda: len(external_sessions(server)), max_nesting_depth=lim.max_nesting_depth,
             max_array_length=lim.max_array_length)
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
@@ -188,6 +191,11 @@ class ApplianceUaServer:
         self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()),
                                          {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()},
                                          tuple(self.drift))
+        self.mailboxes = Mailboxes(server, self.ns, cfg.mailboxes,
+                                   {name: svc.kind for name, svc in self.services.items()},
+                                   {name: c.labels for name, c in self.classifiers.items()},
+                                   self._mailbox_request(), self._mailbox_refused)
+        await self.mailboxes.build(self.nodes.root)
         self._event_gen = await server.get_event_generator()
         job_event = await server.create_custom_event_type(
             self.ns, "JobResultReadyEventType", ua.ObjectIds.BaseEventType,
@@ -209,8 +217,10 @@ class ApplianceUaServer:
         if self.server is None:
             return
         self.jobs.cancel_all()
+        if self.mailboxes is not None:
+            await self.mailboxes.stop()
         # asyncua's stop() leaves sessions with subscriptions open: close every session so slots are freed.
-        for session in list(self.server.iserver._external_sessions.values()):
+        for session in external_sessions(self.server):
             try:
                 await session.close_session(True)
             except Exception:
@@ -228,6 +238,8 @@ class ApplianceUaServer:
             session = ApplianceSession(iserver, iserver.aspace, iserver.subscription_service, name,
                                        external=external)
             session.on_close = self._session_closed
+            if self.mailboxes is not None:
+                session.write_hook = self.mailboxes.on_write
             return session
         return create_session
 
@@ -327,7 +339,7 @@ class ApplianceUaServer:
         await write(s, n.values["Health/GpuMemoryUsedBytes"], int(h["GpuMemoryUsedBytes"]), V.UInt64)
         await write(s, n.values["Health/GpuEccErrors"], int(h["GpuEccErrors"]), V.UInt64)
         if self.metrics is not None:
-            self.metrics.ua_sessions.set(len(self.server.iserver._external_sessions))
+            self.metrics.ua_sessions.set(len(external_sessions(self.server)))
             counts = self.jobs.counts()
             for name in self.services:
                 for state in ("running", "done", "failed"):
@@ -477,6 +489,65 @@ class ApplianceUaServer:
                 self.metrics.drift_score.labels(model).set(st.score)
                 self.metrics.drift_state.labels(model).set({"Ok": 0, "Drifting": 1}.get(st.state, 2))
                 self.metrics.alarm_active.labels(f"Drift/{model}").set(1 if st.state == "Drifting" else 0)
+
+    # ---- mailboxes ----
+
+    def _mailbox_request(self):
+        """A mailbox request runs through the method handlers like a call (role, rate limit, argument checks,
+        fallback, status codes, audit and metrics as method `Mailbox`); the answer is a MailboxAnswer, or the
+        CallMethodResult carrying the status code the call would have answered."""
+        callbacks = {}
+        for name, box in self.config.mailboxes.items():
+            svc = self.services[box.model]
+            body = self._mailbox_infer_body(svc) if svc.kind == "tensor" else self._mailbox_generate_body(svc, box)
+            callbacks[name] = self.handlers.wrap("Mailbox", box.model, "operator", 3, body)
+
+        async def request(box, session, value: ua.Variant, number: int):
+            return await callbacks[box.name](ua.NodeId(f"Appliance/Mailboxes/{box.name}", self.ns), value,
+                                             ua.Variant(f"{box.name}", V.String), ua.Variant(number, V.UInt32))
+        return request
+
+    def _mailbox_refused(self, box, session, status: str, number: int) -> None:
+        ctx = CallContext(session=session, method="Mailbox", model=box.model,
+                          detail=f"mailbox {box.name} Request {number}")
+        self.handlers._account(ctx, status)
+
+    def _mailbox_infer_body(self, svc):
+        classifier = self.classifiers.get(svc.name)
+
+        async def body(ctx: CallContext, args):
+            ctx.detail = f"mailbox {args[1].Value} Request {args[2].Value}"
+            samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
+            ctx.input_digest = digest(samples)
+            model = self._answering(svc, ctx)
+            require_ready(model)
+            r = await model.infer(samples, self.handlers.deadline())
+            ctx.version = r.model_version
+            ctx.output_digest = digest(r.output)
+            if svc.name in self.drift:
+                asyncio.get_running_loop().call_soon(self._drift_update, svc.name, samples, r.output)
+            classified = await self._classified(svc.name, classifier, r.output) if classifier else None
+            return MailboxAnswer(r.model_version, output=r.output.tolist(), classified=classified)
+        return body
+
+    def _mailbox_generate_body(self, svc, box):
+        key = f"mailbox:{box.name}"  # one turn per request: the slot is given back after each
+
+        async def body(ctx: CallContext, args):
+            ctx.detail = f"mailbox {args[1].Value} Request {args[2].Value}"
+            prompt = self.handlers.text(args[0], 0)
+            ctx.input_digest = digest(prompt)
+            model = self._answering(svc, ctx)
+            require_ready(model)
+            try:
+                r = await model.generate(key, prompt, box.effective_max_tokens, box.effective_temperature,
+                                         self.handlers.deadline())
+            finally:
+                model.release(key)
+            ctx.version = r.model_version
+            ctx.output_digest = digest(r.text)
+            return MailboxAnswer(r.model_version, text=r.text)
+        return body
 
     def _answering(self, model, ctx: CallContext):
         """The model that answers the call: the one asked, or the first of its fallbacks (YAML `fallback`) that can

@@ -10,7 +10,7 @@ import contextvars
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from asyncua import ua
@@ -53,8 +53,14 @@ def random_node_id() -> ua.NodeId:
     return ua.NodeId(os.urandom(32), 0, ua.NodeIdType.ByteString)
 
 
+# A write to a node the appliance lets clients write (a mailbox's inputs): (session, WriteValue) -> its status, or
+# None when the node is not one of them.
+WriteHook = Callable[["ApplianceSession", ua.WriteValue], Awaitable["ua.StatusCode | None"]]
+
+
 class ApplianceSession(InternalSession):
     on_close: Callable[["ApplianceSession"], None] | None = None
+    write_hook: WriteHook | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -99,6 +105,16 @@ class ApplianceSession(InternalSession):
             self.user, self.nonce = previous_user, previous_nonce
             raise ServiceError(ua.StatusCodes.BadUserAccessDenied)
         return result
+
+    async def write(self, params: ua.WriteParameters) -> list[ua.StatusCode]:
+        """Only the mailboxes' inputs are writable, by the roles and identities the YAML names; every other node is
+        read-only (BadUserAccessDenied), whatever its AccessLevel says. The items are handled in their order, so a
+        client may write Input and Request in one Write."""
+        results = []
+        for value in params.NodesToWrite:
+            status = await self.write_hook(self, value) if self.write_hook is not None else None
+            results.append(status if status is not None else ua.StatusCode(ua.StatusCodes.BadUserAccessDenied))
+        return results
 
     async def close_session(self, delete_subs: bool = True) -> None:
         await super().close_session(delete_subs)
