@@ -64,3 +64,22 @@ def external_sessions(server: Server) -> list:
     """The client sessions the server holds now."""
     return list(server.iserver._external_sessions.values())
 
+
+async def add_bare_object(server: Server, nodeid: ua.NodeId, name: ua.QualifiedName, parent: ua.NodeId,
+                          type_definition: ua.NodeId) -> None:
+    """An Object of a type without instantiating the type's children (asyncua's add_object would copy the ~40
+    variables of an alarm type per condition; the appliance keeps a condition's state in its events)."""
+    item = ua.AddNodesItem()
+    item.RequestedNewNodeId = nodeid
+    item.BrowseName = name
+    item.NodeClass = ua.NodeClass.Object
+    item.ParentNodeId = parent
+    item.ReferenceTypeId = ua.NodeId(ua.ObjectIds.HasComponent)
+    item.TypeDefinition = type_definition
+    attrs = ua.ObjectAttributes()
+    attrs.DisplayName = ua.LocalizedText(name.Name)
+    attrs.EventNotifier = 0
+    item.NodeAttributes = attrs
+    for result in await server.iserver.isession.add_nodes([item]):
+        result.StatusCode.check()
+

@@ -38,6 +38,14 @@ class AccessDenied(Exception):
     """The caller's role lacks the right (BadUserAccessDenied)."""
 
 
+class MethodStatus(Exception):
+    """A body's refusal with a status code of its own (e.g. Acknowledge's BadEventIdUnknown)."""
+
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
+
+
 @dataclass
 class CallContext:
     session: ApplianceSession | None
@@ -168,6 +176,9 @@ class MethodHandlers:
                 return status_result(status)
             except AccessDenied:
                 status = "BadUserAccessDenied"
+                return status_result(status)
+            except MethodStatus as e:
+                status = e.status
                 return status_result(status)
             except InvalidArgument as e:
                 status = status_for(e)

@@ -31,8 +31,9 @@ from appliance.jobs import Job, JobStore
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
 from .asyncua_internals import external_sessions
 from .identity import ApplianceUserManager
+from .conditions import ACKNOWLEDGE, CONDITION_REFRESH, AlarmConditions, ConditionError
 from .mailboxes import MailboxAnswer, Mailboxes
-from .methods import CallContext, MethodHandlers, caller_identity, require_ready, require_type
+from .methods import CallContext, MethodHandlers, MethodStatus, caller_identity, require_ready, require_type
 from .processor import ChannelGuard, HardenedBinaryServer
 from .session import ApplianceSession
 
@@ -103,6 +104,8 @@ class ApplianceUaServer:
         self.server: _AsyncuaServer | None = None
         self.nodes: ApplianceNodes | None = None
         self.mailboxes: Mailboxes | None = None
+        self.conditions: AlarmConditions | None = None
+        self._alarm_values: dict[str, bool] = {}  # alarm name -> the value its Boolean and condition show
         self.ns = 0
         self._updater: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -196,6 +199,12 @@ class ApplianceUaServer:
                                    {name: c.labels for name, c in self.classifiers.items()},
                                    self._mailbox_request(), self._mailbox_refused)
         await self.mailboxes.build(self.nodes.root)
+        self.conditions = AlarmConditions(server, self.ns)
+        await self.conditions.build(self._alarm_severities())
+        server.link_method(server.get_node(ACKNOWLEDGE),
+                           self.handlers.wrap("Acknowledge", "", "engineer", 2, self._acknowledge))
+        server.link_method(server.get_node(CONDITION_REFRESH),
+                           self.handlers.wrap("ConditionRefresh", "", "monitor", 1, self._condition_refresh))
         self._event_gen = await server.get_event_generator()
         job_event = await server.create_custom_event_type(
             self.ns, "JobResultReadyEventType", ua.ObjectIds.BaseEventType,
@@ -328,7 +337,7 @@ class ApplianceUaServer:
             queue += st.queue_depth
         for alarm, active in self.alarms().items():
             if alarm in n.alarms:
-                await write(s, n.alarms[alarm], bool(active), V.Boolean)
+                await self.set_alarm(alarm, bool(active))
         await self._publish_drift()
         await write(s, n.values["Engine/QueueDepth"], queue, V.UInt32)
         await write(s, n.values["Engine/SlotsTotal"], slots_total, V.UInt32)
@@ -484,11 +493,58 @@ class ApplianceUaServer:
             await write(s, values["Drift/Score"], float(st.score), V.Double)
             await write(s, values["Drift/Feature"], st.feature, V.String)
             await write(s, values["Drift/Since"], st.since, V.DateTime)
-            await write(s, self.nodes.alarms[f"Drift/{model}"], st.state == "Drifting", V.Boolean)
+            await self.set_alarm(f"Drift/{model}", st.state == "Drifting",
+                                 f"Model {model}: input drift (score {st.score:.2f}, {st.feature or 'no feature'})")
             if self.metrics is not None:
                 self.metrics.drift_score.labels(model).set(st.score)
                 self.metrics.drift_state.labels(model).set({"Ok": 0, "Drifting": 1}.get(st.state, 2))
                 self.metrics.alarm_active.labels(f"Drift/{model}").set(1 if st.state == "Drifting" else 0)
+
+    # ---- alarms: the Alarms/<name> Booleans and the same Part 9 conditions ----
+
+    def _alarm_nodes(self) -> dict[str, object]:
+        n = self.nodes
+        nodes = dict(n.alarms)
+        for (model, c), node in n.class_alarms.items():
+            nodes[f"{model}/{self.classifiers[model].labels[c]}"] = node
+        return nodes
+
+    def _alarm_severities(self) -> dict[str, int]:
+        fixed = {"EngineFault": 1000, "GpuCritical": 900, "ModelFailed": 800, "WorkerRestarting": 600,
+                 "GpuWarning": 600}
+        return {name: fixed.get(name, 500 if name.startswith("Drift/") else 700) for name in self._alarm_nodes()}
+
+    async def set_alarm(self, name: str, active: bool, message: str = "") -> None:
+        """The one place an alarm is raised or cleared: its Boolean and its condition change together."""
+        if self._alarm_values.get(name) == active:
+            return
+        node = self._alarm_nodes().get(name)
+        if node is None:
+            return
+        self._alarm_values[name] = active
+        await write(self.server, node, active, V.Boolean)
+        if self.conditions is not None:
+            try:
+                await self.conditions.set(name, active, f"{message or name} {'active' if active else 'cleared'}")
+            except Exception:
+                log.exception("alarm condition %s failed", name)
+
+    async def _acknowledge(self, ctx: CallContext, args):
+        event_id = require_type(args[0], 0, (V.ByteString,), array=False)
+        comment = require_type(args[1], 1, (V.LocalizedText,), array=False)
+        text = (comment.Text or "") if comment is not None else ""
+        try:
+            c = self.conditions.condition_of(ctx.parent)
+            ctx.detail = f"condition {c.name}" + (f": {text[:200]}" if text else "")
+            await self.conditions.acknowledge(ctx.parent, event_id, text[:512], ctx.session.identity)
+        except ConditionError as e:
+            raise MethodStatus(e.status) from None
+        return []
+
+    async def _condition_refresh(self, ctx: CallContext, args):
+        require_type(args[0], 0, (V.UInt32,), array=False)  # SubscriptionId: every subscription gets the events
+        await self.conditions.refresh()
+        return []
 
     # ---- mailboxes ----
 
@@ -638,8 +694,8 @@ class ApplianceUaServer:
         await write(s, m.values["Last/Time"], datetime.now(timezone.utc), V.DateTime)
         for c in raised | cleared:
             active = c in raised
-            await write(s, self.nodes.class_alarms[(model, c)], active, V.Boolean)
             label = classifier.labels[c]
+            await self.set_alarm(f"{model}/{label}", active, f"Alarm {label} of model {model}")
             if self.metrics is not None:
                 self.metrics.alarm_active.labels(f"{model}/{label}").set(1 if active else 0)
             self.emit_event(f"Alarm {label} of model {model} " + ("raised" if active else "cleared"),
