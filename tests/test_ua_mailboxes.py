@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import socket
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,3 +242,33 @@ def test_writers_rule():
     only = MailboxConfig(model="m", writers=["engineer", "user:line3"], name="b")
     assert only.may_write("operator", "user:line3") and only.may_write("engineer", "user:y")
     assert not only.may_write("operator", "user:other")
+
+
+def test_a_zero_publishing_interval_is_revised_so_results_stay_in_one_publish(app):
+    """asyncua would publish every data change at once at interval 0, splitting a result over publishes."""
+    async def go():
+        async with session(app, *app.monitor) as c:
+            for requested, revised in ((0.0, 1.0), (-5.0, 1.0), (0.5, 1.0), (20.0, 20.0)):
+                params = ua.CreateSubscriptionParameters()
+                params.RequestedPublishingInterval = requested
+                params.RequestedLifetimeCount, params.RequestedMaxKeepAliveCount = 3000, 100
+                params.PublishingEnabled = True
+                result = await c.uaclient.create_subscription(params, lambda *a: None)
+                assert result.RevisedPublishingInterval == revised
+                await c.uaclient.delete_subscriptions([result.SubscriptionId])
+    run(go())
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+def test_the_node_opcua_peer_runs_100_requests_through_a_mailbox(app):
+    root = Path(__file__).resolve().parent
+    assert (root / "node" / "node_modules" / "node-opcua-client").exists(), "run `bash scripts/setup.sh --test`"
+    cert_der, key = app.operator
+    uri = f"urn:{socket.gethostname()}:appliance:client:plc1"
+    proc = subprocess.run(["node", str(root / "node" / "mailbox.js"), app.endpoint, str(cert_der.with_suffix(".pem")),
+                           str(key), uri, str(app.state_dir / "node-pki"), "line3", "100"],
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-2000:])
+    result = json.loads(lines[-1])
+    assert result["requests"] == 100 and result["whole"] == 100, result

@@ -28,8 +28,8 @@ from asyncua import Node, Server, ua
 
 from appliance.config import MailboxConfig
 
-from .asyncua_internals import write_together
-from .session import ApplianceSession, current_session
+from .asyncua_internals import ApplianceSession, write_together
+from .session import current_session
 
 log = logging.getLogger(__name__)
 V = ua.VariantType

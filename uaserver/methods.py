@@ -20,7 +20,8 @@ from asyncua import ua
 
 from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
 
-from .session import ApplianceSession, current_session
+from .asyncua_internals import ApplianceSession
+from .session import current_session
 from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)

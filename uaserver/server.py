@@ -1,6 +1,6 @@
 """The appliance's OPC UA server: secure endpoints only, the contract's address space, method handlers.
 
-Built on asyncua's Server with the hardened processor of processor.py; everything a client sees is set up here
+Built on asyncua's Server with the hardened processor of asyncua_internals.py; everything a client sees is set up here
 from the validated configuration. The engine services are passed in; the server never runs inference itself.
 """
 from __future__ import annotations
@@ -14,11 +14,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from urllib.parse import urlparse
 
-from asyncua import Server, ua
-from asyncua.common.connection import TransportLimits
+from asyncua import ua
 from asyncua.crypto import security_policies
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
@@ -29,13 +27,12 @@ from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
 from appliance.jobs import Job, JobStore
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
-from .asyncua_internals import external_sessions
+from .asyncua_internals import (AppServer, ApplianceSession, ChannelGuard, advertise_host, configure_limits,
+                                external_sessions, install_session_factory, listening_port)
 from .identity import ApplianceUserManager
 from .conditions import ACKNOWLEDGE, CONDITION_REFRESH, AlarmConditions, ConditionError
 from .mailboxes import MailboxAnswer, Mailboxes
 from .methods import CallContext, MethodHandlers, MethodStatus, caller_identity, require_ready, require_type
-from .processor import ChannelGuard, HardenedBinaryServer
-from .session import ApplianceSession
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -56,34 +53,6 @@ POLICY_TYPES = {
 MODES = {"SignAndEncrypt": ua.MessageSecurityMode.SignAndEncrypt, "Sign": ua.MessageSecurityMode.Sign}
 
 
-class _AsyncuaServer(Server):
-    """asyncua's Server, listening through the hardened binary server."""
-
-    guard: ChannelGuard
-    ca_certificate = None  # x509.Certificate of the appliance CA, presented after the server certificate
-
-    async def start(self) -> None:
-        await self._setup_server_nodes()
-        if self.ca_certificate is not None:
-            # Present the chain (server certificate, then CA) so a client that trusts the CA can verify us.
-            ca_der = self.ca_certificate.public_bytes(serialization.Encoding.DER)
-            for factory in self._policies:
-                factory.certificate_chain = [self.ca_certificate]
-            for edp in self.iserver.endpoints:
-                if edp.ServerCertificate:
-                    edp.ServerCertificate = edp.ServerCertificate + ca_der
-        await self.iserver.start()
-        try:
-            host, port = self._get_bind_socket_info()
-            self.bserver = HardenedBinaryServer(self.iserver, host, port, self.limits)
-            self.bserver.guard = self.guard
-            self.bserver.set_policies(self._policies)
-            await self.bserver.start()
-        except Exception:
-            await self.iserver.stop()
-            raise
-
-
 class ApplianceUaServer:
     def __init__(self, config, *, pki, trust_list, user_store, services: dict, metrics=None, audit=None,
                  device: str = "cpu", health: Callable[[], dict] | None = None,
@@ -101,7 +70,7 @@ class ApplianceUaServer:
                                           "GpuMemoryUsedBytes": 0, "GpuEccErrors": 0})
         self.supervision_alive = supervision_alive or (lambda: True)
         self.alarms = alarms or (lambda: {})
-        self.server: _AsyncuaServer | None = None
+        self.server: AppServer | None = None
         self.nodes: ApplianceNodes | None = None
         self.mailboxes: Mailboxes | None = None
         self.conditions: AlarmConditions | None = None
@@ -140,20 +109,15 @@ class ApplianceUaServer:
             validate_user_certificate=lambda der: self.trust_list.validate_user_certificate(der).status,
             configured_role=sec.role_for_certificate, role_for_certificate=self.pki.role_for_certificate,
             authenticate=self.user_store.authenticate if self.user_store is not None else (lambda *a: None))
-        server = _AsyncuaServer(user_manager=manager)
+        server = AppServer(user_manager=manager)
         await server.init()
         server.allow_remote_admin(False)
-        iserver = server.iserver
-        iserver.certificate_validator = None  # the processor validates against our trust list
-        iserver.create_session = self._session_factory(iserver)
+        install_session_factory(server, self._session_closed,
+                                lambda: self.mailboxes.on_write if self.mailboxes is not None else None)
 
         url = urlparse(cfg.server.endpoint)
         if cfg.server.advertised_host:
-            # Clients behind NAT: announce the configured address, not the one they dialled.
-            server.set_endpoint(f"opc.tcp://{cfg.server.advertised_host}:{url.port}")
-            server.socket_address = (url.hostname, url.port)
-            iserver.match_discovery_endpoint_url = False
-            iserver.match_discovery_source_ip = False
+            advertise_host(server, f"opc.tcp://{cfg.server.advertised_host}:{url.port}", (url.hostname, url.port))
         else:
             server.set_endpoint(cfg.server.endpoint)
         server.set_server_name(cfg.server.application_name)
@@ -175,12 +139,10 @@ class ApplianceUaServer:
         server.set_identity_tokens(tokens)
 
         lim = sec.limits
-        server.limits = TransportLimits(max_recv_buffer=65535, max_send_buffer=65535,
-                                        max_chunk_count=lim.max_chunk_count, max_message_size=lim.max_message_size)
-        iserver.max_connections = lim.max_secure_channels
-        iserver.max_pending_activation_seconds = lim.session_activation_timeout_s
-        iserver.max_session_timeout_ms = lim.session_timeout_s * 1000
-        iserver.min_session_timeout_ms = min(iserver.min_session_timeout_ms, iserver.max_session_timeout_ms)
+        configure_limits(server, max_chunk_count=lim.max_chunk_count, max_message_size=lim.max_message_size,
+                         max_secure_channels=lim.max_secure_channels,
+                         session_activation_timeout_s=lim.session_activation_timeout_s,
+                         session_timeout_s=lim.session_timeout_s)
         server.guard = ChannelGuard(
             allowed=frozenset((POLICIES[p].URI, MODES[m]) for p in sec.policies for m in sec.modes),
             validate_client_certificate=lambda der, uri: self.trust_list.validate_application_certificate(
@@ -240,17 +202,7 @@ class ApplianceUaServer:
 
     @property
     def port(self) -> int:
-        return self.server.bserver.port if self.server and self.server.bserver else 0
-
-    def _session_factory(self, iserver):
-        def create_session(name, user=None, external=False):
-            session = ApplianceSession(iserver, iserver.aspace, iserver.subscription_service, name,
-                                       external=external)
-            session.on_close = self._session_closed
-            if self.mailboxes is not None:
-                session.write_hook = self.mailboxes.on_write
-            return session
-        return create_session
+        return listening_port(self.server) if self.server else 0
 
     def _session_closed(self, session: ApplianceSession) -> None:
         for model in self.services.values():
