@@ -16,6 +16,7 @@ import pytest
 from asyncua import ua
 
 from appliance.config import MailboxConfig
+from appliance.users import hash_password
 from harness import RunningAppliance
 from onnx_models import affine_model
 from uaclient import run, session
@@ -24,6 +25,7 @@ V = ua.VariantType
 NS = "urn:opcua-inference-appliance"
 LABELS = ["a", "b", "c", "d"]
 REPLY = list(range(40, 60))
+PASSWORD = "correct horse battery"
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,10 @@ def app(tmp_path_factory):
                       "alarm_classes": ["d"], "alarm_confidence": 0.5},
               "chat": {"kind": "generative", "path": str(d / "chat")}}
     mailboxes = {"line3": {"model": "cls"}, "engineers": {"model": "cls", "writers": ["engineer"]},
-                 "chat": {"model": "chat", "max_tokens": 8}}
-    a = RunningAppliance(d / "state", models, {"mailboxes": mailboxes,
+                 "chat": {"model": "chat", "max_tokens": 8}, "by-name": {"model": "cls", "writers": ["user:line3"]}}
+    users = [{"name": "line3", "role": "operator", "password_hash": hash_password(PASSWORD)},
+             {"name": "line4", "role": "operator", "password_hash": hash_password(PASSWORD)}]
+    a = RunningAppliance(d / "state", models, {"mailboxes": mailboxes, "users": users,
                                                "engine": {"max_seq_len": 256, "max_new_tokens": 64}})
     a.operator, a.monitor = a.issue("plc1", "operator"), a.issue("hmi1", "monitor")
     a.engineer = a.issue("eng1", "engineer")
@@ -193,6 +197,18 @@ def test_who_may_write(app):
                                (nodes["Request"], ua.Variant(7, V.UInt32))) == ["Good", "Good"]
             s = await rec.until(lambda s: s.get("Response") == 7 and s.get("Busy") is False)
             assert s["Done"] is True and s["Label"] == "c"
+    run(go())
+
+
+def test_writers_by_identity(app):
+    async def go():
+        for user, expected in (("line3", "Good"), ("line4", "BadUserAccessDenied")):
+            async with session(app, *app.operator, username=user, password=PASSWORD) as c:
+                nodes = await box_nodes(c, "by-name")
+                assert await write(c, (nodes["Input"], ua.Variant([1.0] * 4, V.Float))) == [expected]
+        async with session(app, *app.operator) as c:  # the same PLC certificate, but as X509 user: not named
+            nodes = await box_nodes(c, "by-name")
+            assert await write(c, (nodes["Request"], ua.Variant(1, V.UInt32))) == ["BadUserAccessDenied"]
     run(go())
 
 

@@ -58,6 +58,7 @@ class Mailbox:
     labels: list[str] | None
     nodes: dict[str, Node] = field(default_factory=dict)
     request: int = 0  # the Request value held (the last accepted one)
+    input: ua.Variant | None = None  # the Input / Prompt held (what the next request runs on)
     busy: bool = False
     task: asyncio.Task | None = None
 
@@ -134,6 +135,7 @@ class Mailboxes:
             variant = ua.Variant([float(v) for v in variant.Value], V.Float)
         elif not (isinstance(variant, ua.Variant) and variant.VariantType == V.String and not variant.is_array):
             return _status("BadTypeMismatch")
+        box.input = variant
         await write_together(self.server, [(box.nodes[key].nodeid, variant)])
         return _status("Good")
 
@@ -145,9 +147,10 @@ class Mailboxes:
             await self._set(box, Error=True, ErrorCode=ua.StatusCodes.BadTooManyOperations)
             return _status("BadTooManyOperations")
         box.request, box.busy = number, True
-        held = await box.nodes[box.input_name].read_data_value()
+        held = box.input if box.input is not None else ua.Variant([] if box.kind == "tensor" else "",
+                                                                     _TYPES[box.input_name])
         await self._set(box, Request=number, Busy=True, Done=False, Error=False, ErrorCode=0)
-        box.task = asyncio.get_running_loop().create_task(self._run(box, session, held.Value, number))
+        box.task = asyncio.get_running_loop().create_task(self._run(box, session, held, number))
         return _status("Good")
 
     async def _run(self, box: Mailbox, session: ApplianceSession, value: ua.Variant, number: int) -> None:
