@@ -68,7 +68,8 @@ from cryptography.exceptions import InvalidSignature  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 
 from .identity import LoginVerdict, login_verdict  # noqa: E402
-from .session import ApplianceUser, activation_context, ActivationContext, current_session, random_node_id, thumbprint  # noqa: E402
+from .session import (  # noqa: E402
+    ActivationContext, ApplianceUser, activation_context, current_session, random_node_id, thumbprint)
 
 log = logging.getLogger(__name__)
 
