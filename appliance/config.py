@@ -691,6 +691,56 @@ class JobsConfig:
     max_per_client: int = setting(16, integer(1, 10000))  # unreleased jobs per identity
 
 
+def _writer_check(v: Any, expect: str) -> str | None:
+    if v == "monitor":
+        return "the monitor role may never write a mailbox (CONTRACT: monitor browses, reads, subscribes)"
+    if v in ("operator", "engineer"):
+        return None
+    if isinstance(v, str) and v.startswith("user:") and _USER_NAME.fullmatch(v[5:]):
+        return None
+    if isinstance(v, str) and v.startswith("x509:") and normalize_thumbprint(v[5:]) is not None:
+        return None
+    return f"expected {expect}, got {_shown(v)}"
+
+
+def _writer_convert(v: str, ctx: Any) -> str:
+    return f"x509:{normalize_thumbprint(v[5:])}" if v.startswith("x509:") else v
+
+
+_WRITER = Scalar("a role (operator, engineer) or an identity ('user:NAME', 'x509:SHA1-THUMBPRINT')", _writer_check,
+                 _writer_convert)
+
+
+@dataclass
+class MailboxConfig:
+    """`mailboxes: NAME: {...}`: variables a PLC writes and subscribes to instead of calling methods (CONTRACT
+    `Mailboxes/<name>`). `writers`: roles (operator: operators and engineers; engineer: engineers only) and
+    identities ('user:NAME', 'x509:THUMBPRINT') that may write Input/Prompt and Request; a monitor never may."""
+
+    model: str = required(text("the name of a configured model"))
+    writers: list[str] = setting(["operator"], ListOf(_WRITER, "roles or identities", non_empty=True))
+    max_tokens: int | None = setting(None, optional(integer(1)))  # generative: MaxTokens per request (null: 128)
+    temperature: float | None = setting(None, optional(number(0, 2)))  # generative: null: 0 (greedy)
+    name: str = ""
+
+    @property
+    def effective_max_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 128
+
+    @property
+    def effective_temperature(self) -> float:
+        return self.temperature if self.temperature is not None else 0.0
+
+    def may_write(self, role: str | None, identity: str) -> bool:
+        """Whether a session of this role and identity may write the mailbox's inputs (never a monitor)."""
+        if role not in ("operator", "engineer"):
+            return False
+        for w in self.writers:
+            if w == identity or w == role or (w == "operator" and role == "engineer"):
+                return True
+        return False
+
+
 @dataclass
 class AuditConfig:
     enabled: bool = setting(True, boolean())
@@ -715,6 +765,7 @@ class ApplianceConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     jobs: JobsConfig = field(default_factory=JobsConfig)
+    mailboxes: dict[str, MailboxConfig] = field(default_factory=dict)  # in file order
     audit: AuditConfig = field(default_factory=AuditConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     source: str = "<defaults>"
@@ -731,7 +782,8 @@ class ApplianceConfig:
 _SECTIONS = {"server": ServerConfig, "security": SecurityConfig, "engine": EngineConfig, "metrics": MetricsConfig,
              "watchdog": WatchdogConfig, "jobs": JobsConfig, "audit": AuditConfig,
              "logging": LoggingConfig}
-_TOP_KEYS = ("server", "security", "users", "engine", "models", "metrics", "watchdog", "jobs", "audit", "logging")
+_TOP_KEYS = ("server", "security", "users", "engine", "models", "mailboxes", "metrics", "watchdog", "jobs", "audit",
+             "logging")
 _NESTED = {"limits": LimitsConfig}
 
 
@@ -1097,6 +1149,43 @@ def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
             ctx.error(node, path, "the fallbacks loop: " + " -> ".join(seen + [current]))
 
 
+def _parse_mailboxes(node: Node | None, ctx: _Context) -> dict[str, MailboxConfig]:
+    mapping = _as_mapping(node, ctx, "mailboxes", "a mapping of mailbox names to their settings (model, writers)")
+    if mapping is None:
+        return {}
+    boxes: dict[str, MailboxConfig] = {}
+    for name, key_node, value_node in _items(mapping, ctx, "mailboxes", "mailbox name"):
+        path = _key_path("mailboxes", name)
+        name_ok = bool(_MODEL_NAME.fullmatch(name))
+        if not name_ok:
+            ctx.error(key_node, path, "a mailbox name must start with a letter and hold at most 64 characters "
+                      f"A-Z a-z 0-9 _ -, got {_shown(name)}")
+        parsed = _parse_fields(MailboxConfig, value_node, ctx, path, where=f"mailbox '{name}'")
+        if name_ok and parsed.complete:
+            boxes[name] = MailboxConfig(**parsed.values, name=name)
+    return boxes
+
+
+def _check_mailboxes(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """A mailbox names a configured model; MaxTokens and Temperature apply to generative models only."""
+    for name, box in cfg.mailboxes.items():
+        path = f"mailboxes.{name}"
+        model = cfg.models.get(box.model)
+        if model is None:
+            if f"models.{box.model}" not in ctx.bad:
+                ctx.error(ctx.nodes.get(f"{path}.model"), f"{path}.model", "expected the name of a configured "
+                          f"model ({', '.join(cfg.models) or 'none'}), got {_shown(box.model)}")
+            continue
+        for key in ("max_tokens", "temperature"):
+            if model.kind == "tensor" and getattr(box, key) is not None:
+                ctx.error(ctx.nodes.get(f"{path}.{key}"), f"{path}.{key}", f"{key} applies to mailboxes of "
+                          f"generative models only ('{box.model}' is a tensor model)")
+        if model.kind == "generative" and box.effective_max_tokens > cfg.engine.max_new_tokens:
+            ctx.error(ctx.nodes.get(f"{path}.max_tokens") or ctx.nodes.get(path), f"{path}.max_tokens",
+                      f"expected an integer <= engine.max_new_tokens ({cfg.engine.max_new_tokens}), got "
+                      f"{box.effective_max_tokens}")
+
+
 def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
     mapping = _as_mapping(root, ctx, "", "a mapping with the sections " + ", ".join(_TOP_KEYS))
     if mapping is not None:
@@ -1113,9 +1202,11 @@ def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
         sections[name] = cls(**_parse_fields(cls, top.get(name), ctx, name).values)
     users = _parse_users(top.get("users"), ctx)
     models = _parse_models(top.get("models"), mapping, ctx)
-    cfg = ApplianceConfig(users=users, models=models, source=ctx.source, **sections)
+    mailboxes = _parse_mailboxes(top.get("mailboxes"), ctx)
+    cfg = ApplianceConfig(users=users, models=models, mailboxes=mailboxes, source=ctx.source, **sections)
     _cross_check(cfg, ctx)
     _check_fallbacks(cfg, ctx)
+    _check_mailboxes(cfg, ctx)
     return cfg
 
 

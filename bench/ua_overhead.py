@@ -5,7 +5,12 @@ method on a bare asyncua server with the same security policy (Basic256Sha256, S
 1 and 16 concurrent clients (one outstanding call each). Each server runs in its own process; the clients share this
 one. Prints the ratios: appliance/bare at 1 client (goal >= 0.7) and appliance 16 clients / 1 client (goal >= 3).
 
-    .venv/bin/python bench/ua_overhead.py [--seconds 5] [--clients 1 16] [--recovery 5]
+Then, with 1 client, the paths for PLCs that must not block, each beside a synchronous `Infer` in the same run:
+`StartInfer` + `GetInferResult(WaitMs=2000)` (two calls; the second returns as soon as the job is done), and a
+mailbox request-to-Done (one Write of Input and Request, then the subscription's publish of Response/Done) at each
+`--publishing-ms` interval. Prints p50/p99 and the ratios to Infer (goal: the mailbox within 2x of Infer at p50).
+
+    .venv/bin/python bench/ua_overhead.py [--seconds 5] [--clients 1 16] [--publishing-ms 1 10] [--recovery 5]
 """
 from __future__ import annotations
 
@@ -118,6 +123,112 @@ class BareCaller:
         await self.client.disconnect()
 
 
+class JobCaller(ApplianceCaller):
+    """StartInfer, then GetInferResult with WaitMs 2000 (answers once the job is done): two round trips per result,
+    as a PLC that must not block would do. Results are left to the result TTL (jobs.max_per_client is raised for
+    the run), so ReleaseJob does not count."""
+
+    async def open(self):
+        await super().open()
+        ns = self.method.nodeid.NamespaceIndex
+        self.start = await self.model.get_child(f"{ns}:StartInfer")
+        self.get = await self.model.get_child(f"{ns}:GetInferResult")
+        return self
+
+    async def __call__(self):
+        r = await call_method(self.client, self.model, self.start, self.args)
+        if not r.StatusCode.is_good():
+            raise RuntimeError(r.StatusCode.name)
+        job = r.OutputArguments[0]
+        r = await call_method(self.client, self.model, self.get, [job, ua.Variant(2000, ua.VariantType.UInt32)])
+        if not r.StatusCode.is_good() or not r.OutputArguments[0].Value:
+            raise RuntimeError(f"GetInferResult: {r.StatusCode.name}")
+
+
+class MailboxCaller:
+    """A client that only writes and subscribes: one Write of Input and Request, then waits for the publish that
+    shows Response == Request (Done, Busy and Output come in the same publish)."""
+
+    def __init__(self, endpoint, cert, key, sample, publishing_ms: float):
+        self.endpoint, self.cert, self.key, self.sample = endpoint, cert, key, sample
+        self.publishing_ms = publishing_ms
+        self.request = 0
+        self.waiting: asyncio.Future | None = None
+        self.write_s: list[float] = []  # Write round trip of each request
+        self.after_write_s: list[float] = []  # from the Write's answer to the publish with the result
+
+    def datachange_notification(self, node, val, data):
+        if self.waiting is not None and not self.waiting.done() and val == self.request:
+            self.waiting.set_result(time.perf_counter())
+
+    async def open(self):
+        self.client = await connect(self.endpoint, self.cert, self.key)
+        ns = await self.client.get_namespace_index("urn:opcua-inference-appliance")
+        box = await self.client.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Mailboxes", f"{ns}:te-classifier"])
+        self.input, self.request_node, response = [await box.get_child(f"{ns}:{k}")
+                                                   for k in ("Input", "Request", "Response")]
+        self.request = await response.read_value()
+        self.sub = await self.client.create_subscription(self.publishing_ms, self)
+        await self.sub.subscribe_data_change(response)
+        return self
+
+    async def __call__(self):
+        self.request += 1
+        self.waiting = asyncio.get_running_loop().create_future()
+        params = ua.WriteParameters()
+        for node, variant in ((self.input, ua.Variant(self.sample, ua.VariantType.Float)),
+                              (self.request_node, ua.Variant(self.request, ua.VariantType.UInt32))):
+            wv = ua.WriteValue()
+            wv.NodeId, wv.AttributeId, wv.Value = node.nodeid, ua.AttributeIds.Value, ua.DataValue(variant)
+            params.NodesToWrite.append(wv)
+        t0 = time.perf_counter()
+        statuses = await self.client.uaclient.write(params)
+        t1 = time.perf_counter()
+        if not all(st.is_good() for st in statuses):
+            raise RuntimeError(str([st.name for st in statuses]))
+        done = await asyncio.wait_for(self.waiting, 10)
+        self.write_s.append(t1 - t0)
+        self.after_write_s.append(done - t1)
+
+    async def close(self):
+        MailboxCaller.last = self
+        await self.client.disconnect()
+
+
+def async_paths(endpoint: str, cert, key, sample, seconds: float, publishing: list[float]) -> None:
+    """Infer beside StartInfer + GetInferResult and the mailbox, 1 client each, alternating in the same run."""
+    rows = []
+
+    def run(label, make):
+        rate, lat = asyncio.run(drive(make, 1, seconds))
+        rows.append((label, lat))
+        print(f"{label:34s} {summary(rate, lat)}", flush=True)
+        return lat
+
+    async def infer():
+        return await ApplianceCaller(endpoint, cert, key, sample).open()
+
+    async def job():
+        return await JobCaller(endpoint, cert, key, sample).open()
+    base = run("Infer (synchronous)", infer)
+    jobs = run("StartInfer + GetInferResult", job)
+    boxes = {}
+    for ms in publishing:
+        async def box(ms=ms):
+            return await MailboxCaller(endpoint, cert, key, sample, ms).open()
+        boxes[ms] = run(f"mailbox request-to-Done, publish {ms:g} ms", box)
+        last = MailboxCaller.last
+        print(f"{'':34s} of which: Write answered p50 {np.percentile(last.write_s, 50) * 1000:.2f} ms, then the "
+              f"result's publish p50 {np.percentile(last.after_write_s, 50) * 1000:.2f} ms", flush=True)
+    base2 = run("Infer (synchronous), again", infer)
+    p50 = float(np.percentile(base + base2, 50))
+    p99 = float(np.percentile(base + base2, 99))
+    print(f"jobs / Infer: p50 {np.percentile(jobs, 50) / p50:.2f}x  p99 {np.percentile(jobs, 99) / p99:.2f}x")
+    for ms, lat in boxes.items():
+        print(f"mailbox (publishing interval {ms:g} ms) / Infer: p50 {np.percentile(lat, 50) / p50:.2f}x "
+              f"(goal <= 2)  p99 {np.percentile(lat, 99) / p99:.2f}x")
+
+
 def wait_ready(listen: str, timeout: float = 300) -> None:
     import urllib.request
     end = time.time() + timeout
@@ -197,6 +308,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--recovery", type=int, default=0, metavar="N",
                     help="also kill -9 each demo model's worker N times and time until it answers again")
+    ap.add_argument("--publishing-ms", type=float, nargs="*", default=[1.0, 10.0],
+                    help="publishing intervals of the mailbox client's subscription (none: skip the async paths)")
     ap.add_argument("--queue-delay-ms", type=float, default=None,
                     help="engine.max_queue_delay_ms for the appliance (default: the configuration default)")
     args = ap.parse_args()
@@ -215,7 +328,8 @@ def main() -> int:
                       "application_uri": "urn:bench:appliance"},
            "metrics": {"listen": f"127.0.0.1:{free_port()}"}, "audit": {"enabled": True},
            "logging": {"level": "WARNING"}, "watchdog": {"backend": "none"},
-           "models": {"te-classifier": {"kind": "tensor", "path": "builtin:te-classifier"}}}
+           "models": {"te-classifier": {"kind": "tensor", "path": "builtin:te-classifier"}},
+           "mailboxes": {"te-classifier": {"model": "te-classifier"}}, "jobs": {"max_per_client": 10000}}
     if args.recovery:
         cfg["models"]["assistant"] = {"kind": "generative", "path": "builtin:smollm2"}
     if args.queue_delay_ms is not None:
@@ -248,6 +362,8 @@ def main() -> int:
             goal = "goal >= 0.7" if n == 1 else "goal >= 0.6"
             print(f"{n:3d} clients: appliance/bare calls/s {rate:.2f} ({goal}); p99 appliance/bare {p99:.2f}"
                   + ("  (goal <= 2)" if n > 1 else ""))
+        if args.publishing_ms:
+            async_paths(f"opc.tcp://127.0.0.1:{app_port}", cert, key, sample, args.seconds, args.publishing_ms)
         if args.recovery:
             measure_recovery(app, cert, key, sample, app_port, args.recovery)
     finally:

@@ -29,7 +29,8 @@ ROLES = ("monitor", "operator", "engineer")
 
 @dataclass(frozen=True)
 class LoginVerdict:
-    """A password already checked in a worker thread for this one ActivateSession (see processor.py)."""
+    """A password already checked in a worker thread for this one ActivateSession (see the processor in
+    asyncua_internals.py)."""
 
     username: str
     password: str

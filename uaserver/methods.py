@@ -20,7 +20,8 @@ from asyncua import ua
 
 from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
 
-from .session import ApplianceSession, current_session
+from .asyncua_internals import ApplianceSession
+from .session import current_session
 from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,14 @@ class AccessDenied(Exception):
     """The caller's role lacks the right (BadUserAccessDenied)."""
 
 
+class MethodStatus(Exception):
+    """A body's refusal with a status code of its own (e.g. Acknowledge's BadEventIdUnknown)."""
+
+    def __init__(self, status: str):
+        super().__init__(status)
+        self.status = status
+
+
 @dataclass
 class CallContext:
     session: ApplianceSession | None
@@ -47,6 +56,8 @@ class CallContext:
     input_digest: str = ""
     output_digest: str = ""
     answered_by: str = ""  # the fallback model that answered instead (its name), if one did
+    detail: str = ""  # for the audit record (e.g. the mailbox and its Request)
+    parent: Any = None  # the NodeId of the object the method was called on
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -148,7 +159,7 @@ class MethodHandlers:
     def wrap(self, method: str, model: str, role: str, n_args: int,
              body: Callable[[CallContext, tuple], Any]) -> Callable:
         async def callback(parent: ua.NodeId, *args: ua.Variant):
-            ctx = CallContext(session=current_session.get(), method=method, model=model)
+            ctx = CallContext(session=current_session.get(), method=method, model=model, parent=parent)
             status = "Good"
             self.in_flight += 1
             try:
@@ -166,6 +177,9 @@ class MethodHandlers:
                 return status_result(status)
             except AccessDenied:
                 status = "BadUserAccessDenied"
+                return status_result(status)
+            except MethodStatus as e:
+                status = e.status
                 return status_result(status)
             except InvalidArgument as e:
                 status = status_for(e)
@@ -202,7 +216,8 @@ class MethodHandlers:
                 client=s.client_thumbprint if s else "", user=s.identity if s else "", role=(s.role or "") if s else "", model=ctx.model,
                 version=ctx.version, input_digest=ctx.input_digest, output_digest=ctx.output_digest,
                 status=status, latency_ms=round(elapsed * 1000, 3),
-                detail=f"answered by fallback {ctx.answered_by}" if ctx.answered_by else ""))
+                detail="; ".join(d for d in (ctx.detail, f"answered by fallback {ctx.answered_by}"
+                                             if ctx.answered_by else "") if d)))
 
     def deadline(self) -> float:
         return time.monotonic() + self.request_timeout_s

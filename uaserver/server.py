@@ -1,6 +1,6 @@
 """The appliance's OPC UA server: secure endpoints only, the contract's address space, method handlers.
 
-Built on asyncua's Server with the hardened processor of processor.py; everything a client sees is set up here
+Built on asyncua's Server with the hardened processor of asyncua_internals.py; everything a client sees is set up here
 from the validated configuration. The engine services are passed in; the server never runs inference itself.
 """
 from __future__ import annotations
@@ -14,11 +14,9 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from urllib.parse import urlparse
 
-from asyncua import Server, ua
-from asyncua.common.connection import TransportLimits
+from asyncua import ua
 from asyncua.crypto import security_policies
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
@@ -29,10 +27,12 @@ from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
 from appliance.jobs import Job, JobStore
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
+from .asyncua_internals import (AppServer, ApplianceSession, ChannelGuard, advertise_host, configure_limits,
+                                external_sessions, install_session_factory, listening_port)
 from .identity import ApplianceUserManager
-from .methods import CallContext, MethodHandlers, caller_identity, require_ready, require_type
-from .processor import ChannelGuard, HardenedBinaryServer
-from .session import ApplianceSession
+from .conditions import ACKNOWLEDGE, CONDITION_REFRESH, AlarmConditions, ConditionError
+from .mailboxes import MailboxAnswer, Mailboxes
+from .methods import CallContext, MethodHandlers, MethodStatus, caller_identity, require_ready, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -53,34 +53,6 @@ POLICY_TYPES = {
 MODES = {"SignAndEncrypt": ua.MessageSecurityMode.SignAndEncrypt, "Sign": ua.MessageSecurityMode.Sign}
 
 
-class _AsyncuaServer(Server):
-    """asyncua's Server, listening through the hardened binary server."""
-
-    guard: ChannelGuard
-    ca_certificate = None  # x509.Certificate of the appliance CA, presented after the server certificate
-
-    async def start(self) -> None:
-        await self._setup_server_nodes()
-        if self.ca_certificate is not None:
-            # Present the chain (server certificate, then CA) so a client that trusts the CA can verify us.
-            ca_der = self.ca_certificate.public_bytes(serialization.Encoding.DER)
-            for factory in self._policies:
-                factory.certificate_chain = [self.ca_certificate]
-            for edp in self.iserver.endpoints:
-                if edp.ServerCertificate:
-                    edp.ServerCertificate = edp.ServerCertificate + ca_der
-        await self.iserver.start()
-        try:
-            host, port = self._get_bind_socket_info()
-            self.bserver = HardenedBinaryServer(self.iserver, host, port, self.limits)
-            self.bserver.guard = self.guard
-            self.bserver.set_policies(self._policies)
-            await self.bserver.start()
-        except Exception:
-            await self.iserver.stop()
-            raise
-
-
 class ApplianceUaServer:
     def __init__(self, config, *, pki, trust_list, user_store, services: dict, metrics=None, audit=None,
                  device: str = "cpu", health: Callable[[], dict] | None = None,
@@ -98,8 +70,11 @@ class ApplianceUaServer:
                                           "GpuMemoryUsedBytes": 0, "GpuEccErrors": 0})
         self.supervision_alive = supervision_alive or (lambda: True)
         self.alarms = alarms or (lambda: {})
-        self.server: _AsyncuaServer | None = None
+        self.server: AppServer | None = None
         self.nodes: ApplianceNodes | None = None
+        self.mailboxes: Mailboxes | None = None
+        self.conditions: AlarmConditions | None = None
+        self._alarm_values: dict[str, bool] = {}  # alarm name -> the value its Boolean and condition show
         self.ns = 0
         self._updater: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -134,20 +109,15 @@ class ApplianceUaServer:
             validate_user_certificate=lambda der: self.trust_list.validate_user_certificate(der).status,
             configured_role=sec.role_for_certificate, role_for_certificate=self.pki.role_for_certificate,
             authenticate=self.user_store.authenticate if self.user_store is not None else (lambda *a: None))
-        server = _AsyncuaServer(user_manager=manager)
+        server = AppServer(user_manager=manager)
         await server.init()
         server.allow_remote_admin(False)
-        iserver = server.iserver
-        iserver.certificate_validator = None  # the processor validates against our trust list
-        iserver.create_session = self._session_factory(iserver)
+        install_session_factory(server, self._session_closed,
+                                lambda: self.mailboxes.on_write if self.mailboxes is not None else None)
 
         url = urlparse(cfg.server.endpoint)
         if cfg.server.advertised_host:
-            # Clients behind NAT: announce the configured address, not the one they dialled.
-            server.set_endpoint(f"opc.tcp://{cfg.server.advertised_host}:{url.port}")
-            server.socket_address = (url.hostname, url.port)
-            iserver.match_discovery_endpoint_url = False
-            iserver.match_discovery_source_ip = False
+            advertise_host(server, f"opc.tcp://{cfg.server.advertised_host}:{url.port}", (url.hostname, url.port))
         else:
             server.set_endpoint(cfg.server.endpoint)
         server.set_server_name(cfg.server.application_name)
@@ -169,18 +139,16 @@ class ApplianceUaServer:
         server.set_identity_tokens(tokens)
 
         lim = sec.limits
-        server.limits = TransportLimits(max_recv_buffer=65535, max_send_buffer=65535,
-                                        max_chunk_count=lim.max_chunk_count, max_message_size=lim.max_message_size)
-        iserver.max_connections = lim.max_secure_channels
-        iserver.max_pending_activation_seconds = lim.session_activation_timeout_s
-        iserver.max_session_timeout_ms = lim.session_timeout_s * 1000
-        iserver.min_session_timeout_ms = min(iserver.min_session_timeout_ms, iserver.max_session_timeout_ms)
+        configure_limits(server, max_chunk_count=lim.max_chunk_count, max_message_size=lim.max_message_size,
+                         max_secure_channels=lim.max_secure_channels,
+                         session_activation_timeout_s=lim.session_activation_timeout_s,
+                         session_timeout_s=lim.session_timeout_s)
         server.guard = ChannelGuard(
             allowed=frozenset((POLICIES[p].URI, MODES[m]) for p in sec.policies for m in sec.modes),
             validate_client_certificate=lambda der, uri: self.trust_list.validate_application_certificate(
                 der, uri).status,
             max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
-            sessions=lambda: len(iserver._external_sessions), max_nesting_depth=lim.max_nesting_depth,
+            sessions=lambda: len(external_sessions(server)), max_nesting_depth=lim.max_nesting_depth,
             max_array_length=lim.max_array_length)
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
@@ -188,6 +156,17 @@ class ApplianceUaServer:
         self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()),
                                          {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()},
                                          tuple(self.drift))
+        self.mailboxes = Mailboxes(server, self.ns, cfg.mailboxes,
+                                   {name: svc.kind for name, svc in self.services.items()},
+                                   {name: c.labels for name, c in self.classifiers.items()},
+                                   self._mailbox_request(), self._mailbox_refused)
+        await self.mailboxes.build(self.nodes.root)
+        self.conditions = AlarmConditions(server, self.ns)
+        await self.conditions.build(self._alarm_severities())
+        server.link_method(server.get_node(ACKNOWLEDGE),
+                           self.handlers.wrap("Acknowledge", "", "engineer", 2, self._acknowledge))
+        server.link_method(server.get_node(CONDITION_REFRESH),
+                           self.handlers.wrap("ConditionRefresh", "", "monitor", 1, self._condition_refresh))
         self._event_gen = await server.get_event_generator()
         job_event = await server.create_custom_event_type(
             self.ns, "JobResultReadyEventType", ua.ObjectIds.BaseEventType,
@@ -209,8 +188,10 @@ class ApplianceUaServer:
         if self.server is None:
             return
         self.jobs.cancel_all()
+        if self.mailboxes is not None:
+            await self.mailboxes.stop()
         # asyncua's stop() leaves sessions with subscriptions open: close every session so slots are freed.
-        for session in list(self.server.iserver._external_sessions.values()):
+        for session in external_sessions(self.server):
             try:
                 await session.close_session(True)
             except Exception:
@@ -221,15 +202,7 @@ class ApplianceUaServer:
 
     @property
     def port(self) -> int:
-        return self.server.bserver.port if self.server and self.server.bserver else 0
-
-    def _session_factory(self, iserver):
-        def create_session(name, user=None, external=False):
-            session = ApplianceSession(iserver, iserver.aspace, iserver.subscription_service, name,
-                                       external=external)
-            session.on_close = self._session_closed
-            return session
-        return create_session
+        return listening_port(self.server) if self.server else 0
 
     def _session_closed(self, session: ApplianceSession) -> None:
         for model in self.services.values():
@@ -316,7 +289,7 @@ class ApplianceUaServer:
             queue += st.queue_depth
         for alarm, active in self.alarms().items():
             if alarm in n.alarms:
-                await write(s, n.alarms[alarm], bool(active), V.Boolean)
+                await self.set_alarm(alarm, bool(active))
         await self._publish_drift()
         await write(s, n.values["Engine/QueueDepth"], queue, V.UInt32)
         await write(s, n.values["Engine/SlotsTotal"], slots_total, V.UInt32)
@@ -327,7 +300,7 @@ class ApplianceUaServer:
         await write(s, n.values["Health/GpuMemoryUsedBytes"], int(h["GpuMemoryUsedBytes"]), V.UInt64)
         await write(s, n.values["Health/GpuEccErrors"], int(h["GpuEccErrors"]), V.UInt64)
         if self.metrics is not None:
-            self.metrics.ua_sessions.set(len(self.server.iserver._external_sessions))
+            self.metrics.ua_sessions.set(len(external_sessions(self.server)))
             counts = self.jobs.counts()
             for name in self.services:
                 for state in ("running", "done", "failed"):
@@ -472,11 +445,117 @@ class ApplianceUaServer:
             await write(s, values["Drift/Score"], float(st.score), V.Double)
             await write(s, values["Drift/Feature"], st.feature, V.String)
             await write(s, values["Drift/Since"], st.since, V.DateTime)
-            await write(s, self.nodes.alarms[f"Drift/{model}"], st.state == "Drifting", V.Boolean)
+            await self.set_alarm(f"Drift/{model}", st.state == "Drifting",
+                                 f"Model {model}: input drift (score {st.score:.2f}, {st.feature or 'no feature'})")
             if self.metrics is not None:
                 self.metrics.drift_score.labels(model).set(st.score)
                 self.metrics.drift_state.labels(model).set({"Ok": 0, "Drifting": 1}.get(st.state, 2))
                 self.metrics.alarm_active.labels(f"Drift/{model}").set(1 if st.state == "Drifting" else 0)
+
+    # ---- alarms: the Alarms/<name> Booleans and the same Part 9 conditions ----
+
+    def _alarm_nodes(self) -> dict[str, object]:
+        n = self.nodes
+        nodes = dict(n.alarms)
+        for (model, c), node in n.class_alarms.items():
+            nodes[f"{model}/{self.classifiers[model].labels[c]}"] = node
+        return nodes
+
+    def _alarm_severities(self) -> dict[str, int]:
+        fixed = {"EngineFault": 1000, "GpuCritical": 900, "ModelFailed": 800, "WorkerRestarting": 600,
+                 "GpuWarning": 600}
+        return {name: fixed.get(name, 500 if name.startswith("Drift/") else 700) for name in self._alarm_nodes()}
+
+    async def set_alarm(self, name: str, active: bool, message: str = "") -> None:
+        """The one place an alarm is raised or cleared: its Boolean and its condition change together."""
+        if self._alarm_values.get(name) == active:
+            return
+        node = self._alarm_nodes().get(name)
+        if node is None:
+            return
+        self._alarm_values[name] = active
+        await write(self.server, node, active, V.Boolean)
+        if self.conditions is not None:
+            try:
+                await self.conditions.set(name, active, f"{message or name} {'active' if active else 'cleared'}")
+            except Exception:
+                log.exception("alarm condition %s failed", name)
+
+    async def _acknowledge(self, ctx: CallContext, args):
+        event_id = require_type(args[0], 0, (V.ByteString,), array=False)
+        comment = require_type(args[1], 1, (V.LocalizedText,), array=False)
+        text = (comment.Text or "") if comment is not None else ""
+        try:
+            c = self.conditions.condition_of(ctx.parent)
+            ctx.detail = f"condition {c.name}" + (f": {text[:200]}" if text else "")
+            await self.conditions.acknowledge(ctx.parent, event_id, text[:512], ctx.session.identity)
+        except ConditionError as e:
+            raise MethodStatus(e.status) from None
+        return []
+
+    async def _condition_refresh(self, ctx: CallContext, args):
+        require_type(args[0], 0, (V.UInt32,), array=False)  # SubscriptionId: every subscription gets the events
+        await self.conditions.refresh()
+        return []
+
+    # ---- mailboxes ----
+
+    def _mailbox_request(self):
+        """A mailbox request runs through the method handlers like a call (role, rate limit, argument checks,
+        fallback, status codes, audit and metrics as method `Mailbox`); the answer is a MailboxAnswer, or the
+        CallMethodResult carrying the status code the call would have answered."""
+        callbacks = {}
+        for name, box in self.config.mailboxes.items():
+            svc = self.services[box.model]
+            body = self._mailbox_infer_body(svc) if svc.kind == "tensor" else self._mailbox_generate_body(svc, box)
+            callbacks[name] = self.handlers.wrap("Mailbox", box.model, "operator", 3, body)
+
+        async def request(box, session, value: ua.Variant, number: int):
+            return await callbacks[box.name](ua.NodeId(f"Appliance/Mailboxes/{box.name}", self.ns), value,
+                                             ua.Variant(f"{box.name}", V.String), ua.Variant(number, V.UInt32))
+        return request
+
+    def _mailbox_refused(self, box, session, status: str, number: int) -> None:
+        ctx = CallContext(session=session, method="Mailbox", model=box.model,
+                          detail=f"mailbox {box.name} Request {number}")
+        self.handlers._account(ctx, status)
+
+    def _mailbox_infer_body(self, svc):
+        classifier = self.classifiers.get(svc.name)
+
+        async def body(ctx: CallContext, args):
+            ctx.detail = f"mailbox {args[1].Value} Request {args[2].Value}"
+            samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
+            ctx.input_digest = digest(samples)
+            model = self._answering(svc, ctx)
+            require_ready(model)
+            r = await model.infer(samples, self.handlers.deadline())
+            ctx.version = r.model_version
+            ctx.output_digest = digest(r.output)
+            if svc.name in self.drift:
+                asyncio.get_running_loop().call_soon(self._drift_update, svc.name, samples, r.output)
+            classified = await self._classified(svc.name, classifier, r.output) if classifier else None
+            return MailboxAnswer(r.model_version, output=r.output.tolist(), classified=classified)
+        return body
+
+    def _mailbox_generate_body(self, svc, box):
+        key = f"mailbox:{box.name}"  # one turn per request: the slot is given back after each
+
+        async def body(ctx: CallContext, args):
+            ctx.detail = f"mailbox {args[1].Value} Request {args[2].Value}"
+            prompt = self.handlers.text(args[0], 0)
+            ctx.input_digest = digest(prompt)
+            model = self._answering(svc, ctx)
+            require_ready(model)
+            try:
+                r = await model.generate(key, prompt, box.effective_max_tokens, box.effective_temperature,
+                                         self.handlers.deadline())
+            finally:
+                model.release(key)
+            ctx.version = r.model_version
+            ctx.output_digest = digest(r.text)
+            return MailboxAnswer(r.model_version, text=r.text)
+        return body
 
     def _answering(self, model, ctx: CallContext):
         """The model that answers the call: the one asked, or the first of its fallbacks (YAML `fallback`) that can
@@ -567,8 +646,8 @@ class ApplianceUaServer:
         await write(s, m.values["Last/Time"], datetime.now(timezone.utc), V.DateTime)
         for c in raised | cleared:
             active = c in raised
-            await write(s, self.nodes.class_alarms[(model, c)], active, V.Boolean)
             label = classifier.labels[c]
+            await self.set_alarm(f"{model}/{label}", active, f"Alarm {label} of model {model}")
             if self.metrics is not None:
                 self.metrics.alarm_active.labels(f"{model}/{label}").set(1 if active else 0)
             self.emit_event(f"Alarm {label} of model {model} " + ("raised" if active else "cleared"),

@@ -1,0 +1,80 @@
+"""asyncua's private parts live in uaserver/asyncua_internals.py only, which refuses to load with another asyncua
+version than the one it was written for (so an upgrade is one file to review)."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from uaserver import asyncua_internals
+from uaserver.asyncua_internals import ASYNCUA_VERSION, AsyncuaVersionError, check_asyncua_version
+
+ROOT = Path(__file__).resolve().parent.parent
+PUBLIC_ASYNCUA = {"asyncua", "asyncua.crypto", "asyncua.crypto.permission_rules", "asyncua.server.user_managers"}
+
+
+def test_the_installed_version_is_the_one_it_was_written_for():
+    import importlib.metadata
+    assert importlib.metadata.version("asyncua") == ASYNCUA_VERSION == "2.1.0"
+    check_asyncua_version()
+
+
+def test_another_version_is_refused_with_a_clear_error():
+    with pytest.raises(AsyncuaVersionError) as info:
+        check_asyncua_version("2.2.0")
+    message = str(info.value)
+    assert "written for asyncua 2.1.0" in message and "asyncua 2.2.0 is installed" in message
+    assert "pip install asyncua==2.1.0" in message and "uaserver/asyncua_internals.py" in message
+
+
+def test_importing_with_another_version_installed_fails_at_import():
+    code = ("import importlib.metadata as m\n"
+            "real = m.version\n"
+            "m.version = lambda name: '2.3.1' if name == 'asyncua' else real(name)\n"
+            "import uaserver.server\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "AsyncuaVersionError" in result.stderr and "asyncua 2.3.1 is installed" in result.stderr
+
+
+def test_no_other_module_reaches_into_asyncua():
+    """Outside asyncua_internals.py: only asyncua's public API (no asyncua.server internals, no underscored
+    attributes of asyncua objects)."""
+    for path in sorted((ROOT / "uaserver").glob("*.py")):
+        if path.name == "asyncua_internals.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("asyncua"):
+                assert node.module in PUBLIC_ASYNCUA, f"{path.name}: from {node.module} import ..."
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue  # the module's own private attributes
+                assert node.attr not in asyncua_private_names(), f"{path.name}:{node.lineno}: .{node.attr}"
+            if isinstance(node, ast.Attribute) and node.attr in ("iserver", "bserver", "aspace"):
+                raise AssertionError(f"{path.name}:{node.lineno}: .{node.attr} (asyncua's internal server)")
+
+
+def asyncua_private_names() -> set[str]:
+    """Underscored names that asyncua's Server, InternalServer, AddressSpace and sessions define."""
+    import asyncua.server.address_space as aspace
+    import asyncua.server.internal_server as internal
+    import asyncua.server.internal_session as session
+    import asyncua.server.server as server
+    names = set()
+    for module in (aspace, internal, session, server):
+        for value in vars(module).values():
+            if isinstance(value, type):
+                names |= {n for n in vars(value) if n.startswith("_") and not n.startswith("__")}
+        names |= {n for n in Path(module.__file__).read_text().split() if n.startswith("self._")}
+    return {n.removeprefix("self.").split("(")[0].split(".")[0].rstrip(":,=)") for n in names}
+
+
+def test_the_internals_module_holds_what_it_says():
+    for name in ("HardenedProcessor", "HardenedBinaryServer", "ApplianceSession", "AppServer", "install_nesting_limit",
+                 "write_together", "external_sessions", "add_bare_object", "configure_limits"):
+        assert hasattr(asyncua_internals, name), name

@@ -1,0 +1,206 @@
+"""Mailboxes: the request / busy / done handshake for PLCs, drivers and SCADA tags that cannot call methods
+(CONTRACT `Mailboxes/<name>`; the PLCopen / vision-sensor pattern).
+
+    Objects/Appliance/Mailboxes/<name>
+      Input Float[] (tensor) | Prompt String (generative)    written by the client first
+      Request UInt32                                         written next: a new value starts one job on Input
+      Busy  Done  Error Boolean   ErrorCode UInt32   Response UInt32 (the Request whose result is shown)
+      Output Float[] | Text String   ModelVersion String   [ClassIndex Int32  Label String  Confidence Float]
+
+A new Request while Busy is refused: the write answers BadTooManyOperations, Error is true and ErrorCode says
+BadTooManyOperations, the running job goes on. A result's fields (Output/Text, ModelVersion, the class fields,
+Error, ErrorCode, Response, Done, Busy) are written in one server-side update, so a subscriber gets them in one
+publish and never sees a half result.
+
+The requests run through the same handler path as the UA methods (`request` below is a MethodHandlers-wrapped body:
+role, rate limit, argument checks, the typed model interface, status codes, audit and metrics); this module knows
+only the address space and the handshake.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncua import Node, Server, ua
+
+from appliance.config import MailboxConfig
+
+from .asyncua_internals import ApplianceSession, write_together
+from .session import current_session
+
+log = logging.getLogger(__name__)
+V = ua.VariantType
+FLOATS = (V.Float, V.Double)
+
+
+@dataclass
+class MailboxAnswer:
+    """What a mailbox request's body answers on success."""
+    model_version: str
+    output: list[float] | None = None  # tensor
+    text: str | None = None  # generative
+    classified: Any = None  # appliance.classify.Classified for models with labels
+
+
+# request(box, session, input variant, request number) -> MailboxAnswer, or the ua.CallMethodResult of a failure
+Request = Callable[[MailboxConfig, ApplianceSession, ua.Variant, int], Awaitable[Any]]
+# refused(box, session, status name, request number): audit a request refused before it ran
+Refused = Callable[[MailboxConfig, ApplianceSession, str, int], None]
+
+
+@dataclass
+class Mailbox:
+    config: MailboxConfig
+    kind: str  # tensor | generative
+    labels: list[str] | None
+    nodes: dict[str, Node] = field(default_factory=dict)
+    request: int = 0  # the Request value held (the last accepted one)
+    input: ua.Variant | None = None  # the Input / Prompt held (what the next request runs on)
+    busy: bool = False
+    task: asyncio.Task | None = None
+
+    @property
+    def input_name(self) -> str:
+        return "Input" if self.kind == "tensor" else "Prompt"
+
+
+class Mailboxes:
+    def __init__(self, server: Server, ns: int, configs: dict[str, MailboxConfig], kinds: dict[str, str],
+                 labels: dict[str, list[str]], request: Request, refused: Refused):
+        self.server = server
+        self.ns = ns
+        self.boxes = {name: Mailbox(cfg, kinds[cfg.model], labels.get(cfg.model)) for name, cfg in configs.items()}
+        self._request = request
+        self._refused = refused
+        self._by_node: dict[ua.NodeId, tuple[Mailbox, str]] = {}
+
+    async def build(self, root: Node) -> None:
+        """Objects/Appliance/Mailboxes/<name> and its variables (only when the YAML names mailboxes)."""
+        if not self.boxes:
+            return
+        ns = self.ns
+        folder = await root.add_object(ua.NodeId("Appliance/Mailboxes", ns), ua.QualifiedName("Mailboxes", ns))
+        for name, box in self.boxes.items():
+            path = f"Appliance/Mailboxes/{name}"
+            obj = await folder.add_object(ua.NodeId(path, ns), ua.QualifiedName(name, ns))
+            fields = [(box.input_name, [] if box.kind == "tensor" else "", V.Float if box.kind == "tensor"
+                       else V.String), ("Request", 0, V.UInt32), ("Busy", False, V.Boolean),
+                      ("Done", False, V.Boolean), ("Error", False, V.Boolean), ("ErrorCode", 0, V.UInt32),
+                      ("Response", 0, V.UInt32),
+                      ("Output", [], V.Float) if box.kind == "tensor" else ("Text", "", V.String),
+                      ("ModelVersion", "", V.String)]
+            if box.labels:
+                fields += [("ClassIndex", -1, V.Int32), ("Label", "", V.String), ("Confidence", 0.0, V.Float)]
+            for key, value, vtype in fields:
+                node = await obj.add_variable(ua.NodeId(f"{path}/{key}", ns), ua.QualifiedName(key, ns),
+                                              ua.Variant(value, vtype))
+                if key in (box.input_name, "Request"):
+                    await node.set_writable()  # who may write is checked per write (on_write)
+                    if vtype == V.Float:  # a Float[] input: say so, so clients write the right type
+                        await node.write_value_rank(1)
+                        await node.write_array_dimensions([0])
+                box.nodes[key] = node
+                self._by_node[node.nodeid] = (box, key)
+
+    # ---- writes from clients ----
+
+    async def on_write(self, session: ApplianceSession, value: ua.WriteValue) -> ua.StatusCode | None:
+        """The status of a client's write to a mailbox node; None when the node is no mailbox's."""
+        hit = self._by_node.get(value.NodeId)
+        if hit is None:
+            return None
+        box, key = hit
+        if key not in (box.input_name, "Request") or value.AttributeId != ua.AttributeIds.Value:
+            return _status("BadNotWritable")
+        variant = value.Value.Value if value.Value is not None else None
+        writer_ok = box.config.may_write(session.role, session.identity)
+        if key == "Request":
+            number = variant.Value if isinstance(variant, ua.Variant) and variant.VariantType == V.UInt32 and \
+                not variant.is_array else None
+            if not writer_ok:
+                self._refused(box.config, session, "BadUserAccessDenied", number or 0)
+                return _status("BadUserAccessDenied")
+            if number is None:
+                return _status("BadTypeMismatch")
+            return await self._new_request(box, session, int(number))
+        if not writer_ok:
+            return _status("BadUserAccessDenied")
+        if box.kind == "tensor":
+            if not (isinstance(variant, ua.Variant) and variant.VariantType in FLOATS
+                    and isinstance(variant.Value, list)):
+                return _status("BadTypeMismatch")
+            variant = ua.Variant([float(v) for v in variant.Value], V.Float)
+        elif not (isinstance(variant, ua.Variant) and variant.VariantType == V.String and not variant.is_array):
+            return _status("BadTypeMismatch")
+        box.input = variant
+        await write_together(self.server, [(box.nodes[key].nodeid, variant)])
+        return _status("Good")
+
+    async def _new_request(self, box: Mailbox, session: ApplianceSession, number: int) -> ua.StatusCode:
+        if number == box.request:
+            return _status("Good")  # not a new value: nothing starts
+        if box.busy:
+            self._refused(box.config, session, "BadTooManyOperations", number)
+            await self._set(box, Error=True, ErrorCode=ua.StatusCodes.BadTooManyOperations)
+            return _status("BadTooManyOperations")
+        box.request, box.busy = number, True
+        held = box.input if box.input is not None else ua.Variant([] if box.kind == "tensor" else "",
+                                                                     _TYPES[box.input_name])
+        await self._set(box, Request=number, Busy=True, Done=False, Error=False, ErrorCode=0)
+        box.task = asyncio.get_running_loop().create_task(self._run(box, session, held, number))
+        return _status("Good")
+
+    async def _run(self, box: Mailbox, session: ApplianceSession, value: ua.Variant, number: int) -> None:
+        token = current_session.set(session)
+        try:
+            answer = await self._request(box.config, session, value, number)
+        except Exception:  # the wrapped body answers every failure; this is a last line
+            log.exception("mailbox %s request %d failed", box.config.name, number)
+            answer = ua.CallMethodResult(StatusCode=ua.StatusCode(ua.StatusCodes.BadInternalError))
+        finally:
+            current_session.reset(token)
+        try:
+            if isinstance(answer, MailboxAnswer):
+                fields: dict[str, Any] = {"ModelVersion": answer.model_version}
+                if box.kind == "tensor":
+                    fields["Output"] = answer.output
+                else:
+                    fields["Text"] = answer.text
+                if box.labels and answer.classified is not None:
+                    c = answer.classified
+                    fields.update(ClassIndex=c.class_index[-1], Label=c.label[-1], Confidence=c.confidence[-1])
+                fields.update(Error=False, ErrorCode=0, Response=number, Done=True, Busy=False)
+            else:
+                fields = dict(Error=True, ErrorCode=answer.StatusCode.value, Response=number, Done=False, Busy=False)
+            box.busy = False
+            await self._set(box, **fields)
+        except Exception:
+            box.busy = False
+            log.exception("publishing mailbox %s's result failed", box.config.name)
+
+    async def _set(self, box: Mailbox, **values: Any) -> None:
+        """Write the fields in one server-side update (one publish for every subscriber)."""
+        items = []
+        for key, value in values.items():
+            node = box.nodes[key]
+            items.append((node.nodeid, ua.Variant(value, _TYPES[key])))
+        await write_together(self.server, items)
+
+    async def stop(self) -> None:
+        tasks = [b.task for b in self.boxes.values() if b.task is not None and not b.task.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_TYPES = {"Input": V.Float, "Prompt": V.String, "Request": V.UInt32, "Busy": V.Boolean, "Done": V.Boolean,
+          "Error": V.Boolean, "ErrorCode": V.UInt32, "Response": V.UInt32, "Output": V.Float, "Text": V.String,
+          "ModelVersion": V.String, "ClassIndex": V.Int32, "Label": V.String, "Confidence": V.Float}
+
+
+def _status(name: str) -> ua.StatusCode:
+    return ua.StatusCode(getattr(ua.StatusCodes, name))
