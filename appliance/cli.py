@@ -44,7 +44,7 @@ def cmd_check_config(args) -> int:
     return check_config_main(args.file)
 
 
-def audit_admin(config, action: str, detail: str, code: int) -> None:
+def audit_admin(config, action: str, detail: str, code: int, event: str = "admin") -> None:
     """Administrative CLI actions go to their own hash chain (admin.jsonl): the running daemon owns audit.jsonl,
     and two writers on one chain would break it."""
     import getpass
@@ -54,8 +54,10 @@ def audit_admin(config, action: str, detail: str, code: int) -> None:
     log = AuditLog(Path(config.audit.path).with_name("admin.jsonl"), max_bytes=config.audit.max_bytes,
                    keep_files=config.audit.keep_files)
     try:
-        log.record(action=action, session="", client="", user=f"cli:{getpass.getuser()}", role="engineer",
-                   status="Good" if code == 0 else "Bad", detail=detail)
+        from uaserver.session import new_correlation_id
+        log.record(event=event, action=action, correlation_id=new_correlation_id(), session="", client="",
+                   user=f"cli:{getpass.getuser()}", role="engineer", status="Good" if code == 0 else "Bad",
+                   detail=detail)
     finally:
         log.close()
 
@@ -163,9 +165,9 @@ def cmd_models(args) -> int:
             detail = f"{args.name} {version}"
     except (ModelStoreError, OSError) as e:
         if action != "list":
-            audit_admin(config, f"models {action}", f"{getattr(args, 'name', '')}: {e}", 2)
+            audit_admin(config, f"models {action}", f"{getattr(args, 'name', '')}: {e}", 2, event=action)
         return _fail(str(e))
-    audit_admin(config, f"models {action}", detail, 0)
+    audit_admin(config, f"models {action}", detail, 0, event=action)
     print(f"{args.name}: version {version} serves from {store.model_dir(args.name) / 'current'}")
     reload = request_reload(config, args.name)
     print(("reloaded: " if reload.done else "not reloaded: ") + reload.message)
@@ -212,10 +214,13 @@ def cmd_call(args) -> int:
     elif args.cert or args.key:
         return _fail("give both --cert and --key")
     else:
+        existed = (state_dir / "clients" / "commissioning.der").exists()
         cert, key = commissioning_identity(state_dir)
         if cert is None:
             return _fail("no client certificate: give --cert and --key (make them with "
                          "`appliance certs issue NAME --role operator`)")
+        if not existed:
+            audit_commissioning(config, cert)
     port = config.server.port
     endpoint = args.endpoint or f"opc.tcp://127.0.0.1:{port}"
     if args.input is None and args.prompt is None:
@@ -282,6 +287,14 @@ def commissioning_identity(state_dir: Path):
         return None, None
     pki.issue("commissioning", "operator", out, socket.gethostname())
     return cert, key
+
+
+def audit_commissioning(config, cert: Path) -> None:
+    """`appliance call` without --cert issued itself an operator certificate: the audit trail says so."""
+    import hashlib
+    thumb = hashlib.sha1(cert.read_bytes()).hexdigest()
+    audit_admin(config, "certs issue commissioning", f"implicit commissioning certificate for `appliance call`: "
+                f"commissioning (operator) x509:{thumb}", 0, event="commissioning_certificate")
 
 
 def build_parser() -> argparse.ArgumentParser:

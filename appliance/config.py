@@ -692,6 +692,10 @@ class AuditConfig:
     path: Path | None = setting(None, optional(_path_rule()))  # None: <state_dir>/audit/audit.jsonl
     max_bytes: int = setting(10485760, integer(4096))
     keep_files: int = setting(10, integer(1, 1000))
+    # refuse: while the audit log cannot be written (disk full, read-only), calls answer BadResourceUnavailable and
+    # Alarms/AuditLogFailed is true; continue: calls go on unaudited (the alarm is raised all the same)
+    on_failure: str = setting("refuse", choice("refuse", "continue"))
+    queue_size: int = setting(10000, integer(16, 1000000))  # records waiting for the writer thread, at most
 
 
 @dataclass

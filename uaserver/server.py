@@ -122,7 +122,9 @@ class ApplianceUaServer:
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
                                        request_timeout_s=config.engine.request_timeout_s,
-                                       rate_limiter=RateLimiter(config.security.rate_limits))
+                                       rate_limiter=RateLimiter(config.security.rate_limits),
+                                       audit_on_failure=config.audit.on_failure,
+                                       audit_queue_size=config.audit.queue_size)
 
     # ---- lifecycle ----
 
@@ -181,7 +183,7 @@ class ApplianceUaServer:
                 der, uri).status,
             max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
             sessions=lambda: len(iserver._external_sessions), max_nesting_depth=lim.max_nesting_depth,
-            max_array_length=lim.max_array_length)
+            max_array_length=lim.max_array_length, audit=self.handlers.event)
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
@@ -232,9 +234,17 @@ class ApplianceUaServer:
         return create_session
 
     def _session_closed(self, session: ApplianceSession) -> None:
+        self.handlers.event("session_close", session=session, detail=f"from {session.peer}")
         for model in self.services.values():
             if model.kind == "generative":
                 model.release(session.key)
+
+    def alarm_acknowledged(self, alarm: str, session: ApplianceSession | None, comment: str = "",
+                           status: str = "Good") -> None:
+        """The audit hook for acknowledging an alarm (engineer role). Nothing calls it yet: the Part 9 Acknowledge
+        method on the Server object's conditions is not built; whoever builds it calls this."""
+        self.handlers.event("alarm_acknowledged", action="Acknowledge", session=session, status=status,
+                            detail=f"{alarm}" + (f": {comment[:200]}" if comment else ""))
 
     # ---- events ----
 
@@ -614,7 +624,7 @@ class ApplianceUaServer:
         svc = self.services.get(name)
         if svc is None:
             raise InvalidArgument("no model of that name", 0, INVALID)
-        ctx.model = name
+        ctx.model, ctx.event = name, "reload"
         try:
             version = await svc.reload()
         except Exception as e:
