@@ -156,6 +156,13 @@ def cmd_models(args) -> int:
             return 0
         if args.name not in config.models:
             return _fail(f"no model '{args.name}' in {config.source}; models: {', '.join(config.models)}")
+        if action == "promote":
+            from .variants import request_promote
+            ok, detail = request_promote(config, args.name, args.variant)
+            audit_admin(config, "models promote", f"{args.name} {args.variant or '(split)'}: {detail}",
+                        0 if ok else 2, event="promote")
+            print(f"{args.name}: {detail}")
+            return 0 if ok else 2
         if action == "deploy":
             keep = config.models[args.name].keep_versions
             version = store.deploy(args.name, Path(args.dir), args.version, keep=keep)
@@ -361,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=30.0)
     s.set_defaults(func=cmd_call)
 
-    m = sub.add_parser("models", help="model versions on disk: list, deploy, rollback")
+    m = sub.add_parser("models", help="model versions on disk: list, deploy, rollback; A/B variants: promote")
     msub = m.add_subparsers(dest="models_action", required=True)
     x = msub.add_parser("list", help="versions, digests and which serves")
     x.add_argument("name", nargs="?")
@@ -371,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--version", help="version label (default: the first 12 hex digits of the content digest)")
     x = msub.add_parser("rollback", help="make the previous version serve again")
     x.add_argument("name")
+    x = msub.add_parser("promote", help="send all of NAME's traffic to one of its A/B variants (Admin/PromoteVariant)")
+    x.add_argument("name")
+    x.add_argument("variant", help="a variant of the YAML, 'main' for the model's own path, '' for the split again")
     for action_parser in msub.choices.values():
         action_parser.add_argument("--config")
     m.set_defaults(func=cmd_models)

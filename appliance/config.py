@@ -575,6 +575,57 @@ class DriftConfig:
     reference: str | None = setting(None, optional(text("a file name")))  # null: <model>.drift.json beside it
 
 
+@dataclass
+class VariantConfig:
+    """One arm of a model's A/B split (`variants:`): its own weights, served by a worker of its own."""
+
+    path: str = required(text("a file or directory path"))
+    weight: float = required(number(0, 100))  # percent of the callers; the model's own path serves the rest
+    version: str | None = setting(None, optional(text("a version label of 1-64 printable characters",
+                                                      lambda v: v.isprintable() and 0 < len(v.strip()),
+                                                      max_len=64)))
+    # filled by the loader
+    resolved_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class VariantsRule:
+    """`variants`: a mapping of variant names to {path, weight, version}; null or empty: no A/B split."""
+
+    expect: str = "a mapping of variant names to {path, weight (percent), version}"
+
+    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+            return {}
+        mapping = _as_mapping(node, ctx, path, self.expect)
+        if mapping is None:
+            return INVALID
+        out: dict[str, VariantConfig] = {}
+        for name, key_node, value_node in _items(mapping, ctx, path, "variant name"):
+            where = _key_path(path, name)
+            if not _MODEL_NAME.fullmatch(name) or name == MAIN_VARIANT:
+                ctx.error(key_node, where, "a variant name must start with a letter and hold at most 64 characters "
+                          f"A-Z a-z 0-9 _ - (and not be '{MAIN_VARIANT}', the model's own path), got {_shown(name)}")
+                continue
+            parsed = _parse_fields(VariantConfig, value_node, ctx, where, where=f"variant '{name}'")
+            if not parsed.complete or where in ctx.bad:
+                continue
+            variant = VariantConfig(**parsed.values)
+            resolved = _resolve(variant.path, ctx)
+            if not resolved.exists():
+                ctx.error(parsed.nodes["path"], f"{where}.path", f"no such file or directory: {resolved} (relative "
+                          f"paths are resolved against {ctx.base_dir})")
+                continue
+            out[name] = dataclasses.replace(variant, resolved_path=resolved)
+        total = sum(v.weight for v in out.values())
+        if total > 100:
+            ctx.error(mapping, path, f"the variants' weights add up to {total:g} percent; expected at most 100 (the "
+                      f"model's own path, variant '{MAIN_VARIANT}', serves what is left)")
+            return INVALID
+        return out
+
+
+MAIN_VARIANT = "main"  # the model's own path in an A/B split
 TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "drift")
 GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p")
 
@@ -609,6 +660,10 @@ class ModelConfig:
     # the request's deadline would be missed (ModelVersion then names the fallback's weights)
     fallback: str | None = setting(None, optional(text("the name of another model", lambda v: bool(
         _MODEL_NAME.fullmatch(v)))))
+    # A/B split: other weights of this model, each with the percent of callers it serves (a stable hash of the
+    # caller's identity chooses); the model's own path (variant "main") serves the rest. Admin/PromoteVariant
+    # sends all traffic to one of them.
+    variants: dict[str, VariantConfig] = setting({}, VariantsRule())
     # filled by the loader, not YAML keys
     name: str = ""
     resolved_path: Path | None = None

@@ -7,6 +7,7 @@ and every session's KV slot is freed before the engine stops.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -112,6 +113,7 @@ class Appliance:
     def __init__(self, config: ApplianceConfig):
         self.config = config
         self.services: dict = {}  # name -> RemoteModel (appliance.model_port)
+        self.variant_services: dict = {}  # model -> {A/B variant -> RemoteModel}
         self.supervisors: list = []
         self.ua = None
         self.http = None
@@ -137,6 +139,18 @@ class Appliance:
         for name, m in self.config.models.items():
             groups.setdefault(m.worker or name, []).append(m)
         services = {}
+        self.variant_services = {}
+        for m in self.config.models.values():  # each A/B variant in a worker of its own
+            for variant, v in m.variants.items():
+                clone = dataclasses.replace(m, name=f"{m.name}@{variant}", path=str(v.resolved_path),
+                                            resolved_path=v.resolved_path, version=v.version, variants={},
+                                            fallback=None, worker=None)
+                spec = model_spec(clone, eng, device.split(" ")[0], Path(self.config.server.state_dir))
+                sup = WorkerSupervisor(clone.name, [spec], policy, on_event=self._model_event, metrics=self.metrics)
+                self.supervisors.append(sup)
+                self.variant_services.setdefault(m.name, {})[variant] = RemoteModel(
+                    clone.name, m.kind, sup, max_samples=m.max_samples,
+                    served_path=self._served_path(clone, eng, device))
         for group, members in groups.items():
             specs = [model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir)) for m in members]
             sup = WorkerSupervisor(group, specs, policy,
@@ -278,7 +292,8 @@ class Appliance:
         self._supervision_task = asyncio.create_task(self._supervision_loop())
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
                                     metrics=self.metrics, audit=self.audit, device=device, health=self.health,
-                                    supervision_alive=self.supervision_alive, alarms=self.alarms)
+                                    supervision_alive=self.supervision_alive, alarms=self.alarms,
+                                    variants=self.variant_services)
         await self.ua.start()
         if self.audit is not None and self.audit.torn:
             self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)
@@ -326,7 +341,8 @@ class Appliance:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while loop.time() < end:
-            if all(s.status().state != "Loading" for s in self.services.values()):
+            models = [*self.services.values(), *(v for arms in self.variant_services.values() for v in arms.values())]
+            if all(s.status().state != "Loading" for s in models):
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError("models did not finish loading")
