@@ -1127,6 +1127,45 @@ def _cross_check(cfg: ApplianceConfig, ctx: _Context) -> None:
           f"expected a number > memory_warning_ratio ({wd.memory_warning_ratio}), got {wd.memory_critical_ratio}")
 
 
+CALL_OVERHEAD_BYTES = 4096  # a Call request's headers, security footer and padding around the input array
+
+
+def onnx_sample_floats(model_path: Path) -> int | None:
+    """Floats in one sample of an ONNX model's first input (its dimensions after the batch), or None if unknown."""
+    import onnx
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+        dims = model.graph.input[0].type.tensor_type.shape.dim[1:]
+    except Exception:  # noqa: BLE001 - the engine reports an unreadable model when it loads it
+        return None
+    if not dims or not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+        return None
+    return math.prod(d.dim_value for d in dims)
+
+
+def _check_max_samples(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """The contract: a call of MaxSamples samples is always accepted, so no other limit may refuse it. Its input
+    (as Double[], which is accepted too: 8 bytes a value) plus the request's overhead must fit in
+    security.limits.max_message_size; security.limits.max_array_length does not apply to a model's own bound."""
+    limit = cfg.security.limits.max_message_size
+    if "security.limits.max_message_size" in ctx.bad:
+        return
+    for name, m in cfg.models.items():
+        path = f"models.{name}.max_samples"
+        if m.kind != "tensor" or path in ctx.bad or m.resolved_path is None or m.resolved_path.suffix != ".onnx":
+            continue
+        floats = onnx_sample_floats(m.resolved_path)
+        if floats is None:
+            continue
+        most = max(0, (limit - CALL_OVERHEAD_BYTES) // (8 * floats))
+        if m.max_samples > most:
+            node = ctx.nodes.get(path) or ctx.nodes.get(f"models.{name}") or ctx.nodes.get("")
+            ctx.error(node, path, f"{m.max_samples} samples of {floats} values do not fit in a message of "
+                      f"security.limits.max_message_size {limit} bytes (as Double[], 8 bytes a value, with "
+                      f"{CALL_OVERHEAD_BYTES} bytes for the request): expected at most {most}, or raise "
+                      "max_message_size" + ("" if path in ctx.nodes else " (max_samples is the default, 64)"))
+
+
 def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
     """A fallback names another configured model of the same kind, and following fallbacks never loops."""
     for name, m in cfg.models.items():
@@ -1170,6 +1209,7 @@ def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
     cfg = ApplianceConfig(users=users, models=models, source=ctx.source, **sections)
     _cross_check(cfg, ctx)
     _check_fallbacks(cfg, ctx)
+    _check_max_samples(cfg, ctx)
     return cfg
 
 
