@@ -270,3 +270,31 @@ def test_cmd_audit_verify(tmp_path, capsys):
     rotated.write_bytes(b"\n".join(lines[:1] + lines[2:]) + b"\n")
     assert cmd_audit_verify(path) == 2
     assert "audit.jsonl.1:2: previous-hash link broken" in capsys.readouterr().out
+
+
+def test_log_lines_about_a_call_carry_its_correlation_id_as_json():
+    import io
+    import logging
+
+    from appliance.daemon import CorrelationFilter, JsonFormatter
+    from uaserver.session import correlation_id
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(CorrelationFilter())
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("test.correlation")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        token = correlation_id.set("0123456789abcdef0123456789abcdef")
+        try:
+            logger.warning("Infer on te refused")
+        finally:
+            correlation_id.reset(token)
+        logger.warning("not about a call")
+    finally:
+        logger.removeHandler(handler)
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["correlation_id"] == "0123456789abcdef0123456789abcdef" and first["message"] == "Infer on te refused"
+    assert "correlation_id" not in second and second["level"] == "WARNING"
