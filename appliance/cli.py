@@ -140,8 +140,21 @@ def cmd_plc_types(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from .model_store import ModelStore, ModelStoreError, request_reload
     config = load_config_arg(args.config)
+    engineer = Path(config.server.state_dir) / "clients" / "commissioning-engineer.der"
+    existed = engineer.exists()
+    try:
+        return _cmd_models(args, config)
+    finally:
+        if not existed and engineer.exists():  # deploy/rollback/promote issued the box's engineer certificate
+            import hashlib
+            audit_admin(config, "certs issue commissioning-engineer", "implicit commissioning certificate for "
+                        f"`appliance models`: commissioning-engineer (engineer) "
+                        f"x509:{hashlib.sha1(engineer.read_bytes()).hexdigest()}", 0, event="commissioning_certificate")
+
+
+def _cmd_models(args, config) -> int:
+    from .model_store import ModelStore, ModelStoreError, request_reload
     store = ModelStore(Path(config.server.state_dir))
     action = args.models_action
     try:

@@ -1146,7 +1146,9 @@ def onnx_sample_floats(model_path: Path) -> int | None:
 def _check_max_samples(cfg: ApplianceConfig, ctx: _Context) -> None:
     """The contract: a call of MaxSamples samples is always accepted, so no other limit may refuse it. Its input
     (as Double[], which is accepted too: 8 bytes a value) plus the request's overhead must fit in
-    security.limits.max_message_size; security.limits.max_array_length does not apply to a model's own bound."""
+    security.limits.max_message_size (security.limits.max_array_length does not apply to a model's own bound).
+    A max_samples written in the YAML that does not fit is refused; the default (64) becomes the most that fit
+    (at least 1), so what MaxSamples advertises follows from the limits."""
     limit = cfg.security.limits.max_message_size
     if "security.limits.max_message_size" in ctx.bad:
         return
@@ -1158,12 +1160,15 @@ def _check_max_samples(cfg: ApplianceConfig, ctx: _Context) -> None:
         if floats is None:
             continue
         most = max(0, (limit - CALL_OVERHEAD_BYTES) // (8 * floats))
-        if m.max_samples > most:
-            node = ctx.nodes.get(path) or ctx.nodes.get(f"models.{name}") or ctx.nodes.get("")
-            ctx.error(node, path, f"{m.max_samples} samples of {floats} values do not fit in a message of "
-                      f"security.limits.max_message_size {limit} bytes (as Double[], 8 bytes a value, with "
-                      f"{CALL_OVERHEAD_BYTES} bytes for the request): expected at most {most}, or raise "
-                      "max_message_size" + ("" if path in ctx.nodes else " (max_samples is the default, 64)"))
+        if m.max_samples <= most:
+            continue
+        if path not in ctx.nodes:  # the default: advertise what the limits allow
+            m.max_samples = max(1, most)
+            continue
+        ctx.error(ctx.nodes[path], path, f"{m.max_samples} samples of {floats} values do not fit in a message of "
+                  f"security.limits.max_message_size {limit} bytes (as Double[], 8 bytes a value, with "
+                  f"{CALL_OVERHEAD_BYTES} bytes for the request): expected at most {max(1, most)}, or raise "
+                  "max_message_size")
 
 
 def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:

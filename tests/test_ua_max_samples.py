@@ -1,7 +1,7 @@
 """Settings that contradict each other are refused, and what the address space advertises holds: the demo
 classifier's MaxSamples (64) samples of 1,040 floats (66,560 values, beyond security.limits.max_array_length 65,536)
-are accepted as Float[] and as Double[], tried as a PLC would over SignAndEncrypt; a max_message_size too small for
-MaxSamples samples is refused by the configuration check with file, line and key."""
+are accepted as Float[] and as Double[], tried as a PLC would over SignAndEncrypt; a max_samples written in the YAML
+that does not fit in max_message_size is refused with file, line and key, and the default follows from the limit."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,6 +24,8 @@ def test_a_message_size_too_small_for_max_samples_is_refused(tmp_path):
     assert "expected at most 31" in str(e.value)
     ok = load_config_text(text.replace("max_samples: 40", "max_samples: 31"), "a.yaml", tmp_path)
     assert ok.models["te"].max_samples == 31
+    default = load_config_text(text.replace("    max_samples: 40\n", ""), "a.yaml", tmp_path)
+    assert default.models["te"].max_samples == 31  # the default 64 follows from the limits: what fits
 
 
 @pytest.fixture(scope="module")
