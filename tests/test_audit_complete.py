@@ -143,6 +143,8 @@ def test_a_scripted_session_leaves_every_event_kind_and_verifies(app, tmp_path):
     admin = records(audit_file(app).with_name("admin.jsonl"))
     admin_events = {r["event"] for r in admin}
     assert {"commissioning_certificate", "deploy", "rollback"} <= admin_events, admin_events
+    implicit = {r["action"] for r in admin if r["event"] == "commissioning_certificate"}
+    assert implicit == {"certs issue commissioning", "certs issue commissioning-engineer"}, implicit
 
     p = cli(app, "audit", "verify")
     assert p.returncode == 0 and "OK:" in p.stdout, p.stdout + p.stderr
