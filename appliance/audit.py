@@ -33,8 +33,12 @@ log = logging.getLogger("appliance.audit")
 GENESIS = "0" * 64  # the "prev" of the very first record
 FSYNC_INTERVAL_S = 1.0
 _TAIL_BLOCK = 64 * 1024
-_FIELDS = ("action", "session", "client", "user", "role", "model", "version", "input_digest", "output_digest",
-           "status", "latency_ms", "detail")
+_FIELDS = ("event", "action", "correlation_id", "audit_entry_id", "session", "client", "user", "role", "model",
+           "version", "input_digest", "output_digest", "status", "latency_ms", "detail")
+# What a record is about (its "event" field); README lists them for auditors.
+EVENTS = ("call", "role_denied", "rate_limited", "audit_refused", "login", "login_failed", "certificate_refused",
+          "session_open", "session_close", "alarm_acknowledged", "deploy", "rollback", "promote", "reload",
+          "commissioning_certificate", "model_event", "admin", "audit_resume")
 
 
 def _canonical(obj: dict) -> bytes:
@@ -107,8 +111,15 @@ class AuditLog:
     """Thread-safe writer. `record()` never raises into its caller: an I/O error is logged and counted in
     `metrics.audit_errors`, and the next record reopens the file and resumes the chain from what is on disk."""
 
-    def __init__(self, path: Path, max_bytes: int = 10 * 1024 * 1024, keep_files: int = 10, metrics=None):
+    def __init__(self, path: Path, max_bytes: int = 10 * 1024 * 1024, keep_files: int = 10, metrics=None,
+                 on_state=None, on_torn=None):
+        """on_state(failing: bool, reason: str): called (from the writing thread) when writing starts failing or
+        works again; on_torn(note): called once when a torn last line was found at start."""
         self.path = Path(path)
+        self._on_state, self._on_torn = on_state, on_torn
+        self.failing = False  # the last write failed (disk full, read-only, ...): see audit.on_failure
+        self.failure_reason = ""
+        self.torn = ""  # the note of a torn last line found at start, else ""
         self.max_bytes, self.keep_files = int(max_bytes), int(keep_files)
         self._metrics = metrics
         self._lock = threading.Lock()
@@ -127,12 +138,18 @@ class AuditLog:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             torn_note = self._resume_locked()
+            if torn_note:
+                # Keep the torn file exactly as it is (evidence); continue in a new file, chained to the last
+                # complete record, the way a rotation does.
+                self._shift_files_locked()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             self._fh = os.fdopen(fd, "ab")
             if torn_note:
-                self._fh.write(b"\n")  # close the torn fragment so the next record starts on its own line
-                self._write_locked({**dict.fromkeys(_FIELDS, ""), "action": "audit_resume", "user": "system",
-                                    "status": "TornLine", "latency_ms": 0.0, "detail": torn_note})
+                self.torn = torn_note
+                self._write_locked({**dict.fromkeys(_FIELDS, ""), "event": "audit_resume", "action": "audit_resume",
+                                    "user": "system", "status": "TornLine", "latency_ms": 0.0, "detail": torn_note})
+                if self._on_torn is not None:
+                    self._on_torn(torn_note)
             return True
         except Exception as exc:  # noqa: BLE001 - the audit log must never take the server down
             self._fail(f"cannot open audit log: {exc}")
@@ -144,10 +161,13 @@ class AuditLog:
         a torn (newline-less) line, which is then reported, closed and acknowledged by an audit_resume record."""
         note = ""
         for p in reversed(_chain_files(self.path)):
+            if p == self.path and p.stat().st_size == 0:
+                continue
             last, fragment, torn_line = _tail(p)
             if fragment and p == self.path:
-                note = (f"{p.name}:{torn_line}: incomplete last line found at start (the process stopped "
-                        "mid-write); the chain resumes from the complete line before it")
+                note = (f"{_rotated(p, 1).name}:{torn_line}: incomplete last line found at start (the process stopped "
+                        "mid-write); the file is kept as it is and the chain continues in a new file from the "
+                        "complete line before it")
                 self._fail(f"audit log {note}")
             if last is None:
                 continue
@@ -161,13 +181,16 @@ class AuditLog:
 
     # ---- writing ------------------------------------------------------------------------------------------------
 
-    def record(self, *, action: str, session: str, client: str, user: str, role: str, model: str = "",
-               version: str = "", input_digest: str = "", output_digest: str = "", status: str,
-               latency_ms: float = 0.0, detail: str = "") -> None:
+    def record(self, *, action: str, session: str = "", client: str = "", user: str = "", role: str = "",
+               model: str = "", version: str = "", input_digest: str = "", output_digest: str = "", status: str,
+               latency_ms: float = 0.0, detail: str = "", event: str = "", correlation_id: str = "",
+               audit_entry_id: str = "") -> bool:
+        """True when the record reached the file (flushed to the OS)."""
         try:
             latency = round(float(latency_ms), 3)
-            text = {"action": action, "session": session, "client": client, "user": user, "role": role,
-                    "model": model, "version": version, "input_digest": input_digest,
+            text = {"event": event or "call", "action": action, "correlation_id": correlation_id,
+                    "audit_entry_id": audit_entry_id, "session": session, "client": client, "user": user,
+                    "role": role, "model": model, "version": version, "input_digest": input_digest,
                     "output_digest": output_digest, "status": status, "detail": detail}
             # Text from clients may hold lone surrogates (undecodable bytes): store them as U+FFFD, not lose the record.
             fields = {k: str(v).encode("utf-8", "replace").decode("utf-8") for k, v in text.items()}
@@ -176,12 +199,29 @@ class AuditLog:
                 if self._closed:
                     raise RuntimeError("audit log closed")
                 if self._fh is None and not self._open_locked():
-                    return
+                    return False
                 self._write_locked(fields)
         except Exception as exc:  # noqa: BLE001 - never into the caller
             self._fail(f"cannot write audit record ({action}): {exc}")
             with self._lock:
                 self._drop_handle_locked()
+            return False
+        self._set_failing(False, "")
+        return True
+
+    def _set_failing(self, failing: bool, reason: str) -> None:
+        if failing == self.failing:
+            return
+        self.failing, self.failure_reason = failing, reason
+        if failing:
+            log.error("the audit log cannot be written: %s", reason)
+        else:
+            log.warning("the audit log is written again")
+        if self._on_state is not None:
+            try:
+                self._on_state(failing, reason)
+            except Exception:  # noqa: BLE001
+                log.exception("audit state hook failed")
 
     def _write_locked(self, fields: dict) -> None:
         rec = {"seq": self._seq + 1, "time": _utc_now(), **fields, "prev": self._prev}
@@ -222,6 +262,13 @@ class AuditLog:
         os.fsync(self._fh.fileno())
         self._fh.close()
         self._fh = None
+        self._shift_files_locked()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._fh = os.fdopen(fd, "ab")
+        log.info("audit log rotated at seq %d", self._seq)
+
+    def _shift_files_locked(self) -> None:
+        """audit.jsonl -> audit.jsonl.1 -> .2 ...; the oldest beyond keep_files is dropped."""
         oldest = _rotated(self.path, self.keep_files)
         if oldest.exists():
             oldest.unlink()
@@ -232,9 +279,6 @@ class AuditLog:
             os.replace(self.path, _rotated(self.path, 1))
         else:
             self.path.unlink()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._fh = os.fdopen(fd, "ab")
-        log.info("audit log rotated at seq %d", self._seq)
 
     def _drop_handle_locked(self) -> None:
         if self._fh is not None:
@@ -248,6 +292,8 @@ class AuditLog:
         log.error("%s", message)
         if self._metrics is not None:
             self._metrics.audit_errors.inc()
+        if "incomplete last line" not in message:
+            self._set_failing(True, message)
 
     # ---- reading back -------------------------------------------------------------------------------------------
 
@@ -278,12 +324,23 @@ class AuditLog:
 
 def verify(path: Path) -> tuple[bool, list[str]]:
     """Check the chain across the rotated files, oldest to newest. Returns (ok, problems), each problem naming its
-    file and 1-based line. The first record of the oldest file anchors the chain (older files may be rotated away)."""
+    file and 1-based line. The first record of the oldest file anchors the chain (older files may be rotated away).
+    A torn last line (power cut) acknowledged by the audit_resume record that follows it is not a problem: see
+    `verify_report` for the tears."""
+    problems, _ = verify_report(path)
+    return not problems, problems
+
+
+def verify_report(path: Path) -> tuple[list[str], list[str]]:
+    """(problems, tears): tears are torn last lines of a file that the appliance found at start and acknowledged
+    with an audit_resume record chained to the last complete record before them."""
     path = Path(path)
     problems: list[str] = []
+    tears: list[str] = []
     prev_line_hash: str | None = None
     prev_seq: int | None = None
     last_edited = ""  # the previous line, when its own hash failed: explains the next line's broken link
+    pending_tear = ""  # a torn last line of the previous file, waiting for its audit_resume
     for p in _chain_files(path):
         try:
             data = p.read_bytes()
@@ -291,7 +348,8 @@ def verify(path: Path) -> tuple[bool, list[str]]:
             problems.append(f"{p.name}: cannot be read ({exc.strerror})")
             continue
         lines = data.split(b"\n")
-        if lines and lines[-1] == b"":
+        ends_with_newline = bool(lines) and lines[-1] == b""
+        if ends_with_newline:
             lines.pop()
         for number, line in enumerate(lines, start=1):
             where = f"{p.name}:{number}"
@@ -301,9 +359,18 @@ def verify(path: Path) -> tuple[bool, list[str]]:
                 if not isinstance(rec, dict):
                     raise ValueError
             except ValueError:
-                problems.append(f"{where}: not a complete JSON record (a torn write, see the audit_resume record "
-                                "after it, or an edit)")
+                if number == len(lines) and not ends_with_newline:
+                    pending_tear = where  # judged by the record that follows (in the next file)
+                else:
+                    problems.append(f"{where}: not a complete JSON record (edited?)")
                 continue
+            if pending_tear:
+                if rec.get("action") == "audit_resume" and rec.get("prev") == prev_line_hash:
+                    tears.append(f"{pending_tear}: torn last line (the power or the process stopped mid-write); "
+                                 f"acknowledged at {where}, the chain continues from the line before it")
+                else:
+                    problems.append(f"{pending_tear}: not a complete JSON record and no audit_resume follows it")
+                pending_tear = ""
             claimed = rec.pop("hash", None)
             if claimed != _sha256(_canonical(rec)):
                 problems.append(f"{where}: record hash does not match its content (edited?)")
@@ -316,7 +383,10 @@ def verify(path: Path) -> tuple[bool, list[str]]:
                 problems.append(f"{where}: sequence number {rec.get('seq')} does not follow {prev_seq}")
             prev_line_hash = _sha256(line)
             prev_seq = rec.get("seq") if isinstance(rec.get("seq"), int) else None
-    return not problems, problems
+    if pending_tear:
+        problems.append(f"{pending_tear}: torn last line, not yet acknowledged (the appliance has not started since "
+                        "the power or the process stopped mid-write)")
+    return problems, tears
 
 
 def count_records(path: Path) -> tuple[int, int]:
@@ -335,10 +405,13 @@ def cmd_audit_verify(path: Path) -> int:
     if not _chain_files(path):
         print(f"error: no audit log at {path}")
         return 2
-    ok, problems = verify(path)
+    problems, tears = verify_report(path)
     records, files = count_records(path)
-    if ok:
-        print(f"OK: {records} records in {files} files")
+    for tear in tears:
+        print(f"TORN: {tear}")
+    if not problems:
+        print(f"OK: {records} records in {files} files" + (f", {len(tears)} torn line(s) acknowledged"
+                                                           if tears else ""))
         return 0
     for problem in problems:
         print(problem)

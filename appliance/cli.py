@@ -44,7 +44,7 @@ def cmd_check_config(args) -> int:
     return check_config_main(args.file)
 
 
-def audit_admin(config, action: str, detail: str, code: int) -> None:
+def audit_admin(config, action: str, detail: str, code: int, event: str = "admin") -> None:
     """Administrative CLI actions go to their own hash chain (admin.jsonl): the running daemon owns audit.jsonl,
     and two writers on one chain would break it."""
     import getpass
@@ -54,8 +54,10 @@ def audit_admin(config, action: str, detail: str, code: int) -> None:
     log = AuditLog(Path(config.audit.path).with_name("admin.jsonl"), max_bytes=config.audit.max_bytes,
                    keep_files=config.audit.keep_files)
     try:
-        log.record(action=action, session="", client="", user=f"cli:{getpass.getuser()}", role="engineer",
-                   status="Good" if code == 0 else "Bad", detail=detail)
+        from uaserver.session import new_correlation_id
+        log.record(event=event, action=action, correlation_id=new_correlation_id(), session="", client="",
+                   user=f"cli:{getpass.getuser()}", role="engineer", status="Good" if code == 0 else "Bad",
+                   detail=detail)
     finally:
         log.close()
 
@@ -138,8 +140,21 @@ def cmd_plc_types(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from .model_store import ModelStore, ModelStoreError, request_reload
     config = load_config_arg(args.config)
+    engineer = Path(config.server.state_dir) / "clients" / "commissioning-engineer.der"
+    existed = engineer.exists()
+    try:
+        return _cmd_models(args, config)
+    finally:
+        if not existed and engineer.exists():  # deploy/rollback/promote issued the box's engineer certificate
+            import hashlib
+            audit_admin(config, "certs issue commissioning-engineer", "implicit commissioning certificate for "
+                        f"`appliance models`: commissioning-engineer (engineer) "
+                        f"x509:{hashlib.sha1(engineer.read_bytes()).hexdigest()}", 0, event="commissioning_certificate")
+
+
+def _cmd_models(args, config) -> int:
+    from .model_store import ModelStore, ModelStoreError, request_reload
     store = ModelStore(Path(config.server.state_dir))
     action = args.models_action
     try:
@@ -154,6 +169,13 @@ def cmd_models(args) -> int:
             return 0
         if args.name not in config.models:
             return _fail(f"no model '{args.name}' in {config.source}; models: {', '.join(config.models)}")
+        if action == "promote":
+            from .variants import request_promote
+            ok, detail = request_promote(config, args.name, args.variant)
+            audit_admin(config, "models promote", f"{args.name} {args.variant or '(split)'}: {detail}",
+                        0 if ok else 2, event="promote")
+            print(f"{args.name}: {detail}")
+            return 0 if ok else 2
         if action == "deploy":
             keep = config.models[args.name].keep_versions
             version = store.deploy(args.name, Path(args.dir), args.version, keep=keep)
@@ -163,9 +185,9 @@ def cmd_models(args) -> int:
             detail = f"{args.name} {version}"
     except (ModelStoreError, OSError) as e:
         if action != "list":
-            audit_admin(config, f"models {action}", f"{getattr(args, 'name', '')}: {e}", 2)
+            audit_admin(config, f"models {action}", f"{getattr(args, 'name', '')}: {e}", 2, event=action)
         return _fail(str(e))
-    audit_admin(config, f"models {action}", detail, 0)
+    audit_admin(config, f"models {action}", detail, 0, event=action)
     print(f"{args.name}: version {version} serves from {store.model_dir(args.name) / 'current'}")
     reload = request_reload(config, args.name)
     print(("reloaded: " if reload.done else "not reloaded: ") + reload.message)
@@ -212,10 +234,13 @@ def cmd_call(args) -> int:
     elif args.cert or args.key:
         return _fail("give both --cert and --key")
     else:
+        existed = (state_dir / "clients" / "commissioning.der").exists()
         cert, key = commissioning_identity(state_dir)
         if cert is None:
             return _fail("no client certificate: give --cert and --key (make them with "
                          "`appliance certs issue NAME --role operator`)")
+        if not existed:
+            audit_commissioning(config, cert)
     port = config.server.port
     endpoint = args.endpoint or f"opc.tcp://127.0.0.1:{port}"
     if args.input is None and args.prompt is None:
@@ -284,6 +309,14 @@ def commissioning_identity(state_dir: Path):
     return cert, key
 
 
+def audit_commissioning(config, cert: Path) -> None:
+    """`appliance call` without --cert issued itself an operator certificate: the audit trail says so."""
+    import hashlib
+    thumb = hashlib.sha1(cert.read_bytes()).hexdigest()
+    audit_admin(config, "certs issue commissioning", f"implicit commissioning certificate for `appliance call`: "
+                f"commissioning (operator) x509:{thumb}", 0, event="commissioning_certificate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="appliance", description="OPC UA edge inference appliance")
     sub = p.add_subparsers(dest="command", required=True)
@@ -348,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=30.0)
     s.set_defaults(func=cmd_call)
 
-    m = sub.add_parser("models", help="model versions on disk: list, deploy, rollback")
+    m = sub.add_parser("models", help="model versions on disk: list, deploy, rollback; A/B variants: promote")
     msub = m.add_subparsers(dest="models_action", required=True)
     x = msub.add_parser("list", help="versions, digests and which serves")
     x.add_argument("name", nargs="?")
@@ -358,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--version", help="version label (default: the first 12 hex digits of the content digest)")
     x = msub.add_parser("rollback", help="make the previous version serve again")
     x.add_argument("name")
+    x = msub.add_parser("promote", help="send all of NAME's traffic to one of its A/B variants (Admin/PromoteVariant)")
+    x.add_argument("name")
+    x.add_argument("variant", help="a variant of the YAML, 'main' for the model's own path, '' for the split again")
     for action_parser in msub.choices.values():
         action_parser.add_argument("--config")
     m.set_defaults(func=cmd_models)

@@ -580,6 +580,57 @@ class DriftConfig:
     reference: str | None = setting(None, optional(text("a file name")))  # null: <model>.drift.json beside it
 
 
+@dataclass
+class VariantConfig:
+    """One arm of a model's A/B split (`variants:`): its own weights, served by a worker of its own."""
+
+    path: str = required(text("a file or directory path"))
+    weight: float = required(number(0, 100))  # percent of the callers; the model's own path serves the rest
+    version: str | None = setting(None, optional(text("a version label of 1-64 printable characters",
+                                                      lambda v: v.isprintable() and 0 < len(v.strip()),
+                                                      max_len=64)))
+    # filled by the loader
+    resolved_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class VariantsRule:
+    """`variants`: a mapping of variant names to {path, weight, version}; null or empty: no A/B split."""
+
+    expect: str = "a mapping of variant names to {path, weight (percent), version}"
+
+    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+            return {}
+        mapping = _as_mapping(node, ctx, path, self.expect)
+        if mapping is None:
+            return INVALID
+        out: dict[str, VariantConfig] = {}
+        for name, key_node, value_node in _items(mapping, ctx, path, "variant name"):
+            where = _key_path(path, name)
+            if not _MODEL_NAME.fullmatch(name) or name == MAIN_VARIANT:
+                ctx.error(key_node, where, "a variant name must start with a letter and hold at most 64 characters "
+                          f"A-Z a-z 0-9 _ - (and not be '{MAIN_VARIANT}', the model's own path), got {_shown(name)}")
+                continue
+            parsed = _parse_fields(VariantConfig, value_node, ctx, where, where=f"variant '{name}'")
+            if not parsed.complete or where in ctx.bad:
+                continue
+            variant = VariantConfig(**parsed.values)
+            resolved = _resolve(variant.path, ctx)
+            if not resolved.exists():
+                ctx.error(parsed.nodes["path"], f"{where}.path", f"no such file or directory: {resolved} (relative "
+                          f"paths are resolved against {ctx.base_dir})")
+                continue
+            out[name] = dataclasses.replace(variant, resolved_path=resolved)
+        total = sum(v.weight for v in out.values())
+        if total > 100:
+            ctx.error(mapping, path, f"the variants' weights add up to {total:g} percent; expected at most 100 (the "
+                      f"model's own path, variant '{MAIN_VARIANT}', serves what is left)")
+            return INVALID
+        return out
+
+
+MAIN_VARIANT = "main"  # the model's own path in an A/B split
 TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "drift")
 GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p")
 
@@ -614,6 +665,10 @@ class ModelConfig:
     # the request's deadline would be missed (ModelVersion then names the fallback's weights)
     fallback: str | None = setting(None, optional(text("the name of another model", lambda v: bool(
         _MODEL_NAME.fullmatch(v)))))
+    # A/B split: other weights of this model, each with the percent of callers it serves (a stable hash of the
+    # caller's identity chooses); the model's own path (variant "main") serves the rest. Admin/PromoteVariant
+    # sends all traffic to one of them.
+    variants: dict[str, VariantConfig] = setting({}, VariantsRule())
     # filled by the loader, not YAML keys
     name: str = ""
     resolved_path: Path | None = None
@@ -747,6 +802,10 @@ class AuditConfig:
     path: Path | None = setting(None, optional(_path_rule()))  # None: <state_dir>/audit/audit.jsonl
     max_bytes: int = setting(10485760, integer(4096))
     keep_files: int = setting(10, integer(1, 1000))
+    # refuse: while the audit log cannot be written (disk full, read-only), calls answer BadResourceUnavailable and
+    # Alarms/AuditLogFailed is true; continue: calls go on unaudited (the alarm is raised all the same)
+    on_failure: str = setting("refuse", choice("refuse", "continue"))
+    queue_size: int = setting(10000, integer(16, 1000000))  # records waiting for the writer thread, at most
 
 
 @dataclass
@@ -1125,6 +1184,50 @@ def _cross_check(cfg: ApplianceConfig, ctx: _Context) -> None:
           f"expected a number > memory_warning_ratio ({wd.memory_warning_ratio}), got {wd.memory_critical_ratio}")
 
 
+CALL_OVERHEAD_BYTES = 4096  # a Call request's headers, security footer and padding around the input array
+
+
+def onnx_sample_floats(model_path: Path) -> int | None:
+    """Floats in one sample of an ONNX model's first input (its dimensions after the batch), or None if unknown."""
+    import onnx
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+        dims = model.graph.input[0].type.tensor_type.shape.dim[1:]
+    except Exception:  # noqa: BLE001 - the engine reports an unreadable model when it loads it
+        return None
+    if not dims or not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+        return None
+    return math.prod(d.dim_value for d in dims)
+
+
+def _check_max_samples(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """The contract: a call of MaxSamples samples is always accepted, so no other limit may refuse it. Its input
+    (as Double[], which is accepted too: 8 bytes a value) plus the request's overhead must fit in
+    security.limits.max_message_size (security.limits.max_array_length does not apply to a model's own bound).
+    A max_samples written in the YAML that does not fit is refused; the default (64) becomes the most that fit
+    (at least 1), so what MaxSamples advertises follows from the limits."""
+    limit = cfg.security.limits.max_message_size
+    if "security.limits.max_message_size" in ctx.bad:
+        return
+    for name, m in cfg.models.items():
+        path = f"models.{name}.max_samples"
+        if m.kind != "tensor" or path in ctx.bad or m.resolved_path is None or m.resolved_path.suffix != ".onnx":
+            continue
+        floats = onnx_sample_floats(m.resolved_path)
+        if floats is None:
+            continue
+        most = max(0, (limit - CALL_OVERHEAD_BYTES) // (8 * floats))
+        if m.max_samples <= most:
+            continue
+        if path not in ctx.nodes:  # the default: advertise what the limits allow
+            m.max_samples = max(1, most)
+            continue
+        ctx.error(ctx.nodes[path], path, f"{m.max_samples} samples of {floats} values do not fit in a message of "
+                  f"security.limits.max_message_size {limit} bytes (as Double[], 8 bytes a value, with "
+                  f"{CALL_OVERHEAD_BYTES} bytes for the request): expected at most {max(1, most)}, or raise "
+                  "max_message_size")
+
+
 def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
     """A fallback names another configured model of the same kind, and following fallbacks never loops."""
     for name, m in cfg.models.items():
@@ -1207,6 +1310,7 @@ def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
     _cross_check(cfg, ctx)
     _check_fallbacks(cfg, ctx)
     _check_mailboxes(cfg, ctx)
+    _check_max_samples(cfg, ctx)
     return cfg
 
 

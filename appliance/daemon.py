@@ -7,6 +7,7 @@ and every session's KV slot is freed before the engine stops.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import signal
@@ -107,13 +108,15 @@ def _on_gpu(spec) -> bool:
     return str(spec.settings.get("device", "cpu")).startswith("cuda") or spec.settings.get("backend") == "tensorrt"
 
 
-ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical")
+ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical", "AuditLogFailed",
+          "AuditLogTorn")
 
 
 class Appliance:
     def __init__(self, config: ApplianceConfig):
         self.config = config
         self.services: dict = {}  # name -> RemoteModel (appliance.model_port)
+        self.variant_services: dict = {}  # model -> {A/B variant -> RemoteModel}
         self.supervisors: list = []
         self.ua = None
         self.http = None
@@ -139,6 +142,18 @@ class Appliance:
         for name, m in self.config.models.items():
             groups.setdefault(m.worker or name, []).append(m)
         services = {}
+        self.variant_services = {}
+        for m in self.config.models.values():  # each A/B variant in a worker of its own
+            for variant, v in m.variants.items():
+                clone = dataclasses.replace(m, name=f"{m.name}@{variant}", path=str(v.resolved_path),
+                                            resolved_path=v.resolved_path, version=v.version, variants={},
+                                            fallback=None, worker=None)
+                spec = model_spec(clone, eng, device.split(" ")[0], Path(self.config.server.state_dir))
+                sup = WorkerSupervisor(clone.name, [spec], policy, on_event=self._model_event, metrics=self.metrics)
+                self.supervisors.append(sup)
+                self.variant_services.setdefault(m.name, {})[variant] = RemoteModel(
+                    clone.name, m.kind, sup, max_samples=m.max_samples,
+                    served_path=self._served_path(clone, eng, device))
         for group, members in groups.items():
             specs = [model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir)) for m in members]
             sup = WorkerSupervisor(group, specs, policy,
@@ -156,10 +171,19 @@ class Appliance:
         """A model's worker or engine reports a failure (load failed, worker replaced, given up)."""
         log.warning("model %s: %s: %s", name, kind, message)
         if self.audit is not None:
-            self.audit.record(action=kind, session="", client="", user="appliance", role="", model=name,
-                              status="BadInternalError", detail=message)
+            self.audit.record(event="model_event", action=kind, session="", client="", user="appliance", role="",
+                              model=name, status="BadInternalError", detail=message)
         if self.ua is not None:
             self.ua.emit_event(f"Model {name}: {kind}: {message}", severity=800)
+
+    def _audit_state(self, failing: bool, reason: str) -> None:
+        """From the audit writer's thread: the log cannot be written (disk full, ...) or is written again."""
+        if self.ua is None:
+            return
+        policy = self.config.audit.on_failure
+        self.ua.emit_event("Audit log cannot be written: calls are " + ("refused" if policy == "refuse" else
+                           "answered unaudited") + " until it can" if failing else "Audit log is written again",
+                           severity=900 if failing else 300)
 
     def readiness(self) -> tuple[bool, list[str]]:
         reasons = []
@@ -189,9 +213,11 @@ class Appliance:
     def alarms(self) -> dict[str, bool]:
         statuses = [m.status() for m in self.services.values()]
         wd = self.watchdog.state if self.watchdog is not None else "NoGpu"
+        audit_failed = self.ua is not None and self.ua.handlers.audit_failing()
         return {"EngineFault": self.gpu_fault is not None, "WorkerRestarting": any(st.restarting for st in statuses),
                 "ModelFailed": any(st.state == "Failed" for st in statuses), "GpuWarning": wd == "Warning",
-                "GpuCritical": wd == "Critical"}
+                "GpuCritical": wd == "Critical", "AuditLogFailed": bool(audit_failed),
+                "AuditLogTorn": bool(self.audit is not None and self.audit.torn)}
 
     async def _supervision_loop(self) -> None:
         """1 Hz: each model's Heartbeat, the worker gauges and the alarm gauges."""
@@ -253,7 +279,7 @@ class Appliance:
         if cfg.audit.enabled:
             audit_path = Path(cfg.audit.path) if cfg.audit.path else state_dir / "audit" / "audit.jsonl"
             self.audit = AuditLog(audit_path, max_bytes=cfg.audit.max_bytes, keep_files=cfg.audit.keep_files,
-                                  metrics=self.metrics)
+                                  metrics=self.metrics, on_state=self._audit_state)
         users = UserStore(state_dir, [(u.name, u.role, u.password_hash) for u in cfg.users],
                           backoff_s=cfg.security.login_backoff_s, backoff_max_s=cfg.security.login_backoff_max_s)
         wd = cfg.watchdog
@@ -269,8 +295,11 @@ class Appliance:
         self._supervision_task = asyncio.create_task(self._supervision_loop())
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
                                     metrics=self.metrics, audit=self.audit, device=device, health=self.health,
-                                    supervision_alive=self.supervision_alive, alarms=self.alarms)
+                                    supervision_alive=self.supervision_alive, alarms=self.alarms,
+                                    variants=self.variant_services)
         await self.ua.start()
+        if self.audit is not None and self.audit.torn:
+            self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)
         if self.metrics.server_cert_expiring._value.get():
             self.ua.emit_event("The server certificate expires within "
                                f"{cfg.security.cert_expiry_warning_days} days: renew it with "
@@ -315,7 +344,8 @@ class Appliance:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while loop.time() < end:
-            if all(s.status().state != "Loading" for s in self.services.values()):
+            models = [*self.services.values(), *(v for arms in self.variant_services.values() for v in arms.values())]
+            if all(s.status().state != "Loading" for s in models):
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError("models did not finish loading")
@@ -447,20 +477,42 @@ class Appliance:
                 pass
 
 
+class CorrelationFilter(logging.Filter):
+    """Puts the correlation id of the call being served (if any) on every log record: `correlation_id`, and
+    `correlation` (" [cid=...]" or "") for the text format."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from uaserver.session import correlation_id
+        cid = correlation_id.get()
+        record.correlation_id = cid
+        record.correlation = f" [cid={cid}]" if cid else ""
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (logging.format: json): time, level, logger, message, correlation_id when the line
+    is about a call, exception when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+        doc = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if getattr(record, "correlation_id", ""):
+            doc["correlation_id"] = record.correlation_id
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False)
+
+
 def configure_logging(config: ApplianceConfig) -> None:
     level = getattr(logging, config.logging.level)
+    handler = logging.StreamHandler()
+    handler.addFilter(CorrelationFilter())
     if config.logging.format == "json":
-        import json
-
-        class JsonFormatter(logging.Formatter):
-            def format(self, record):
-                return json.dumps({"time": self.formatTime(record), "level": record.levelname,
-                                   "logger": record.name, "message": record.getMessage()})
-        handler = logging.StreamHandler()
         handler.setFormatter(JsonFormatter())
-        logging.basicConfig(level=level, handlers=[handler], force=True)
     else:
-        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s%(correlation)s"))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
     # asyncua logs every request at INFO.
     logging.getLogger("asyncua").setLevel(max(level, logging.WARNING))
 

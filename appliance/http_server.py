@@ -100,7 +100,12 @@ class MonitoringServer:
         if method not in ("GET", "HEAD"):
             return await self._send(writer, 405, b"method not allowed\n", _TEXT, head_only=False,
                                     extra={"Allow": "GET, HEAD"})
-        status, body, content_type = self._route(path)
+        accept = ""
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"accept":
+                accept = value.strip().decode("latin-1")
+        status, body, content_type = self._route(path, accept)
         extra = {"Content-Security-Policy": CONTENT_SECURITY_POLICY} if path == "/" else None
         await self._send(writer, status, body, content_type, head_only=method == "HEAD", extra=extra)
 
@@ -113,7 +118,7 @@ class MonitoringServer:
                 log.exception("status sample failed")
             await asyncio.sleep(SAMPLE_S)
 
-    def _route(self, path: str) -> tuple[int, bytes, str]:
+    def _route(self, path: str, accept: str = "") -> tuple[int, bytes, str]:
         if path == "/":
             try:
                 return 200, render(self._status(), self._history).encode(), "text/html; charset=utf-8"
@@ -132,7 +137,7 @@ class MonitoringServer:
                 return 200, json.dumps({"ready": True}).encode(), _JSON
             return 503, json.dumps({"ready": False, "reasons": [str(r) for r in reasons]}).encode(), _JSON
         try:
-            body, content_type = self._metrics.render()
+            body, content_type = self._metrics.render(accept)
         except Exception:  # noqa: BLE001
             log.exception("metrics rendering failed")
             return 500, b"metrics unavailable\n", _TEXT

@@ -5,7 +5,10 @@ once they have a value. Engine parts receive the `Metrics` object and update it;
 """
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -13,12 +16,49 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 WATCHDOG_STATES = {"Ok": 0, "Warning": 1, "Critical": 2, "NoGpu": 3}
 
 
+class _Series:
+    def __init__(self, store: dict, key: tuple, lock: threading.Lock):
+        self._store, self._key, self._lock = store, key, lock
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self._store[self._key] = self._store.get(self._key, 0.0) + amount
+
+
+class _RequestsCounter:
+    """appliance_requests_total{model,method,status} plus `variant` on the series of models with A/B variants:
+    a family whose series differ in label names, which prometheus_client's Counter cannot hold."""
+
+    name, documentation = "appliance_requests", "Method calls answered, by model, method and OPC UA status name " \
+        "(and the A/B variant that answered, where the model has variants)"
+
+    def __init__(self, registry):
+        self._values: dict[tuple, float] = {}
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def labels(self, model: str, method: str, status: str, variant: str = "") -> _Series:
+        return _Series(self._values, (model, method, status, variant), self._lock)
+
+    def describe(self):
+        return [Metric(self.name, self.documentation, "counter")]
+
+    def collect(self):
+        family = Metric(self.name, self.documentation, "counter")
+        with self._lock:
+            items = sorted(self._values.items())
+        for (model, method, status, variant), value in items:
+            labels = {"model": model, "method": method, "status": status}
+            if variant:
+                labels["variant"] = variant
+            family.add_sample(self.name + "_total", labels, value)
+        return [family]
+
+
 class Metrics:
     def __init__(self, gpu_present: bool = False):
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests_total = Counter(
-            "appliance_requests", "Method calls answered, by model, method and OPC UA status name",
-            ["model", "method", "status"], registry=r)
+        self.requests_total = _RequestsCounter(registry=r)
         self.request_duration = Histogram(
             "appliance_request_duration_seconds", "Time from a method call's arrival to its answer",
             ["model", "method"], buckets=LATENCY_BUCKETS, registry=r)
@@ -77,6 +117,10 @@ class Metrics:
                                         registry=r)
             self.gpu_power = Gauge("appliance_gpu_power_watts", "GPU power draw", ["gpu"], registry=r)
 
+    def count_request(self, model: str, method: str, status: str, variant: str = "") -> None:
+        """appliance_requests_total; with a `variant` label where the model has A/B variants (the contract)."""
+        self.requests_total.labels(model, method, status, variant).inc()
+
     def set_model_info(self, model: str, version: str, backend: str) -> None:
         # One series per model: drop the old version's series on reload.
         for labels in [s.labels for fam in self.model_info.collect() for s in fam.samples]:
@@ -84,5 +128,11 @@ class Metrics:
                 self.model_info.remove(labels["model"], labels["version"], labels["backend"])
         self.model_info.labels(model, version, backend).set(1)
 
-    def render(self) -> tuple[bytes, str]:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """Prometheus text; OpenMetrics (with the latency histogram's exemplars: the calls' correlation ids) when
+        the scraper asks for it (Prometheus does with exemplar storage on)."""
+        if "application/openmetrics-text" in accept:
+            from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OM_TYPE
+            from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+            return om_latest(self.registry), OM_TYPE
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

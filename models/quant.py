@@ -21,7 +21,6 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 GROUP = 32  # int4 group size: GGUF's block size, and one of torch's int4 op's sizes
 ROW_CHUNK = 256  # rows dequantised at a time when requantizing (a 256 x 1536 fp32 buffer is 1.5 MB)

@@ -148,25 +148,76 @@ def test_a_restart_resumes_the_chain(tmp_path):
     assert verify(path) == (True, [])
 
 
-def test_a_torn_last_line_is_reported_and_the_chain_resumes(tmp_path):
+def test_a_torn_last_line_is_kept_and_the_chain_continues_in_a_new_file(tmp_path, capsys):
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path)
     write(log, 4)
     log.close()
+    torn = b'{"seq":5,"time":"2025-01-01T00:00:00.000Z","act'  # power cut mid-write
     with open(path, "ab") as fh:
-        fh.write(b'{"seq":5,"time":"2025-01-01T00:00:00.000Z","act')  # power cut mid-write
-    metrics = Metrics()
-    log = AuditLog(path, metrics=metrics)
-    assert errors_total(metrics) == 1
+        fh.write(torn)
+    before = path.read_bytes()
+    metrics, notes = Metrics(), []
+    log = AuditLog(path, metrics=metrics, on_torn=notes.append)
+    assert errors_total(metrics) == 1 and len(notes) == 1 and "audit.jsonl.1:5" in notes[0]
+    assert not log.failing  # a tear found at start is no write failure
     write(log, 2, start=5)
     log.close()
+    kept = tmp_path / "audit.jsonl.1"
+    assert kept.read_bytes() == before  # the torn file is kept byte for byte
     lines = lines_of(path)
-    resume = json.loads(lines[5])
-    assert resume["action"] == "audit_resume" and resume["seq"] == 5 and "audit.jsonl:5" in resume["detail"]
-    assert resume["prev"] == hashlib.sha256(lines[3]).hexdigest()
-    assert set(resume) == set(json.loads(lines[0]))  # same schema as every other record
+    resume = json.loads(lines[0])
+    assert resume["action"] == "audit_resume" and resume["event"] == "audit_resume" and resume["seq"] == 5
+    assert "audit.jsonl.1:5" in resume["detail"]
+    assert resume["prev"] == hashlib.sha256(lines_of(kept)[3]).hexdigest()  # chained to the last good record
+    assert set(resume) == set(json.loads(lines[1]))  # same schema as every other record
     ok, problems = verify(path)
-    assert not ok and len(problems) == 1 and problems[0].startswith("audit.jsonl:5: not a complete JSON record")
+    assert ok, problems
+    assert cmd_audit_verify(path) == 0
+    out = capsys.readouterr().out
+    assert "TORN: audit.jsonl.1:5: torn last line" in out and "1 torn line(s) acknowledged" in out
+
+
+def test_an_unacknowledged_torn_tail_fails_verification(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 3)
+    log.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"seq":4,"ti')
+    ok, problems = verify(path)
+    assert not ok and problems[0].startswith("audit.jsonl:4: torn last line, not yet acknowledged")
+
+
+class _FullDisk:
+    """A file object whose writes fail as on a full disk."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def write(self, data):
+        raise OSError(28, "No space left on device")
+
+    def flush(self):
+        raise OSError(28, "No space left on device")
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_failing_write_reports_the_state_and_recovers(tmp_path):
+    path = tmp_path / "audit.jsonl"
+    states = []
+    log = AuditLog(path, on_state=lambda failing, reason: states.append((failing, reason)))
+    assert log.record(action="Infer", status="Good")
+    log._fh = _FullDisk(log._fh)
+    assert not log.record(action="Infer", status="Good")
+    assert log.failing and states[-1][0] is True and "No space left" in states[-1][1]
+    assert log.record(action="Infer", status="Good")  # the handle is reopened: the disk has room again
+    assert not log.failing and states[-1] == (False, "")
+    log.close()
+    assert verify(path) == (True, [])
+    assert [json.loads(line)["seq"] for line in lines_of(path)] == [1, 2]
 
 
 def test_record_never_raises_and_counts_errors(tmp_path):
@@ -219,3 +270,31 @@ def test_cmd_audit_verify(tmp_path, capsys):
     rotated.write_bytes(b"\n".join(lines[:1] + lines[2:]) + b"\n")
     assert cmd_audit_verify(path) == 2
     assert "audit.jsonl.1:2: previous-hash link broken" in capsys.readouterr().out
+
+
+def test_log_lines_about_a_call_carry_its_correlation_id_as_json():
+    import io
+    import logging
+
+    from appliance.daemon import CorrelationFilter, JsonFormatter
+    from uaserver.session import correlation_id
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(CorrelationFilter())
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("test.correlation")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        token = correlation_id.set("0123456789abcdef0123456789abcdef")
+        try:
+            logger.warning("Infer on te refused")
+        finally:
+            correlation_id.reset(token)
+        logger.warning("not about a call")
+    finally:
+        logger.removeHandler(handler)
+    first, second = (json.loads(line) for line in stream.getvalue().splitlines())
+    assert first["correlation_id"] == "0123456789abcdef0123456789abcdef" and first["message"] == "Infer on te refused"
+    assert "correlation_id" not in second and second["level"] == "WARNING"

@@ -83,6 +83,6 @@ def test_tensorrt_build_failure_still_serves(monkeypatch, tmp_path):
 
 
 def test_tensorrt_needs_an_onnx_file():
-    pt = TE_ONNX.with_suffix(".pt")
+    pt = TE_ONNX.with_suffix(".pt2")
     with pytest.raises(EngineFailure, match="builds its engine from an ONNX model"):
         tb.load_tensor_backend(pt, "tensorrt", "auto")

@@ -172,8 +172,8 @@ def test_the_cli_writes_both_formats_into_a_folder_and_to_stdout(tmp_path, monke
 def test_the_cli_refuses_an_unknown_model_and_a_model_without_an_onnx_file(tmp_path, capsys):
     assert main(["plc-types", "nope", "--format", "scl"]) == 2
     assert "no model 'nope'" in capsys.readouterr().err
-    shutil.copy(ONNX_PATH.with_suffix(".pt"), tmp_path / "m.pt")
-    (tmp_path / "a.yaml").write_text("models:\n  ts: {kind: tensor, path: m.pt}\n")
+    shutil.copy(ONNX_PATH.with_suffix(".pt2"), tmp_path / "m.pt2")
+    (tmp_path / "a.yaml").write_text("models:\n  ts: {kind: tensor, path: m.pt2}\n")
     assert main(["plc-types", "ts", "--format", "scl", "--config", str(tmp_path / "a.yaml")]) == 2
     err = capsys.readouterr().err
     assert "InputShape is read from an ONNX file" in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""The shipped Tennessee Eastman classifier: its ONNX and TorchScript files, its data readers and its reported metrics,
+"""The shipped Tennessee Eastman classifier: its ONNX and torch.export (.pt2) files, its data readers and its reported metrics,
 checked against the real held-out TE test files."""
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_constants_match_the_shipped_files(metrics):
     assert all(name.isascii() for name in te.CLASS_NAMES)
     assert list(te.INPUT_SHAPE) == metrics["input_shape"] and list(te.OUTPUT_SHAPE) == metrics["output_shape"]
     assert metrics["class_names"] == te.CLASS_NAMES
-    assert te.ONNX_PATH.stat().st_size < 2_000_000 and te.TORCHSCRIPT_PATH.stat().st_size < 2_000_000
+    assert te.ONNX_PATH.stat().st_size < 2_000_000 and te.EXPORTED_PATH.stat().st_size < 2_000_000
 
 
 def test_data_files_are_read_with_their_layouts():
@@ -90,9 +90,9 @@ def test_outputs_are_probabilities(session, test_windows, batch):
     np.testing.assert_allclose(p.sum(axis=1), 1.0, atol=1e-5)
 
 
-def test_onnx_and_torchscript_agree_on_real_windows(session, test_windows):
+def test_onnx_and_the_exported_program_agree_on_real_windows(session, test_windows):
     x = np.concatenate([test_windows[f][0][::25] for f in range(te.N_CLASSES)])
-    scripted = torch.jit.load(str(te.TORCHSCRIPT_PATH))
+    scripted = torch.export.load(str(te.EXPORTED_PATH)).module()
     with torch.no_grad():
         ts = scripted(torch.from_numpy(x)).numpy()
     onnx_p = onnx_probs(session, x)

@@ -1,4 +1,4 @@
-"""Tensor model service with real ONNX Runtime and TorchScript models built in tmp_path at test time."""
+"""Tensor model service with real ONNX Runtime and torch.export (.pt2) models built in tmp_path at test time."""
 from __future__ import annotations
 
 import asyncio
@@ -72,9 +72,8 @@ def _write_onnx(path: Path, graph) -> None:
     os.replace(tmp, path)  # atomic, as an engineer deploying new weights should do
 
 
-def save_torchscript(path: Path, w: dict[str, np.ndarray], embed_shapes: bool = True) -> Path:
-    import warnings
-
+def save_exported(path: Path, w: dict[str, np.ndarray], embed_shapes: bool = True) -> Path:
+    """An ExportedProgram (torch.export, dynamic batch); shapes in its extra files, or only in the graph."""
     import torch
 
     class Mlp(torch.nn.Module):
@@ -89,12 +88,9 @@ def save_torchscript(path: Path, w: dict[str, np.ndarray], embed_shapes: bool = 
             return h @ self.w2 + self.b2
 
     shapes = json.dumps({"input_shape": [N_IN], "output_shape": [N_OUT]})
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        scripted = torch.jit.script(Mlp())
-        torch.jit.save(scripted, str(path), _extra_files={"shapes.json": shapes} if embed_shapes else {})
-    if not embed_shapes:
-        path.with_name(path.name + ".json").write_text(shapes)
+    program = torch.export.export(Mlp(), (torch.zeros(2, N_IN),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=65536)},))
+    torch.export.save(program, str(path), extra_files={"shapes.json": shapes} if embed_shapes else None)
     return path
 
 
@@ -112,11 +108,12 @@ def later(seconds: float = 10.0) -> float:
 
 # ---- backends ----
 
-def test_onnxruntime_and_torchscript_backends_agree(tmp_path):
+def test_onnxruntime_and_torch_export_backends_agree(tmp_path):
     w = make_weights(1)
     ort_backend = load_tensor_backend(save_onnx(tmp_path / "m.onnx", w), threads=1)
-    torch_backend = load_tensor_backend(save_torchscript(tmp_path / "m.pt", w), device="auto", threads=1)
-    sidecar_backend = load_tensor_backend(save_torchscript(tmp_path / "s.pt", w, embed_shapes=False), "torch", "cpu")
+    torch_backend = load_tensor_backend(save_exported(tmp_path / "m.pt2", w), device="auto", threads=1)
+    # no shapes.json: the sample shapes come from the exported graph itself
+    sidecar_backend = load_tensor_backend(save_exported(tmp_path / "s.pt2", w, embed_shapes=False), "torch", "cpu")
     assert (ort_backend.name, torch_backend.name, sidecar_backend.name) == ("onnxruntime-cpu", "torch-cpu",
                                                                               "torch-cpu")
     for b in (ort_backend, torch_backend, sidecar_backend):
@@ -140,23 +137,22 @@ def test_onnx_with_batch_fixed_at_one_runs_samples_one_by_one(tmp_path):
 def test_backend_choice_errors_are_clear_and_path_free(tmp_path):
     w = make_weights(1)
     onnx_path = save_onnx(tmp_path / "m.onnx", w)
-    pt_path = save_torchscript(tmp_path / "m.pt", w)
-    bare_pt = tmp_path / "bare.pt"
-    import warnings
-
+    pt_path = save_exported(tmp_path / "m.pt2", w)
     import torch
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(torch.jit.script(torch.nn.Tanh()), str(bare_pt))  # no shapes anywhere
+    bare_pt = tmp_path / "bare.pt2"  # a dynamic sample dimension: no fixed sample shape anywhere
+    torch.export.save(torch.export.export(torch.nn.Tanh(), (torch.zeros(2, 3),), dynamic_shapes=(
+        {0: torch.export.Dim("b"), 1: torch.export.Dim("n")},)), str(bare_pt))
+    (tmp_path / "old.pt").write_bytes(b"PK\3\4 a TorchScript archive")
     (tmp_path / "m.bin").write_bytes(b"\0" * 16)
     (tmp_path / "bad.onnx").write_bytes(b"not a protobuf at all")
     cases = [((onnx_path, "torch"), "torch backend cannot load an ONNX model"),
-             ((pt_path, "onnxruntime"), "onnxruntime backend cannot load a TorchScript model"),
+             ((pt_path, "onnxruntime"), "onnxruntime backend cannot load a torch.export model"),
+             ((tmp_path / "old.pt", "auto"), "TorchScript (.pt) is retired"),
              ((pt_path, "tensorrt"), "builds its engine from an ONNX model"),
              ((tmp_path / "m.bin", "auto"), "unsupported model file type '.bin'"),
              ((tmp_path / "missing.onnx", "auto"), "does not exist"),
              ((tmp_path / "bad.onnx", "auto"), "ONNX model could not be loaded"),
-             ((bare_pt, "auto"), "needs its sample shapes"),
+             ((bare_pt, "auto"), "sample shapes must be positive integers"),
              ((onnx_path, "bogus"), "unknown backend")]
     for (path, backend), expected in cases:
         with pytest.raises(EngineFailure) as info:
@@ -184,14 +180,14 @@ def test_content_version_follows_the_bytes(tmp_path):
 
 # ---- service ----
 
-def test_service_serves_onnx_and_torchscript_alike(tmp_path):
+def test_service_serves_onnx_and_torch_export_alike(tmp_path):
     w = make_weights(5)
     metrics = Metrics()
     x = np.random.default_rng(6).standard_normal((3, N_IN)).astype(np.float32)
 
     async def main():
         onnx_svc = make_service(save_onnx(tmp_path / "m.onnx", w), metrics)
-        torch_svc = make_service(save_torchscript(tmp_path / "m.pt", w), None, version_label="2024-06-a")
+        torch_svc = make_service(save_exported(tmp_path / "m.pt2", w), None, version_label="2024-06-a")
         assert onnx_svc.state == "Loading"
         await onnx_svc.start()
         await torch_svc.start()

@@ -60,6 +60,9 @@ JOB_METHODS = {
 COMMON_JOB_METHODS = [("CancelJob", [JOB_ID], []), ("ReleaseJob", [JOB_ID], [])]
 RELOAD_IN = [argument("Name", V.String, description="the model's name")]
 RELOAD_OUT = [argument("Version", V.String)]
+PROMOTE_IN = [argument("Model", V.String, description="the model's name"),
+              argument("Variant", V.String, description="one of the model's YAML variants, 'main' for its own path, "
+                       "or empty to restore the configured split")]
 
 
 @dataclass
@@ -166,6 +169,8 @@ class AddressSpaceBuilder:
         admin = await root.add_object(self.nid("Appliance/Admin"), ua.QualifiedName("Admin", self.ns))
         await admin.add_method(self.nid("Appliance/Admin/ReloadModel"), ua.QualifiedName("ReloadModel", self.ns),
                                callbacks[("", "ReloadModel")], RELOAD_IN, RELOAD_OUT)
+        await admin.add_method(self.nid("Appliance/Admin/PromoteVariant"), ua.QualifiedName("PromoteVariant", self.ns),
+                               callbacks[("", "PromoteVariant")], PROMOTE_IN, [])
         return nodes
 
 

@@ -69,7 +69,8 @@ from cryptography.hazmat.primitives import serialization  # noqa: E402
 
 from .identity import LoginVerdict, login_verdict  # noqa: E402
 from .session import (  # noqa: E402
-    ActivationContext, ApplianceUser, activation_context, current_session, random_node_id, thumbprint)
+    ActivationContext, ApplianceUser, activation_context, clean_audit_entry_id, current_audit_entry_id,
+    current_session, random_node_id, thumbprint)
 
 log = logging.getLogger(__name__)
 
@@ -327,6 +328,15 @@ class ChannelGuard:
     max_array_length: int | None = None  # bounds the elements a Variant's ArrayDimensions may declare
     # Check passwords in a worker thread (False: on the event loop, as asyncua would; kept for measurements).
     offload_password_check: bool = True
+    # audit(event, session=..., status=..., detail=..., **fields): logins, refused certificates, sessions
+    audit: Callable[..., None] | None = None
+
+    def record(self, event: str, **fields) -> None:
+        if self.audit is not None:
+            try:
+                self.audit(event, **fields)
+            except Exception:  # noqa: BLE001 - auditing never breaks the protocol
+                log.exception("audit of %s failed", event)
 
 
 def error_message(status: int, reason: str) -> bytes:
@@ -344,6 +354,21 @@ def transport_status(exc: BaseException) -> int:
     if isinstance(exc, ua.UaError) and "No matching policy" in str(exc):
         return ua.StatusCodes.BadSecurityPolicyRejected
     return ua.StatusCodes.BadDecodingError
+
+
+def _token_kind(token) -> str:
+    return ("x509" if isinstance(token, ua.X509IdentityToken) else
+            "username" if isinstance(token, ua.UserNameIdentityToken) else "anonymous")
+
+
+def _claimed_user(token) -> str:
+    """Who a refused login claimed to be, for the audit log: never the password."""
+    if isinstance(token, ua.UserNameIdentityToken):
+        name = token.UserName if isinstance(token.UserName, str) else ""
+        return f"user:{name[:64]}"
+    if isinstance(token, ua.X509IdentityToken):
+        return f"x509:{thumbprint(leaf_certificate(token.CertificateData))}"
+    return "anonymous"
 
 
 class HardenedProcessor(UaProcessor):
@@ -423,12 +448,17 @@ class HardenedProcessor(UaProcessor):
     async def _create_session(self, typeid, requesthdr, seqhdr, body):
         params = struct_from_binary(ua.CreateSessionParameters, body.copy())
         channel_cert = leaf_certificate(self._connection.security_policy.peer_certificate)
+        peer = f"{self.name[0]}:{self.name[1]}" if isinstance(self.name, tuple) else str(self.name)
         if channel_cert is None or leaf_certificate(params.ClientCertificate) != channel_cert:
             log.warning("CreateSession from %s: certificate differs from the secure channel's", self.name)
+            self.guard.record("certificate_refused", status="BadSecurityChecksFailed", client=thumbprint(channel_cert),
+                              detail=f"from {peer}: CreateSession certificate differs from the secure channel's")
             raise ServiceError(ua.StatusCodes.BadSecurityChecksFailed)
         status = self.guard.validate_client_certificate(channel_cert, params.ClientDescription.ApplicationUri)
         if status != "Good":
             log.warning("CreateSession from %s: client certificate refused (%s)", self.name, status)
+            self.guard.record("certificate_refused", status=status, client=thumbprint(channel_cert),
+                              detail=f"from {peer}: application certificate refused (copied to pki/rejected)")
             raise ServiceError(getattr(ua.StatusCodes, status, ua.StatusCodes.BadSecurityChecksFailed))
         if self.session is not None:
             # One session per connection: a second CreateSession would orphan the first.
@@ -439,7 +469,9 @@ class HardenedProcessor(UaProcessor):
         if isinstance(self.session, ApplianceSession):
             self.session.channel_certificate = channel_cert
             self.session.client_uri = params.ClientDescription.ApplicationUri or ""
-            self.session.peer = f"{self.name[0]}:{self.name[1]}" if isinstance(self.name, tuple) else str(self.name)
+            self.session.peer = peer
+            self.guard.record("session_open", session=self.session, user="", role="",
+                              detail=f"from {peer}, application {self.session.client_uri}")
         return result
 
     async def _activate_session(self, typeid, requesthdr, seqhdr, body):
@@ -467,8 +499,19 @@ class HardenedProcessor(UaProcessor):
         watchdog_before = self._session_watchdog_task
         verdict_token = login_verdict.set(verdict)
         try:
-            return await super()._process_message(typeid, requesthdr, seqhdr, body)
-        except BaseException:
+            result = await super()._process_message(typeid, requesthdr, seqhdr, body)
+            if isinstance(session, ApplianceSession):
+                self.guard.record("login", session=session,
+                                  detail=f"{_token_kind(params.UserIdentityToken)} from {session.peer}"
+                                  + (" (re-activated on a new channel)" if reconnect else ""))
+            return result
+        except BaseException as exc:
+            if isinstance(session, ApplianceSession) and not isinstance(exc, asyncio.CancelledError):
+                code = getattr(exc, "code", None)
+                self.guard.record("login_failed", session=session, role="",
+                                  user=_claimed_user(params.UserIdentityToken),
+                                  status=ua.StatusCode(code).name if isinstance(code, int) else "BadIdentityTokenRejected",
+                                  detail=f"{_token_kind(params.UserIdentityToken)} from {session.peer}")
             if reconnect:
                 # asyncua bound the session to this connection before activating it: undo that.
                 self.session = None
@@ -505,9 +548,11 @@ class HardenedProcessor(UaProcessor):
         session.touch()
         session.outstanding_calls += 1
         token = current_session.set(session)
+        entry = current_audit_entry_id.set(clean_audit_entry_id(requesthdr.AuditEntryId))
         try:
             asyncio.get_running_loop().create_task(self._run_call(session, requesthdr, seqhdr, params))
         finally:
+            current_audit_entry_id.reset(entry)
             current_session.reset(token)
         return True
 

@@ -21,7 +21,7 @@ from asyncua import ua
 from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
 
 from .asyncua_internals import ApplianceSession
-from .session import current_session
+from .session import correlation_id, current_audit_entry_id, current_session, new_correlation_id
 from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,12 @@ class CallContext:
     input_digest: str = ""
     output_digest: str = ""
     answered_by: str = ""  # the fallback model that answered instead (its name), if one did
+    variant: str = ""  # the A/B variant that answered, if the model has variants
+    event: str = "call"  # the audit record's event kind (role_denied, rate_limited, audit_refused, promote, ...)
     detail: str = ""  # for the audit record (e.g. the mailbox and its Request)
     parent: Any = None  # the NodeId of the object the method was called on
+    correlation_id: str = field(default_factory=new_correlation_id)
+    audit_entry_id: str = ""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -99,20 +103,38 @@ def require_role(session: ApplianceSession | None, needed: str) -> None:
 class _AuditWriter:
     """Writes audit records in call order on one thread, off the event loop. The records of one loop turn go over
     in one batch: a queue hand-over per record woke the thread (and fought the loop for the GIL) once per call,
-    a fifth of the serve process's CPU at 16 clients (py-spy)."""
+    a fifth of the serve process's CPU at 16 clients (py-spy). At most `max_pending` records wait: beyond, a record
+    is dropped and counted as a write failure (`full` is true until the thread catches up)."""
 
-    def __init__(self, audit):
+    def __init__(self, audit, max_pending: int = 10000, metrics=None):
         self._audit = audit
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._batch: list[dict] = []
+        self._pending = 0  # records put and not yet written; on the loop += , in the thread -= (under the lock)
+        self._lock = threading.Lock()
+        self.max_pending = max_pending
+        self.dropped = 0
+        self._metrics = metrics
         self._thread = threading.Thread(target=self._run, name="audit", daemon=True)
         self._thread.start()
 
-    def put(self, fields: dict) -> None:
-        """On the event loop."""
+    @property
+    def full(self) -> bool:
+        return self._pending >= self.max_pending
+
+    def put(self, fields: dict) -> bool:
+        """On the event loop. False when the queue is full (the record is dropped)."""
+        with self._lock:
+            if self._pending >= self.max_pending:
+                self.dropped += 1
+                if self._metrics is not None:
+                    self._metrics.audit_errors.inc()
+                return False
+            self._pending += 1
         if not self._batch:
             asyncio.get_running_loop().call_soon(self._hand_over)
         self._batch.append(fields)
+        return True
 
     def _hand_over(self) -> None:
         batch, self._batch = self._batch, []
@@ -132,13 +154,16 @@ class _AuditWriter:
                 return
             for fields in batch:
                 self._audit.record(**fields)
+                with self._lock:
+                    self._pending -= 1
 
 
 class MethodHandlers:
     """One instance per server; `wrap` turns an async body into an asyncua method callback."""
 
     def __init__(self, *, metrics, audit, max_array_length: int, max_string_length: int,
-                 request_timeout_s: float, rate_limiter=None):
+                 request_timeout_s: float, rate_limiter=None, audit_on_failure: str = "refuse",
+                 audit_queue_size: int = 10000):
         self.metrics = metrics
         self.audit = audit
         self.max_array_length = max_array_length
@@ -149,7 +174,30 @@ class MethodHandlers:
         self.draining = False  # shutting down: new calls answer BadInvalidState
         # Audit records are written in order by one thread: hashing, JSON and the periodic fsync stay off the
         # event loop (at 1 call in flight they overlap the client's round trip instead of adding to it).
-        self._audit_writer = _AuditWriter(audit) if audit is not None else None
+        self._audit_writer = _AuditWriter(audit, audit_queue_size, metrics) if audit is not None else None
+        self.audit_on_failure = audit_on_failure
+
+    def audit_failing(self) -> bool:
+        """The audit log cannot be written now (a write failed, or the writer's queue is full)."""
+        w = self._audit_writer
+        return w is not None and (self.audit.failing or w.full)
+
+    def event(self, event: str, *, action: str = "", session: ApplianceSession | None = None, status: str = "Good",
+              detail: str = "", **fields) -> None:
+        """An audit record that is not a method call (login, session, certificate, alarm acknowledgement...); on the
+        event loop. Never raises."""
+        if self._audit_writer is None:
+            return
+        s = session
+        record = dict(event=event, action=action or event, session=s.key if s else "",
+                      client=s.client_thumbprint if s else "", user=s.identity if s else "",
+                      role=(s.role or "") if s else "", status=status, detail=detail,
+                      correlation_id=correlation_id.get() or new_correlation_id())
+        record.update(fields)
+        try:
+            self._audit_writer.put(record)
+        except Exception:  # noqa: BLE001 - no running loop (shutdown): the record is lost, say so
+            log.exception("audit event %s could not be queued", event)
 
     def close(self) -> None:
         """Write what is queued; called once the server stopped taking calls."""
@@ -159,7 +207,9 @@ class MethodHandlers:
     def wrap(self, method: str, model: str, role: str, n_args: int,
              body: Callable[[CallContext, tuple], Any]) -> Callable:
         async def callback(parent: ua.NodeId, *args: ua.Variant):
-            ctx = CallContext(session=current_session.get(), method=method, model=model, parent=parent)
+            ctx = CallContext(session=current_session.get(), method=method, model=model, parent=parent,
+                              audit_entry_id=current_audit_entry_id.get())
+            cid = correlation_id.set(ctx.correlation_id)  # every log line about the call carries it
             status = "Good"
             self.in_flight += 1
             try:
@@ -167,7 +217,11 @@ class MethodHandlers:
                     raise NotReady("the appliance is shutting down")
                 require_role(ctx.session, role)
                 if self.rate_limiter is not None and not self._within_rate(ctx.session):
-                    status = "BadTooManyOperations"
+                    status, ctx.event = "BadTooManyOperations", "rate_limited"
+                    return status_result(status)
+                if self.audit_on_failure == "refuse" and self.audit_failing():
+                    # No call may go unaudited: refused before any engine work until the log is written again.
+                    status, ctx.event = "BadResourceUnavailable", "audit_refused"
                     return status_result(status)
                 check_count(args, n_args)
                 result = await body(ctx, args)
@@ -176,7 +230,9 @@ class MethodHandlers:
                 status = e.status
                 return status_result(status)
             except AccessDenied:
-                status = "BadUserAccessDenied"
+                status, ctx.event = "BadUserAccessDenied", "role_denied"
+                log.warning("%s on %s refused: role %s lacks the right", method, model or "appliance",
+                            (ctx.session.role if ctx.session else None) or "none")
                 return status_result(status)
             except MethodStatus as e:
                 status = e.status
@@ -194,6 +250,7 @@ class MethodHandlers:
             finally:
                 self.in_flight -= 1
                 self._account(ctx, status)
+                correlation_id.reset(cid)
         return callback
 
     def _within_rate(self, session: ApplianceSession) -> bool:
@@ -207,17 +264,20 @@ class MethodHandlers:
     def _account(self, ctx: CallContext, status: str) -> None:
         elapsed = time.perf_counter() - ctx.started
         if self.metrics is not None:
-            self.metrics.requests_total.labels(ctx.model, ctx.method, status).inc()
-            self.metrics.request_duration.labels(ctx.model, ctx.method).observe(elapsed)
+            self.metrics.count_request(ctx.model, ctx.method, status, ctx.variant)
+            self.metrics.request_duration.labels(ctx.model, ctx.method).observe(
+                elapsed, exemplar={"correlation_id": ctx.correlation_id})
         if self.audit is not None:
             s = ctx.session
+            details = [d for d in (ctx.detail, f"answered by fallback {ctx.answered_by}" if ctx.answered_by else "",
+                                   f"variant {ctx.variant}" if ctx.variant else "") if d]
             self._audit_writer.put(dict(
-                action=ctx.method, session=s.key if s else "",
-                client=s.client_thumbprint if s else "", user=s.identity if s else "", role=(s.role or "") if s else "", model=ctx.model,
+                event=ctx.event, action=ctx.method, correlation_id=ctx.correlation_id,
+                audit_entry_id=ctx.audit_entry_id, session=s.key if s else "",
+                client=s.client_thumbprint if s else "", user=s.identity if s else "",
+                role=(s.role or "") if s else "", model=ctx.model,
                 version=ctx.version, input_digest=ctx.input_digest, output_digest=ctx.output_digest,
-                status=status, latency_ms=round(elapsed * 1000, 3),
-                detail="; ".join(d for d in (ctx.detail, f"answered by fallback {ctx.answered_by}"
-                                             if ctx.answered_by else "") if d)))
+                status=status, latency_ms=round(elapsed * 1000, 3), detail="; ".join(details)))
 
     def deadline(self) -> float:
         return time.monotonic() + self.request_timeout_s

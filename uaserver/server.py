@@ -11,6 +11,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from datetime import datetime, timezone
 from urllib.parse import urlparse
 
@@ -25,6 +26,8 @@ from appliance.drift import DriftDetector
 from appliance.rate_limit import RateLimiter
 from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
 from appliance.jobs import Job, JobStore
+from appliance.config import MAIN_VARIANT
+from appliance.variants import Promotions, choose
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
 from .asyncua_internals import (AppServer, ApplianceSession, ChannelGuard, advertise_host, configure_limits,
@@ -57,7 +60,7 @@ class ApplianceUaServer:
     def __init__(self, config, *, pki, trust_list, user_store, services: dict, metrics=None, audit=None,
                  device: str = "cpu", health: Callable[[], dict] | None = None,
                  supervision_alive: Callable[[], bool] | None = None,
-                 alarms: Callable[[], dict[str, bool]] | None = None):
+                 alarms: Callable[[], dict[str, bool]] | None = None, variants: dict | None = None):
         self.config = config
         self.pki = pki
         self.trust_list = trust_list
@@ -70,6 +73,11 @@ class ApplianceUaServer:
                                           "GpuMemoryUsedBytes": 0, "GpuEccErrors": 0})
         self.supervision_alive = supervision_alive or (lambda: True)
         self.alarms = alarms or (lambda: {})
+        # A/B variants: model -> {variant name -> its RemoteModel}; the weights come from the YAML
+        self.variants: dict[str, dict] = variants or {}
+        self.variant_weights = {name: {v: c.weight for v, c in m.variants.items()}
+                                for name, m in config.models.items() if m.variants}
+        self.promotions = Promotions(Path(config.server.state_dir) / "variants.json")
         self.server: AppServer | None = None
         self.nodes: ApplianceNodes | None = None
         self.mailboxes: Mailboxes | None = None
@@ -97,7 +105,9 @@ class ApplianceUaServer:
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
                                        request_timeout_s=config.engine.request_timeout_s,
-                                       rate_limiter=RateLimiter(config.security.rate_limits))
+                                       rate_limiter=RateLimiter(config.security.rate_limits),
+                                       audit_on_failure=config.audit.on_failure,
+                                       audit_queue_size=config.audit.queue_size)
 
     # ---- lifecycle ----
 
@@ -149,7 +159,7 @@ class ApplianceUaServer:
                 der, uri).status,
             max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
             sessions=lambda: len(external_sessions(server)), max_nesting_depth=lim.max_nesting_depth,
-            max_array_length=lim.max_array_length)
+            max_array_length=lim.max_array_length, audit=self.handlers.event)
 
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
@@ -205,9 +215,17 @@ class ApplianceUaServer:
         return listening_port(self.server) if self.server else 0
 
     def _session_closed(self, session: ApplianceSession) -> None:
+        self.handlers.event("session_close", session=session, detail=f"from {session.peer}")
         for model in self.services.values():
             if model.kind == "generative":
                 model.release(session.key)
+
+    def alarm_acknowledged(self, alarm: str, session: ApplianceSession | None, comment: str = "",
+                           status: str = "Good") -> None:
+        """The audit hook for acknowledging an alarm (engineer role). Nothing calls it yet: the Part 9 Acknowledge
+        method on the Server object's conditions is not built; whoever builds it calls this."""
+        self.handlers.event("alarm_acknowledged", action="Acknowledge", session=session, status=status,
+                            detail=f"{alarm}" + (f": {comment[:200]}" if comment else ""))
 
     # ---- events ----
 
@@ -312,7 +330,8 @@ class ApplianceUaServer:
 
     def _callbacks(self) -> dict:
         h = self.handlers
-        cbs = {("", "ReloadModel"): h.wrap("ReloadModel", "", "engineer", 1, self._reload)}
+        cbs = {("", "ReloadModel"): h.wrap("ReloadModel", "", "engineer", 1, self._reload),
+               ("", "PromoteVariant"): h.wrap("PromoteVariant", "", "engineer", 2, self._promote)}
         for name, svc in self.services.items():
             cbs.update(self._job_callbacks(name, svc))
             if svc.kind == "tensor":
@@ -557,10 +576,44 @@ class ApplianceUaServer:
             return MailboxAnswer(r.model_version, text=r.text)
         return body
 
+    def variant_of(self, svc, ctx: CallContext):
+        """The A/B variant that serves this caller (sticky: a hash of its identity), or the promoted one; the
+        model's own weights when it has no variants, or when the chosen variant is not Ready."""
+        weights = self.variant_weights.get(svc.name)
+        if not weights:
+            return svc
+        name = self.promotions.get(svc.name) or choose(caller_identity(ctx.session), svc.name, weights)
+        model = self.variants[svc.name].get(name) if name != MAIN_VARIANT else None
+        if model is not None and model.status().state != "Ready":
+            ctx.detail = f"variant {name} is not Ready: answered by {MAIN_VARIANT}"
+            model = None
+        ctx.variant = name if model is not None else MAIN_VARIANT
+        return model or svc
+
+    async def _promote(self, ctx: CallContext, args):
+        model = require_type(args[0], 0, (V.String,), array=False) or ""
+        variant = require_type(args[1], 1, (V.String,), array=False) or ""
+        if model not in self.services:
+            raise InvalidArgument("no model of that name", 0, INVALID)
+        ctx.model, ctx.event = model, "promote"
+        known = self.variant_weights.get(model)
+        if not known:
+            raise InvalidArgument("the model has no variants", 0, INVALID)
+        if variant and variant != MAIN_VARIANT and variant not in known:
+            raise InvalidArgument("no variant of that name", 1, INVALID)
+        self.promotions.set(model, variant or None)
+        ctx.detail = (f"all traffic of {model} to variant {variant}" if variant
+                      else f"{model} back to its configured split")
+        log.warning("Admin/PromoteVariant: %s", ctx.detail)
+        self.emit_event(f"PromoteVariant: {ctx.detail}", severity=500)
+        return []
+
     def _answering(self, model, ctx: CallContext):
         """The model that answers the call: the one asked, or the first of its fallbacks (YAML `fallback`) that can
         when it cannot: not Ready, its worker restarting, or so much queued that the deadline would be missed."""
-        fallback = self.config.models[model.name].fallback
+        model = self.variant_of(model, ctx)
+        configured = self.config.models.get(model.name)
+        fallback = configured.fallback if configured is not None else None  # a variant has none of its own
         if fallback is None:
             return model
         reason = self._cannot_answer(model)
@@ -693,7 +746,7 @@ class ApplianceUaServer:
         svc = self.services.get(name)
         if svc is None:
             raise InvalidArgument("no model of that name", 0, INVALID)
-        ctx.model = name
+        ctx.model, ctx.event = name, "reload"
         try:
             version = await svc.reload()
         except Exception as e:

@@ -1,4 +1,5 @@
-"""Backends that run a tensor model on a batch of samples: ONNX Runtime, TorchScript and TensorRT.
+"""Backends that run a tensor model on a batch of samples: ONNX Runtime (the first choice), torch.export
+(ExportedProgram .pt2 files; TorchScript is retired, it is deprecated in torch 2.13) and TensorRT.
 
 Device choice is per backend: with device "auto", ONNX Runtime takes its CUDA provider only when the installed
 package has one (onnxruntime-gpu) and the session really runs on it, torch takes CUDA only when it sees a device,
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -26,9 +26,10 @@ from appliance.errors import EngineFailure
 log = logging.getLogger(__name__)
 
 ONNX_SUFFIXES = (".onnx",)
-TORCHSCRIPT_SUFFIXES = (".pt", ".torchscript")
+EXPORTED_SUFFIXES = (".pt2",)  # torch.export.save: an ExportedProgram
+RETIRED_SUFFIXES = (".pt", ".torchscript")  # TorchScript archives: refused with what to do instead
 BACKEND_CHOICES = ("auto", "onnxruntime", "torch", "tensorrt")
-SHAPES_EXTRA_FILE = "shapes.json"  # inside a TorchScript archive: {"input_shape": [...], "output_shape": [...]}
+SHAPES_EXTRA_FILE = "shapes.json"  # optional, in a .pt2's extra files: {"input_shape": [...], "output_shape": [...]}
 
 _ORT_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
 
@@ -103,9 +104,13 @@ def load_tensor_backend(path: Path, backend: str = "auto", device: str = "auto",
     if backend not in BACKEND_CHOICES:
         raise EngineFailure(f"unknown backend '{backend}'; expected one of {', '.join(BACKEND_CHOICES)}")
     suffix = path.suffix.lower()
-    kind = "onnxruntime" if suffix in ONNX_SUFFIXES else "torch" if suffix in TORCHSCRIPT_SUFFIXES else None
+    if suffix in RETIRED_SUFFIXES:
+        raise EngineFailure(f"TorchScript ({suffix}) is retired: export the model as ONNX (preferred) or with "
+                            "torch.export.save (an ExportedProgram .pt2 with a dynamic batch dimension)")
+    kind = "onnxruntime" if suffix in ONNX_SUFFIXES else "torch" if suffix in EXPORTED_SUFFIXES else None
     if kind is None:
-        raise EngineFailure(f"unsupported model file type '{suffix or '(none)'}'; expected .onnx or .pt (TorchScript)")
+        raise EngineFailure(f"unsupported model file type '{suffix or '(none)'}'; expected .onnx or .pt2 "
+                            "(torch.export)")
     if backend == "tensorrt":
         if kind != "onnxruntime":
             raise EngineFailure(f"the tensorrt backend builds its engine from an ONNX model, not {suffix}; "
@@ -116,11 +121,11 @@ def load_tensor_backend(path: Path, backend: str = "auto", device: str = "auto",
         _probe(loaded)
         return loaded
     if backend != "auto" and backend != kind:
-        what = "an ONNX model" if kind == "onnxruntime" else "a TorchScript model"
+        what = "an ONNX model" if kind == "onnxruntime" else "a torch.export model"
         raise EngineFailure(f"the {backend} backend cannot load {what} ({suffix}); use backend '{kind}' or 'auto'")
     if not path.is_file():
         raise EngineFailure("the model file does not exist or is not a file")
-    loaded = _load_onnx(path, device, threads) if kind == "onnxruntime" else _load_torchscript(path, device, threads)
+    loaded = _load_onnx(path, device, threads) if kind == "onnxruntime" else _load_exported(path, device, threads)
     _probe(loaded)
     return loaded
 
@@ -219,10 +224,10 @@ def _cuda_index(device: str) -> int:
     return int(index) if index.isdigit() else 0
 
 
-# ---- TorchScript ----
+# ---- torch.export (ExportedProgram) ----
 
 @dataclass
-class TorchScriptBackend:
+class TorchExportBackend:
     name: str
     input_shape: tuple[int, ...]
     output_shape: tuple[int, ...]
@@ -241,11 +246,11 @@ class TorchScriptBackend:
             if isinstance(out, (tuple, list)):
                 out = out[0]
             if not isinstance(out, torch.Tensor):
-                raise EngineFailure("the TorchScript model returned no tensor")
+                raise EngineFailure("the exported model returned no tensor")
             return out.detach().to("cpu", torch.float32).numpy()
 
 
-def _load_torchscript(path: Path, device: str, threads: int) -> TorchScriptBackend:
+def _load_exported(path: Path, device: str, threads: int) -> TorchExportBackend:
     import torch
 
     device = torch_device(device)
@@ -253,37 +258,59 @@ def _load_torchscript(path: Path, device: str, threads: int) -> TorchScriptBacke
         torch.set_num_threads(threads)  # process-wide in torch: the last model loaded sets it
     extra = {SHAPES_EXTRA_FILE: ""}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit is deprecated, still the portable format
-            module = torch.jit.load(str(path), map_location=device, _extra_files=extra)
+        program = torch.export.load(str(path), extra_files=extra)
+        if device != "cpu":
+            from torch.export.passes import move_to_device_pass
+            program = move_to_device_pass(program, device)
+        module = program.module()
     except Exception as exc:
-        raise _load_failure("the TorchScript model could not be loaded", exc) from None
-    module.eval()
-    shapes = _torchscript_shapes(path, extra[SHAPES_EXTRA_FILE])
-    return TorchScriptBackend(
+        raise _load_failure("the torch.export model could not be loaded", exc) from None
+    shapes = _exported_shapes(path, program, extra[SHAPES_EXTRA_FILE])
+    return TorchExportBackend(
         name="torch-cuda" if device.startswith("cuda") else "torch-cpu",
         input_shape=shapes[0], output_shape=shapes[1], module=module, device=device, torch=torch)
 
 
-def _torchscript_shapes(path: Path, embedded: bytes | str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes from a sidecar `<file>.json` (or `<stem>.json`), else from shapes.json inside the archive."""
+def _exported_shapes(path: Path, program, embedded: bytes | str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sample shapes (without the batch dimension): from a sidecar `<file>.json` / `<stem>.json` or shapes.json in
+    the file's extra files when given, else from the program's own input and output (the dimensions after the
+    first must be fixed numbers; the first is the batch)."""
     text: bytes | str = embedded
     for sidecar in (path.with_name(path.name + ".json"), path.with_suffix(".json")):
         if sidecar.is_file():
             text = sidecar.read_bytes()
             break
-    if not text:
-        raise EngineFailure("a TorchScript model needs its sample shapes: a sidecar <file>.json or shapes.json "
-                            "inside the archive, holding {\"input_shape\": [...], \"output_shape\": [...]}")
-    try:
-        doc = json.loads(text)
-        input_shape = tuple(int(d) for d in doc["input_shape"])
-        output_shape = tuple(int(d) for d in doc.get("output_shape", ()))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise EngineFailure(f"the TorchScript model's shapes are not valid JSON with input_shape "
-                            f"({type(exc).__name__})") from None
+    if text:
+        try:
+            doc = json.loads(text)
+            input_shape = tuple(int(d) for d in doc["input_shape"])
+            output_shape = tuple(int(d) for d in doc.get("output_shape", ()))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise EngineFailure(f"the exported model's shapes are not valid JSON with input_shape "
+                                f"({type(exc).__name__})") from None
+    else:
+        input_shape, output_shape = _program_shapes(program)
     if not input_shape or not all(d > 0 for d in input_shape + output_shape):
-        raise EngineFailure("the TorchScript model's shapes must be lists of positive integers")
+        raise EngineFailure("the exported model's sample shapes must be positive integers: export it with a fixed "
+                            "sample shape and a dynamic batch dimension, or give shapes.json")
+    return input_shape, output_shape
+
+
+def _program_shapes(program) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from torch.export.graph_signature import InputKind
+
+    def fixed(meta_val) -> tuple[int, ...]:
+        dims = tuple(getattr(meta_val, "shape", ()))[1:]
+        return tuple(d if isinstance(d, int) else -1 for d in dims)
+
+    users = [spec.arg.name for spec in program.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    nodes = {n.name: n for n in program.graph.nodes}
+    if len(users) != 1:
+        raise EngineFailure(f"an exported tensor model takes one input tensor, this one takes {len(users)}")
+    input_shape = fixed(nodes[users[0]].meta.get("val"))
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    first = output_node.args[0][0] if isinstance(output_node.args[0], (tuple, list)) else output_node.args[0]
+    output_shape = fixed(first.meta.get("val")) if hasattr(first, "meta") else ()
     return input_shape, output_shape
 
 

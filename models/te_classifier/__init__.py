@@ -51,7 +51,7 @@ HARD_FAULTS = (3, 9, 15)
 
 MODEL_DIR = Path(__file__).resolve().parent
 ONNX_PATH = MODEL_DIR / "te_classifier.onnx"
-TORCHSCRIPT_PATH = MODEL_DIR / "te_classifier.pt"
+EXPORTED_PATH = MODEL_DIR / "te_classifier.pt2"  # torch.export ExportedProgram (TorchScript is retired)
 METRICS_PATH = MODEL_DIR / "metrics.json"
 
 

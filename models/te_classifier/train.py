@@ -2,7 +2,7 @@
 
     python -m models.te_classifier.train [--out DIR] [--seed N] [--threads N]
 
-Writes te_classifier.onnx, te_classifier.pt (TorchScript), metrics.json and te_classifier.drift.json into --out (default: this package) and
+Writes te_classifier.onnx, te_classifier.pt2 (torch.export ExportedProgram), metrics.json and te_classifier.drift.json into --out (default: this package) and
 prints the evaluation. Fitting uses the dNN.dat training files only; the held-out dNN_te.dat files give the reported
 metrics and are never used to fit or tune anything.
 """
@@ -179,9 +179,10 @@ def evaluate(predict_fn, window: int = WINDOW) -> dict:
 
 
 def export(model: TEClassifier, out: Path, window: int) -> tuple[Path, Path]:
-    """ONNX (opset 17, dynamic batch, input 'input', output 'probabilities') and TorchScript of the same model."""
+    """ONNX (opset 17, dynamic batch, input 'input', output 'probabilities') and a torch.export ExportedProgram
+    (.pt2, dynamic batch) of the same model. TorchScript is retired (deprecated in torch 2.13)."""
     out.mkdir(parents=True, exist_ok=True)
-    onnx_path, ts_path = out / "te_classifier.onnx", out / "te_classifier.pt"
+    onnx_path, ts_path = out / "te_classifier.onnx", out / "te_classifier.pt2"
     example = torch.zeros(2, window, N_VARIABLES)
     # The TorchScript-based exporter: needs no onnxscript (not installed) and writes one self-contained file.
     with warnings.catch_warnings():
@@ -189,8 +190,17 @@ def export(model: TEClassifier, out: Path, window: int) -> tuple[Path, Path]:
         torch.onnx.export(model, (example,), str(onnx_path), dynamo=False, opset_version=OPSET,
                           input_names=["input"], output_names=["probabilities"],
                           dynamic_axes={"input": {0: "batch"}, "probabilities": {0: "batch"}})
-    torch.jit.save(torch.jit.trace(model, example), str(ts_path))
+    save_exported(model, ts_path, window)
     return onnx_path, ts_path
+
+
+def save_exported(model: TEClassifier, path: Path, window: int) -> Path:
+    """torch.export with a dynamic batch dimension (1..65536 windows), saved with torch.export.save."""
+    model.eval()
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    program = torch.export.export(model, (torch.zeros(2, window, N_VARIABLES),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(path))
+    return path
 
 
 def onnx_session(onnx_path: Path):
@@ -200,10 +210,10 @@ def onnx_session(onnx_path: Path):
 
 
 def export_max_diff(model: TEClassifier, onnx_path: Path, ts_path: Path, x: np.ndarray) -> float:
-    """Largest abs difference of the probabilities between torch, ONNX (onnxruntime) and TorchScript."""
+    """Largest abs difference of the probabilities between torch, ONNX (onnxruntime) and the ExportedProgram."""
     with torch.no_grad():
         ref = model(torch.from_numpy(x)).numpy()
-        scripted = torch.jit.load(str(ts_path))(torch.from_numpy(x)).numpy()
+        scripted = torch.export.load(str(ts_path)).module()(torch.from_numpy(x)).numpy()
     onnx_out = onnx_session(onnx_path).run(["probabilities"], {"input": x})[0]
     return float(max(np.abs(ref - onnx_out).max(), np.abs(ref - scripted).max(), np.abs(onnx_out - scripted).max()))
 
