@@ -162,22 +162,40 @@ def gguf_header(path: Path) -> tuple[LlamaConfig, ChatTokenizer]:
 
 
 def _header(reader) -> tuple[LlamaConfig, ChatTokenizer]:
+    return header_from_metadata(header_metadata(reader))
+
+
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    import gguf
+
+    return header_metadata(gguf.GGUFReader(path, "r"))
+
+
+def header_metadata(reader) -> dict[str, Any]:
+    """What the config and tokenizer are made from: the file's metadata (plain values, JSON-safe) and whether it
+    has an output tensor. Reading it is most of a GGUF header's cost (SmolLM2: ~3-5 s for its 49,152 vocabulary
+    strings and merges), so the weight cache keeps a copy."""
     meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    return (config_from_gguf_metadata(meta, has_output_tensor="output.weight" in names),
+    meta["appliance.has_output_tensor"] = any(t.name == "output.weight" for t in reader.tensors)
+    return meta
+
+
+def header_from_metadata(meta: dict[str, Any]) -> tuple[LlamaConfig, ChatTokenizer]:
+    return (config_from_gguf_metadata(meta, has_output_tensor=bool(meta["appliance.has_output_tensor"])),
             ChatTokenizer.from_gguf_metadata(meta))
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: str | None = None
-              ) -> tuple[LlamaConfig, dict[str, Any], ChatTokenizer]:
-    """(config, HF-named tensors, tokenizer) of a Llama GGUF file. Without `quantized` every tensor is dequantised
+              ) -> tuple[LlamaConfig, dict[str, Any], ChatTokenizer, dict[str, Any]]:
+    """(config, HF-named tensors, tokenizer, header metadata) of a Llama GGUF file. Without `quantized` every tensor is dequantised
     to `dtype`; with "int8" / "int4" every matrix stays quantized (models/quant.py: Q8_0 / Q4_x blocks are
     requantized a row chunk at a time, float matrices quantized) and only norms are floats."""
     import gguf
 
     # "c": copy-on-write map, so the arrays are writable (torch wants that) while the file stays untouched.
     reader = gguf.GGUFReader(path, "c")
-    config, tokenizer = _header(reader)
+    meta = header_metadata(reader)
+    config, tokenizer = header_from_metadata(meta)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -191,7 +209,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: str | N
         elif name.endswith("k_proj.weight"):
             w = unpermute_rotary_rows(w, config.num_key_value_heads)
         tensors[name] = w if w.dtype == dtype else w.to(dtype)
-    return config, tensors, tokenizer
+    return config, tensors, tokenizer, meta
 
 
 def _rotary_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:

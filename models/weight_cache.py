@@ -8,6 +8,7 @@ has another fingerprint and so another key; a model's directory keeps its KEEP m
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -34,8 +35,28 @@ def cache_path(cache_dir: Path, fingerprint: str, fmt: str) -> Path:
     return Path(cache_dir) / f"{cache_key(fingerprint, fmt)}.safetensors"
 
 
-def save(path: Path, tensors: dict[str, Any]) -> None:
-    """Write atomically (temporary file + rename); other cache files of the same model format are removed."""
+def meta_path(path: Path) -> Path:
+    return path.with_suffix(".meta.json")
+
+
+def load_meta(path: Path) -> dict | None:
+    """The model file's header metadata saved beside the cached tensors (GGUF: the tokenizer's vocabulary, the
+    config's fields), or None."""
+    try:
+        return json.loads(meta_path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def save_meta(path: Path, meta: dict) -> None:
+    tmp = path.with_suffix(f".meta.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(meta, default=_plain), encoding="utf-8")
+    os.replace(tmp, meta_path(path))
+
+
+def save(path: Path, tensors: dict[str, Any], meta: dict | None = None) -> None:
+    """Write atomically (temporary file + rename), the header metadata first; a model's directory keeps its KEEP most
+    recently used files."""
     flat: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if isinstance(t, Int8Rows):
@@ -45,6 +66,8 @@ def save(path: Path, tensors: dict[str, Any]) -> None:
         else:
             flat[name] = t
     path.parent.mkdir(parents=True, exist_ok=True)
+    if meta is not None:
+        save_meta(path, meta)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp), metadata={"layout": LAYOUT})
     os.replace(tmp, path)
@@ -57,6 +80,14 @@ def _keep_recent(cache_dir: Path) -> None:
     files = sorted(cache_dir.glob("*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
     for old in files[KEEP:]:
         old.unlink(missing_ok=True)
+        meta_path(old).unlink(missing_ok=True)
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays in GGUF metadata as JSON values."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
 def load(path: Path) -> dict[str, Any] | None:

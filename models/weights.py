@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from models import quant, weight_cache
-from models.gguf_loader import gguf_header, load_gguf
+from models.gguf_loader import gguf_metadata, header_from_metadata, load_gguf
 from models.llama_config import LlamaConfig
 from models.tokenizer import ChatTokenizer
 
@@ -50,12 +50,17 @@ def load_weights(path: Path, dtype: torch.dtype = torch.float32, quantized: str 
         version = fingerprint([path])
         cached = _cached(cache_dir, version, quantized)
         if cached is not None:
-            config, tokenizer = gguf_header(path)
+            cache_file = weight_cache.cache_path(cache_dir, version, quantized)
+            meta = weight_cache.load_meta(cache_file)
+            if meta is None:  # a cache written before the metadata was kept beside it
+                meta = gguf_metadata(path)
+                weight_cache.save_meta(cache_file, meta)
+            config, tokenizer = header_from_metadata(meta)
             _check_tensors(config, cached)
             return LoadedWeights(config, cached, tokenizer, version, "gguf")
-        config, tensors, tokenizer = load_gguf(path, torch.float32 if quantized else dtype, quantized)
+        config, tensors, tokenizer, meta = load_gguf(path, torch.float32 if quantized else dtype, quantized)
         _check_tensors(config, tensors)
-        _store(cache_dir, version, quantized, tensors)
+        _store(cache_dir, version, quantized, tensors, meta)
         return LoadedWeights(config, tensors, tokenizer, version, "gguf")
     if not path.is_dir():
         raise ValueError(f"model path {path.name!r} is neither a directory nor a .gguf file")
@@ -69,11 +74,12 @@ def _cached(cache_dir: Path | None, version: str, quantized: str | None) -> dict
     return weight_cache.load(weight_cache.cache_path(cache_dir, version, quantized))
 
 
-def _store(cache_dir: Path | None, version: str, quantized: str | None, tensors: dict) -> None:
+def _store(cache_dir: Path | None, version: str, quantized: str | None, tensors: dict,
+           meta: dict | None = None) -> None:
     if cache_dir is None or quantized is None:
         return
     try:
-        weight_cache.save(weight_cache.cache_path(cache_dir, version, quantized), tensors)
+        weight_cache.save(weight_cache.cache_path(cache_dir, version, quantized), tensors, meta)
     except OSError as exc:  # a full or read-only disk costs the next start time, not this one its model
         log.warning("could not cache quantized weights in %s: %s", cache_dir, exc)
 

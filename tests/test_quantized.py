@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import quant, weight_cache
+from models import gguf_loader, quant, weight_cache
 from models.llama import KVCache, LlamaModel
 from models.weights import load_weights
 from test_gguf import smollm2_path, write_tiny_gguf
@@ -122,8 +122,13 @@ def test_second_load_maps_the_cache_and_a_changed_file_invalidates_it(tmp_path, 
     calls = []
     real = quant.from_gguf_blocks
     monkeypatch.setattr(quant, "from_gguf_blocks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    header_reads = []
+    real_header = gguf_loader.header_metadata
+    monkeypatch.setattr(gguf_loader, "header_metadata", lambda r: header_reads.append(1) or real_header(r))
     second = load_weights(model, torch.float32, "int4", cache_dir)
     assert calls == []  # nothing dequantised or requantized: the tensors are views of the cache file's map
+    assert header_reads == []  # nor the GGUF header parsed: config and tokenizer come from the saved metadata
+    assert second.tokenizer.encode("pump") == first.tokenizer.encode("pump") and second.config == first.config
     assert set(second.tensors) == set(first.tensors)
     for name, t in first.tensors.items():
         a, b = (quant.dequantize(t), quant.dequantize(second.tensors[name])) if not isinstance(t, torch.Tensor) \
