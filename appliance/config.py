@@ -555,6 +555,7 @@ class EngineConfig:
     weights: str = setting("auto", choice("auto", "float32", "bfloat16", "int8", "int4"))
     kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16"))  # auto: bfloat16 with quantized weights
     prefix_cache_entries: int = setting(8, integer(0, 4096))  # shared prompt prefixes kept (0: no prefix sharing)
+    park_memory_mb: int = setting(256, integer(0, 1 << 20))  # evicted sessions' KV parked in host memory (0: dropped)
     seed: int = setting(0, integer(0, 2**63 - 1))
     # Worker processes (one per model, or per `worker` group): liveness, memory and restarts.
     worker_timeout_s: float = setting(5.0, number(0.2, 3600))

@@ -116,7 +116,7 @@ def test_release_returns_slots_and_gauges(model_dir):
 
 def test_eviction_takes_least_recently_used_idle_slot(model_dir):
     async def body():
-        svc = await started(model_dir, kv_slots=2)
+        svc = await started(model_dir, kv_slots=2, park_memory_mb=0)  # no parking: the evicted session loses it
         await svc.generate("a", "Pump?", 3, 0.0, FAR)
         await svc.generate("b", "Pump?", 3, 0.0, FAR)
         await svc.generate("a", "Again?", 3, 0.0, FAR)  # b is now the least recently used
@@ -354,3 +354,26 @@ def test_shared_prompt_heads_are_copied_not_recomputed_and_give_the_same_tokens(
     assert no_hits == 0 and hits == 2
     head = tokens_recomputed - tokens_shared
     assert head > 0 and head % 2 == 0 and head // 2 >= len(standing) // 8  # two sessions skipped the whole head
+
+
+def test_evicted_sessions_are_parked_and_continue_as_if_never_evicted(model_dir):
+    """12 sessions on 4 slots take turns: every evicted conversation is parked in host memory and restored at the
+    session's next call, with the same answers as on a cache big enough for all (no ContextLost)."""
+    turns = ["Is the pump running?", "And valve 3?", "Tank level?"]
+
+    async def answers(kv_slots: int, park_mb: int):
+        svc = await started(model_dir, kv_slots=kv_slots, park_memory_mb=park_mb)
+        out = []
+        for turn in turns:
+            for i in range(12):
+                r = await svc.generate(f"s{i}", turn, 4, 0.0, FAR)
+                out.append((r.text, r.context_tokens, r.context_lost))
+        await svc.stop()
+        return out
+
+    roomy = run(answers(12, 0))
+    parked = run(answers(4, 64))
+    assert parked == roomy
+    assert not any(lost for _t, _n, lost in parked)
+    dropped = run(answers(4, 0))
+    assert sum(lost for _t, _n, lost in dropped) == 12 * (len(turns) - 1)  # without parking: every second call

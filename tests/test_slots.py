@@ -132,3 +132,24 @@ def test_ownership_stays_consistent_under_any_sequence_of_operations(ops, policy
         for s in m.slots:
             if s.owner is not None:
                 assert m.lookup(s.owner) == s.index
+
+
+def test_evicted_conversation_is_parked_restored_and_bounded():
+    from appliance.engine.slots import SlotManager
+    m = SlotManager(1, 64, "evict_lru", park_tokens=10)
+    a = m.acquire("a")
+    m.slot(a.slot).tokens, m.slot(a.slot).kv_len = [1, 2, 3, 4, 5, 6, 7], 6  # one token still pending
+    b = m.acquire("b")  # takes a's slot: a is parked, not lost
+    assert b.slot == a.slot and not m.is_lost("a") and m.parked == 1
+    assert [(x.kind, x.session, x.length) for x in m.take_moves()] == [("park", "a", 6)]
+    m.slot(b.slot).tokens, m.slot(b.slot).kv_len = [9] * 5, 5
+    again = m.acquire("a")  # b parked, a restored with its pending token
+    assert not again.context_lost and m.slot(again.slot).tokens == [1, 2, 3, 4, 5, 6, 7]
+    assert m.slot(again.slot).kv_len == 6
+    assert [(x.kind, x.session) for x in m.take_moves()] == [("park", "b"), ("restore", "a")]
+    m.slot(again.slot).kv_len = 9
+    m.acquire("c")  # a (9 tokens) parked beside b (5): over 10 tokens, the oldest (b) is dropped
+    assert [(x.kind, x.session) for x in m.take_moves()] == [("park", "a"), ("discard", "b")]
+    assert m.is_lost("b") and m.parked == 1
+    m.release("a")  # a closed session forgets its parked copy
+    assert [(x.kind, x.session) for x in m.take_moves()] == [("discard", "a")] and m.parked == 0

@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.02  # how often a blocked engine re-checks queued requests' deadlines
 
 
+def park_tokens(cache: Any, memory_mb: int) -> int:
+    """KV positions `memory_mb` of host memory holds for parked conversations (all layers' keys and values)."""
+    _two, layers, _slots, kv_heads, _positions, head_dim = cache.kv.shape
+    per_token = 2 * layers * kv_heads * head_dim * cache.kv.element_size()
+    return memory_mb * 2**20 // per_token
+
+
 class EngineLoop:
     """Runs (in `run`, the body of the engine thread) the scheduler's steps on the loaded model."""
 
@@ -82,7 +89,8 @@ class EngineLoop:
         if s.threads > 0:
             import torch
             torch.set_num_threads(s.threads)
-        self._slots = SlotManager(s.kv_slots, engine.max_seq_len, s.slot_policy)
+        self._slots = SlotManager(s.kv_slots, engine.max_seq_len, s.slot_policy,
+                                  park_tokens=park_tokens(engine.cache, s.park_memory_mb))
         self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len)
         self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
                                     prefixes=PrefixIndex(s.prefix_cache_entries))
@@ -114,6 +122,8 @@ class EngineLoop:
             if not plan.empty:
                 self._step(plan)
                 self._running = len(sched.running)
+            elif plan.has_copies:
+                self._runner.run(plan)  # parks, restores and frees with no forward to run
         if plan.empty and (sched.has_work or self._pending_swap is not None):
             self._drain_commands(block=True, timeout=IDLE_POLL_S)
         self._publish_slots()

@@ -31,3 +31,4 @@ class GenerativeSettings:
     kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the compute dtype) | float32 | bfloat16
     weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
     prefix_cache_entries: int = 8  # shared prompt prefixes kept in host memory (0: none)
+    park_memory_mb: int = 256  # host memory for evicted sessions' conversations (slots.SlotManager parking)

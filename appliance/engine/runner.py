@@ -16,11 +16,19 @@ class ModelRunner:
         self.cache = cache
         self._generators: dict[int, torch.Generator] = {}
         self.prefixes: dict[tuple[int, ...], torch.Tensor] = {}  # shared heads' KV (keys: prefix_index)
+        self.parked: dict[str, torch.Tensor] = {}  # parked conversations' KV by session (slots.SlotMove)
 
     def run(self, plan: StepPlan) -> dict[int, int]:
         """request_id -> sampled token, for every decode row and every prefill chunk that completes its prompt."""
         sampled: dict[int, int] = {}
         kv = self.cache.kv  # (2, layers, slots, kv_heads, positions, head_dim)
+        for move in plan.slot_moves:  # in order: a slot's old owner is parked before a new one is restored in it
+            if move.kind == "park":
+                self.parked[move.session] = kv[:, :, move.slot, :, :move.length].clone()
+            elif move.kind == "restore":
+                kv[:, :, move.slot, :, :move.length] = self.parked.pop(move.session)
+            else:
+                self.parked.pop(move.session, None)
         for key in plan.prefix_drops:
             self.prefixes.pop(key, None)
         for copy in plan.prefix_loads:

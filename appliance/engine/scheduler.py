@@ -17,7 +17,7 @@ from typing import Protocol
 from appliance.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
 from appliance.engine.prefix_index import Key, PrefixIndex
 from appliance.engine.sequence import FinishReason, Sequence, SeqState
-from appliance.engine.slots import Acquired, Slot, SlotManager
+from appliance.engine.slots import Acquired, Slot, SlotManager, SlotMove
 
 
 class TurnPolicy(Protocol):
@@ -62,10 +62,16 @@ class StepPlan:
     prefix_loads: list[PrefixCopy] = field(default_factory=list)  # before the forwards
     prefix_saves: list[PrefixCopy] = field(default_factory=list)  # after the prefill forward
     prefix_drops: list[Key] = field(default_factory=list)  # stored heads the index let go
+    slot_moves: list[SlotMove] = field(default_factory=list)  # conversations parked / restored, first of all
 
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    @property
+    def has_copies(self) -> bool:
+        """KV copies to make even when no forward runs (parked or dropped state to free, say)."""
+        return bool(self.slot_moves or self.prefix_loads or self.prefix_drops)
 
 
 class Scheduler:
@@ -117,6 +123,7 @@ class Scheduler:
                 if key is not None and slot.kv_len < len(key) <= slot.kv_len + n:  # this chunk completes the head
                     plan.prefix_saves.append(PrefixCopy(key, seq.slot))
         plan.prefix_drops = self.prefixes.take_evicted()
+        plan.slot_moves = self.slots.take_moves()
         return plan
 
     def _admit(self, plan: StepPlan, now: float) -> None:

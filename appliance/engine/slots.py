@@ -2,8 +2,14 @@
 
 A slot holds one session's whole conversation. `tokens` is the conversation as token ids; the first `kv_len` of them
 have their keys/values in the cache, the rest are pending (written by the next prefill or decode step). A follow-up
-turn therefore costs only its new tokens. Sessions whose conversation was dropped (evicted, reloaded) are remembered
-so their next call reports ContextLost.
+turn therefore costs only its new tokens. Sessions whose conversation was dropped (reloaded, or evicted with no room
+to park it) are remembered so their next call reports ContextLost.
+
+Parking: an idle slot taken for another session (evict_lru) is not dropped when `park_tokens` allows: its
+conversation is parked (tokens and history here; the runner copies its keys and values out to host memory) and
+restored into a slot at the session's next call, with no ContextLost. The copies are ordered `SlotMove`s the
+scheduler hands to the runner in the next step's plan, before that step writes anything. Parked conversations are
+bounded in tokens, oldest dropped first (those sessions then see ContextLost).
 """
 from __future__ import annotations
 
@@ -34,6 +40,22 @@ class Slot:
 
 
 @dataclass
+class Parked:
+    tokens: list[int]
+    kv_len: int
+    history: list[dict[str, Any]]
+
+
+@dataclass
+class SlotMove:
+    kind: str  # "park": copy slot's first `length` positions out under `session`; "restore": copy them back in;
+    #            "discard": forget the session's parked copy
+    session: str
+    slot: int = -1
+    length: int = 0
+
+
+@dataclass
 class Acquired:
     slot: int
     context_lost: bool  # the session had a conversation that was dropped since its last call
@@ -41,7 +63,7 @@ class Acquired:
 
 
 class SlotManager:
-    def __init__(self, n_slots: int, max_seq_len: int, policy: str = "evict_lru"):
+    def __init__(self, n_slots: int, max_seq_len: int, policy: str = "evict_lru", park_tokens: int = 0):
         if n_slots < 1:
             raise ValueError("kv_slots must be at least 1")
         if policy not in POLICIES:
@@ -52,6 +74,18 @@ class SlotManager:
         self._by_session: dict[str, int] = {}
         self._lost: OrderedDict[str, bool] = OrderedDict()
         self._clock = 0
+        self.park_tokens = park_tokens  # KV positions parked conversations may hold in all (0: no parking)
+        self._parked: OrderedDict[str, Parked] = OrderedDict()
+        self._moves: list[SlotMove] = []
+
+    @property
+    def parked(self) -> int:
+        return len(self._parked)
+
+    def take_moves(self) -> list[SlotMove]:
+        """The KV copies the runner must make, in order, before the next step's forwards."""
+        moves, self._moves = self._moves, []
+        return moves
 
     # -- queries ---------------------------------------------------------------------------------------------
     @property
@@ -100,7 +134,12 @@ class SlotManager:
                 return None
             chosen = min(idle, key=lambda s: s.last_used)
             evicted = chosen.owner
-            self._drop(chosen, lost=True)
+            # this session's own parked copy leaves the bound first: parking the evicted one must not drop it
+            parked = self._parked.pop(session, None)
+            if not self._park(chosen):
+                self._drop(chosen, lost=True)
+            if parked is not None:
+                self._parked[session] = parked
         else:
             if lost:
                 self._remember_lost(session)
@@ -108,7 +147,30 @@ class SlotManager:
         chosen.owner = session
         self._by_session[session] = chosen.index
         self.touch(chosen.index)
+        parked = self._parked.pop(session, None)
+        if parked is not None:  # its conversation comes back: nothing was lost
+            chosen.tokens, chosen.kv_len, chosen.history = parked.tokens, parked.kv_len, parked.history
+            self._moves.append(SlotMove("restore", session, chosen.index, parked.kv_len))
         return Acquired(chosen.index, lost, evicted)
+
+    def _park(self, slot: Slot) -> bool:
+        """Park an idle slot's conversation instead of dropping it; False when it cannot be kept."""
+        if slot.owner is None or slot.kv_len < 1 or slot.kv_len > self.park_tokens:
+            return False
+        owner = slot.owner
+        self._moves.append(SlotMove("park", owner, slot.index, slot.kv_len))
+        self._parked[owner] = Parked(list(slot.tokens), slot.kv_len, slot.history)  # pending tokens come back too
+        self._by_session.pop(owner, None)
+        slot.clear()
+        while sum(p.kv_len for p in self._parked.values()) > self.park_tokens:
+            oldest, _ = self._parked.popitem(last=False)
+            self._moves.append(SlotMove("discard", oldest))
+            self._remember_lost(oldest)
+        return True
+
+    def _forget_parked(self, session: str) -> None:
+        if self._parked.pop(session, None) is not None:
+            self._moves.append(SlotMove("discard", session))
 
     def touch(self, index: int) -> None:
         self._clock += 1
@@ -124,6 +186,7 @@ class SlotManager:
         The caller ends any sequence running in the slot first (Scheduler.cancel_session).
         """
         self._lost.pop(session, None)
+        self._forget_parked(session)
         index = self._by_session.get(session)
         if index is None:
             return False
@@ -136,6 +199,10 @@ class SlotManager:
         for s in self.slots:
             if s.owner is not None:
                 self._drop(s, lost=True)
+        for session in list(self._parked):
+            self._forget_parked(session)
+            self._remember_lost(session)
+            owners.append(session)
         return owners
 
     def truncate(self, index: int, length: int) -> None:
