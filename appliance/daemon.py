@@ -98,7 +98,9 @@ def model_spec(m, engine, device: str, state_dir: Path):
                     "top_p": m.top_p, "max_queue_size": engine.max_queue_size, "kernels": engine.kernels,
                     "weights": engine.weights, "kv_dtype": engine.kv_dtype,
                     "weight_cache_dir": str(state_dir / "cache" / "weights" / m.name),
-                    "prefix_cache_entries": engine.prefix_cache_entries, "park_memory_mb": engine.park_memory_mb}
+                    "prefix_cache_entries": engine.prefix_cache_entries, "park_memory_mb": engine.park_memory_mb,
+                    "conversation_dir": str(state_dir / "conversations" / m.name),
+                    "conversation_ttl_s": engine.conversation_ttl_s}
     return ModelSpec(name=m.name, kind=m.kind, path=path, version_label=label, settings=settings,
                      refused=refused)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from pathlib import Path
 from typing import Any
 
 from appliance.engine.chat_turns import ChatTurns
@@ -89,8 +90,13 @@ class EngineLoop:
         if s.threads > 0:
             import torch
             torch.set_num_threads(s.threads)
+        self._files = None
+        if s.conversation_dir:
+            from appliance.engine.conversation_files import ConversationFiles
+            self._files = ConversationFiles(Path(s.conversation_dir), s.conversation_ttl_s)
         self._slots = SlotManager(s.kv_slots, engine.max_seq_len, s.slot_policy,
-                                  park_tokens=park_tokens(engine.cache, s.park_memory_mb))
+                                  park_tokens=park_tokens(engine.cache, s.park_memory_mb),
+                                  recall=self._files.recall if self._files else None)
         self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len)
         self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
                                     prefixes=PrefixIndex(s.prefix_cache_entries))
@@ -157,6 +163,9 @@ class EngineLoop:
             for seq in finished:
                 m.queue_wait.labels(self.name).observe(seq.admitted_at - seq.arrival)
         for seq in finished:
+            if self._files is not None:  # before the answer: a worker killed after it still has this turn
+                slot = self._slots.slot(seq.slot)
+                self._files.save(seq.session_key, slot.tokens, slot.history)
             self._answer_result(seq)
         done = {id(seq) for seq in finished}
         for seq in {id(r.seq): r.seq for r in plan.decode}.values():  # replies that grew and go on
@@ -193,6 +202,8 @@ class EngineLoop:
             for seq in self._scheduler.cancel_session(session):
                 self._answer(seq, error=NotReady("the session closed"))
             self._slots.release(session)
+            if self._files is not None:
+                self._files.forget(session)
             self._publish_slots()  # before the reply: a caller reading SlotsInUse next sees the slot free
             if len(item) > 2:
                 item[2].send(None)
@@ -210,6 +221,8 @@ class EngineLoop:
         engine, reply = self._pending_swap
         self._pending_swap = None
         lost = self._slots.drop_all()  # caches computed by the old weights are meaningless now
+        if self._files is not None:
+            self._files.forget_all()
         if engine.max_seq_len != self._slots.max_seq_len:
             self._slots.max_seq_len = engine.max_seq_len
         self._turns = ChatTurns(engine.tokenizer, self.settings.system_prompt, self.settings.max_text_chars,

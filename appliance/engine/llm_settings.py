@@ -32,3 +32,5 @@ class GenerativeSettings:
     weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
     prefix_cache_entries: int = 8  # shared prompt prefixes kept in host memory (0: none)
     park_memory_mb: int = 256  # host memory for evicted sessions' conversations (slots.SlotManager parking)
+    conversation_dir: str | None = None  # Converse conversations kept here across restarts (conversation_files)
+    conversation_ttl_s: float = 86400.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 POLICIES = ("evict_lru", "reject")
 LOST_MEMORY = 4096  # sessions remembered as context-lost (oldest forgotten first; a closed session is removed)
@@ -63,7 +63,8 @@ class Acquired:
 
 
 class SlotManager:
-    def __init__(self, n_slots: int, max_seq_len: int, policy: str = "evict_lru", park_tokens: int = 0):
+    def __init__(self, n_slots: int, max_seq_len: int, policy: str = "evict_lru", park_tokens: int = 0,
+                 recall: Callable[[str], Parked | None] | None = None):
         if n_slots < 1:
             raise ValueError("kv_slots must be at least 1")
         if policy not in POLICIES:
@@ -77,6 +78,8 @@ class SlotManager:
         self.park_tokens = park_tokens  # KV positions parked conversations may hold in all (0: no parking)
         self._parked: OrderedDict[str, Parked] = OrderedDict()
         self._moves: list[SlotMove] = []
+        # A conversation held neither in a slot nor parked, from elsewhere (conversation_files: its tokens, kv_len 0)
+        self.recall = recall
 
     @property
     def parked(self) -> int:
@@ -151,6 +154,10 @@ class SlotManager:
         if parked is not None:  # its conversation comes back: nothing was lost
             chosen.tokens, chosen.kv_len, chosen.history = parked.tokens, parked.kv_len, parked.history
             self._moves.append(SlotMove("restore", session, chosen.index, parked.kv_len))
+        elif self.recall is not None and not lost:
+            recalled = self.recall(session)  # kept on disk: its tokens come back, the prefill recomputes their KV
+            if recalled is not None:
+                chosen.tokens, chosen.kv_len, chosen.history = recalled.tokens, 0, recalled.history
         return Acquired(chosen.index, lost, evicted)
 
     def _park(self, slot: Slot) -> bool:
