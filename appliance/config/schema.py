@@ -1,0 +1,471 @@
+"""The settings: every section, key, default and rule of the appliance's YAML, read in one place.
+
+Each dataclass field that is a YAML key is declared with `setting(default, rule)` or `required(rule)` (rules.py);
+fields without a rule (a model's `name`, `resolved_path`) are filled by the loader. `_SECTIONS` and `_TOP_KEYS`
+say which sections a file may hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from yaml.nodes import Node, ScalarNode
+
+from .builtin import BUILTIN_MODELS
+from .rules import (
+    CertificateRoles, LabelsRule, ListOf, NestedSection, Scalar, Section, _class_check, _endpoint_check, _ip_check,
+    _is_host, _listen_check, _password_hash_check, _path_rule, _resolve, _split_listen, _uri_check, _DNS_NAME,
+    boolean, choice, integer, normalize_thumbprint, number, optional, required, setting, subject_key, text,
+)
+from .yaml_walk import INVALID, _as_mapping, _Context, _did_you_mean, _items, _key_path, _parse_fields, _shown
+
+ROLES = ("monitor", "operator", "engineer")
+SECURITY_POLICIES = ("Basic256Sha256", "Aes128_Sha256_RsaOaep", "Aes256_Sha256_RsaPss")
+NEVER_OFFERED_POLICIES = ("None", "Basic128Rsa15", "Basic256")
+SECURITY_MODES = ("SignAndEncrypt", "Sign")
+MODEL_KINDS = ("tensor", "generative")
+UA_CHUNK_BODY = 65535  # bytes per chunk used to derive the default max_chunk_count
+
+_MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+_USER_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
+_DEVICE = re.compile(r"auto|cpu|cuda|cuda:\d{1,2}")
+
+
+def _policy_check(v: Any, expect: str) -> str | None:
+    if v in SECURITY_POLICIES:
+        return None
+    if v in NEVER_OFFERED_POLICIES:
+        return (f"security policy {v!r} is never offered (it is insecure or deprecated); valid policies: "
+                + ", ".join(SECURITY_POLICIES))
+    hint = _did_you_mean(v, SECURITY_POLICIES) if isinstance(v, str) else ""
+    return f"expected {expect}, got {_shown(v)}" + (f"; {hint.strip()}" if hint else "")
+
+
+@dataclass
+class ServerConfig:
+    endpoint: str = setting("opc.tcp://0.0.0.0:4840",
+                            Scalar("an endpoint URL opc.tcp://HOST:PORT (port 1-65535)", _endpoint_check))
+    # host name or IP put into endpoint URLs for clients behind NAT; None: the host the client dialled
+    advertised_host: str | None = setting(None, optional(text("a DNS name or IP address", _is_host)))
+    application_uri: str | None = setting(
+        None, optional(Scalar("a URI such as 'urn:plant-edge-01:appliance'", _uri_check)))
+    application_name: str = setting("OPC UA Inference Appliance", text(max_len=256))
+    state_dir: Path = setting(Path("/var/lib/appliance"), _path_rule())
+    dns_names: list[str] = setting([], ListOf(text("a DNS name", lambda v: bool(_DNS_NAME.fullmatch(v))),
+                                                      "DNS names"))
+    ip_addresses: list[str] = setting([], ListOf(Scalar("an IPv4 or IPv6 address", _ip_check), "IP addresses"))
+    # SIGTERM: calls in flight may finish for this long; then they answer BadTimeout
+    drain_timeout_s: float = setting(10.0, number(0, 3600))
+
+    def __post_init__(self) -> None:
+        if self.application_uri is None:
+            self.application_uri = f"urn:{socket.gethostname()}:appliance"
+        self.state_dir = Path(self.state_dir)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.endpoint).hostname or "0.0.0.0"
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.endpoint).port or 4840
+
+
+@dataclass
+class LimitsConfig:
+    max_message_size: int = setting(1048576, integer(8192, 2**31 - 1))  # 8192: an S7-1500's buffer
+    # None: ceil(max_message_size / 65535) + 1, computed in __post_init__
+    max_chunk_count: int | None = setting(None, optional(integer(1)))
+    max_secure_channels: int = setting(32, integer(1))
+    max_sessions: int = setting(64, integer(1))
+    max_requests_per_session: int = setting(16, integer(1))
+    session_activation_timeout_s: float = setting(5.0, number(0, 3600, lo_open=True))
+    session_timeout_s: float = setting(60.0, number(0, 86400, lo_open=True))
+    max_array_length: int = setting(65536, integer(1))
+    max_string_length: int = setting(65536, integer(1))
+    max_nesting_depth: int = setting(8, integer(1, 100))
+
+    @property
+    def min_chunk_count(self) -> int:
+        return math.ceil(self.max_message_size / UA_CHUNK_BODY) + 1
+
+    def __post_init__(self) -> None:
+        if self.max_chunk_count is None:
+            self.max_chunk_count = self.min_chunk_count
+
+
+@dataclass
+class RateLimit:
+    """A token bucket: `calls_per_s` refill rate, `burst` calls allowed at once (see appliance/rate_limit.py)."""
+
+    calls_per_s: float = required(number(0, 1_000_000, lo_open=True))
+    burst: int = required(integer(1, 1_000_000))
+
+
+@dataclass
+class RateLimitsConfig:
+    """Per role (shared by every client of that role) and per client identity; null: no limit."""
+
+    monitor: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    operator: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    engineer: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    per_client: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+
+
+@dataclass
+class SecurityConfig:
+    policies: list[str] = setting(list(SECURITY_POLICIES), ListOf(
+        Scalar("one of " + ", ".join(SECURITY_POLICIES), _policy_check),
+        "security policies (" + ", ".join(SECURITY_POLICIES) + ")", non_empty=True))
+    modes: list[str] = setting(["SignAndEncrypt"], ListOf(
+        choice(*SECURITY_MODES), "security modes (" + ", ".join(SECURITY_MODES) + ")", non_empty=True))
+    anonymous: bool = setting(False, boolean())  # when true, anonymous sessions get the monitor role
+    user_names: bool = setting(True, boolean())
+    x509_users: bool = setting(True, boolean())
+    # normalized: thumbprints as 40 lowercase hex digits, subjects as written ("CN=...")
+    certificate_roles: dict[str, str] = setting({}, CertificateRoles(ROLES))
+    login_backoff_s: float = setting(1.0, number(0, 3600))
+    login_backoff_max_s: float = setting(30.0, number(0, 86400))
+    cert_expiry_warning_days: int = setting(30, integer(0, 3650))
+    limits: LimitsConfig = setting(None, NestedSection(LimitsConfig))
+    rate_limits: RateLimitsConfig = setting(None, Section(RateLimitsConfig))
+
+    def __post_init__(self) -> None:
+        if self.limits is None:
+            self.limits = LimitsConfig()
+        if self.rate_limits is None:
+            self.rate_limits = RateLimitsConfig()
+
+    def role_for_certificate(self, thumbprint: str, subject: str = "") -> str | None:
+        """The role mapped to a user certificate by its SHA-1 thumbprint (hex) or its subject, if any."""
+        by_thumb = self.certificate_roles.get(normalize_thumbprint(thumbprint) or "")
+        if by_thumb:
+            return by_thumb
+        wanted = subject_key(subject) if subject else None
+        for key, role in self.certificate_roles.items():
+            if wanted and normalize_thumbprint(key) is None and subject_key(key) == wanted:
+                return role
+        return None
+
+
+@dataclass
+class UserConfig:
+    name: str = required(text("a user name of 1-64 characters A-Z a-z 0-9 _ . @ -",
+                              lambda v: bool(_USER_NAME.fullmatch(v))))
+    role: str = required(choice(*ROLES))
+    password_hash: str = required(Scalar(
+        "a scrypt or argon2 password hash ('scrypt$n=...,r=...,p=...$SALT$KEY' or '$argon2id$...'; "
+        "`appliance users add` makes one)",
+        _password_hash_check))
+
+
+@dataclass
+class EngineConfig:
+    device: str = setting("auto", text("auto, cpu, cuda or cuda:N", lambda v: bool(_DEVICE.fullmatch(v))))
+    threads: int = setting(0, integer(0, 1024))  # 0: all cores
+    max_batch_size: int = setting(32, integer(1, 65536))
+    max_queue_delay_ms: float = setting(0.0, number(0, 1000))  # 0: batches form from requests that arrive while one runs
+    max_queue_size: int = setting(256, integer(1))  # requests (not samples) waiting per model
+    request_timeout_s: float = setting(30.0, number(0, 3600, lo_open=True))
+    kv_slots: int = setting(8, integer(1, 4096))
+    max_seq_len: int = setting(2048, integer(16, 1 << 20))
+    max_new_tokens: int = setting(512, integer(1))
+    slot_policy: str = setting("evict_lru", choice("evict_lru", "reject"))
+    prefill_chunk: int = setting(256, integer(1))
+    dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
+    # generative: weights kept as the file has them (auto: a Q4_0/Q4_1 GGUF as int4, Q8_0 as int8, float files as
+    # `dtype`), or converted at load; quantized weights are cached under state_dir/cache/weights
+    weights: str = setting("auto", choice("auto", "float32", "bfloat16", "int8", "int4"))
+    kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16"))  # auto: bfloat16 with quantized weights
+    prefix_cache_entries: int = setting(8, integer(0, 4096))  # shared prompt prefixes kept (0: no prefix sharing)
+    park_memory_mb: int = setting(256, integer(0, 1 << 20))  # evicted sessions' KV parked in host memory (0: dropped)
+    seed: int = setting(0, integer(0, 2**63 - 1))
+    # Worker processes (one per model, or per `worker` group): liveness, memory and restarts.
+    worker_timeout_s: float = setting(5.0, number(0.2, 3600))
+    worker_memory_mb: int = setting(0, integer(0))  # 0: no limit
+    worker_max_restarts: int = setting(5, integer(0, 1000))
+    worker_restart_window_s: float = setting(300.0, number(1, 86400))
+    worker_restart_backoff_s: float = setting(0.25, number(0, 3600))
+    worker_restart_backoff_max_s: float = setting(30.0, number(0, 86400))
+    conversation_ttl_s: float = setting(86400.0, number(1, 365 * 86400))  # a Converse conversation unused this long ends
+    kernels: str = setting("auto", choice("auto", "triton", "torch"))  # generative: Triton on CUDA, else torch
+    tensorrt_fp16: bool = setting(True, boolean())  # backend tensorrt: build fp16 engines (fp32 inputs/outputs)
+
+
+@dataclass
+class DriftConfig:
+    """Online drift detection of a tensor model's inputs and predictions (appliance/drift.py)."""
+
+    window: int = setting(100, integer(10, 1_000_000))  # samples compared with the reference at a time
+    test: str = setting("ks", choice("psi", "ks"))  # per-feature statistic against the reference
+    # score (per-feature statistic / its natural level between runs of the reference data) above which: Drifting
+    threshold: float = setting(2.0, number(0, None, lo_open=True))
+    adwin_delta: float = setting(0.002, number(0, 1, lo_open=True))  # ADWIN confidence over the confidence stream
+    reference: str | None = setting(None, optional(text("a file name")))  # null: <model>.drift.json beside it
+
+
+@dataclass
+class VariantConfig:
+    """One arm of a model's A/B split (`variants:`): its own weights, served by a worker of its own."""
+
+    path: str = required(text("a file or directory path"))
+    weight: float = required(number(0, 100))  # percent of the callers; the model's own path serves the rest
+    version: str | None = setting(None, optional(text("a version label of 1-64 printable characters",
+                                                      lambda v: v.isprintable() and 0 < len(v.strip()),
+                                                      max_len=64)))
+    # filled by the loader
+    resolved_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class VariantsRule:
+    """`variants`: a mapping of variant names to {path, weight, version}; null or empty: no A/B split."""
+
+    expect: str = "a mapping of variant names to {path, weight (percent), version}"
+
+    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+            return {}
+        mapping = _as_mapping(node, ctx, path, self.expect)
+        if mapping is None:
+            return INVALID
+        out: dict[str, VariantConfig] = {}
+        for name, key_node, value_node in _items(mapping, ctx, path, "variant name"):
+            where = _key_path(path, name)
+            if not _MODEL_NAME.fullmatch(name) or name == MAIN_VARIANT:
+                ctx.error(key_node, where, "a variant name must start with a letter and hold at most 64 characters "
+                          f"A-Z a-z 0-9 _ - (and not be '{MAIN_VARIANT}', the model's own path), got {_shown(name)}")
+                continue
+            parsed = _parse_fields(VariantConfig, value_node, ctx, where, where=f"variant '{name}'")
+            if not parsed.complete or where in ctx.bad:
+                continue
+            variant = VariantConfig(**parsed.values)
+            resolved = _resolve(variant.path, ctx)
+            if not resolved.exists():
+                ctx.error(parsed.nodes["path"], f"{where}.path", f"no such file or directory: {resolved} (relative "
+                          f"paths are resolved against {ctx.base_dir})")
+                continue
+            out[name] = dataclasses.replace(variant, resolved_path=resolved)
+        total = sum(v.weight for v in out.values())
+        if total > 100:
+            ctx.error(mapping, path, f"the variants' weights add up to {total:g} percent; expected at most 100 (the "
+                      f"model's own path, variant '{MAIN_VARIANT}', serves what is left)")
+            return INVALID
+        return out
+
+
+MAIN_VARIANT = "main"  # the model's own path in an A/B split
+TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "drift")
+GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p")
+
+
+@dataclass
+class ModelConfig:
+    kind: str = required(choice(*MODEL_KINDS))
+    path: str = required(text("a file or directory path, or builtin:" + " / builtin:".join(BUILTIN_MODELS)))
+    version: str | None = setting(None, optional(text("a version label of 1-64 printable characters",
+                                                      lambda v: v.isprintable() and 0 < len(v.strip()),
+                                                      max_len=64)))
+    backend: str = setting("auto", choice("auto", "onnxruntime", "torch", "tensorrt"))
+    max_samples: int = setting(64, integer(1, 65536))  # tensor: most samples per Infer call
+    max_batch_size: int | None = setting(None, optional(integer(1, 65536)))
+    max_queue_delay_ms: float | None = setting(None, optional(number(0, 1000)))
+    max_text_chars: int = setting(1024, integer(1, 16382))  # generative: an S7 WSTRING holds up to 16382
+    system_prompt: str | None = setting(None, optional(text("a string", lambda v: True, max_len=16384)))
+    top_p: float = setting(0.95, number(0, 1, lo_open=True))
+    # models with the same worker name share one worker process; default: a process of its own
+    worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
+                                                     lambda v: bool(_MODEL_NAME.fullmatch(v)))))
+    # tensor classifiers: class names (a list, or a file beside the model; after loading always a list)
+    labels: list[str] | None = setting(None, LabelsRule())
+    # classes (labels or indices) that raise Alarms/<label> when predicted with at least alarm_confidence
+    alarm_classes: list[str | int] = setting([], ListOf(Scalar("a class label or index", _class_check),
+                                                        "class labels or indices"))
+    alarm_confidence: float = setting(0.5, number(0, 1, lo_open=True))
+    drift: DriftConfig | None = setting(None, Section(DriftConfig, nullable=True))
+    # versions kept under state_dir/models/<name>/ by `appliance models deploy` (the serving and previous included)
+    keep_versions: int = setting(5, integer(2, 1000))
+    # another model of the same kind that answers when this one is not Ready, its worker restarts, or its queue says
+    # the request's deadline would be missed (ModelVersion then names the fallback's weights)
+    fallback: str | None = setting(None, optional(text("the name of another model", lambda v: bool(
+        _MODEL_NAME.fullmatch(v)))))
+    # A/B split: other weights of this model, each with the percent of callers it serves (a stable hash of the
+    # caller's identity chooses); the model's own path (variant "main") serves the rest. Admin/PromoteVariant
+    # sends all traffic to one of them.
+    variants: dict[str, VariantConfig] = setting({}, VariantsRule())
+    # filled by the loader, not YAML keys
+    name: str = ""
+    resolved_path: Path | None = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.kind == "tensor"
+
+    @property
+    def is_generative(self) -> bool:
+        return self.kind == "generative"
+
+    @property
+    def builtin(self) -> str | None:
+        return self.path[len("builtin:"):] if self.path.startswith("builtin:") else None
+
+    @property
+    def alarm_class_indices(self) -> list[int]:
+        """alarm_classes as class indices (the loader checked that each names a label or a valid index)."""
+        names = {label: i for i, label in enumerate(self.labels or [])}
+        return [c if isinstance(c, int) else names[c] for c in self.alarm_classes]
+
+    @property
+    def drift_reference_path(self) -> Path | None:
+        """Where the drift reference statistics are: drift.reference beside the model, else <stem>.drift.json."""
+        if self.resolved_path is None:
+            return None
+        folder = self.resolved_path if self.resolved_path.is_dir() else self.resolved_path.parent
+        name = self.drift.reference if self.drift and self.drift.reference else None
+        return folder / name if name else folder / f"{self.resolved_path.stem}.drift.json"
+
+    def effective_max_batch_size(self, engine: EngineConfig) -> int:
+        return self.max_batch_size if self.max_batch_size is not None else engine.max_batch_size
+
+    def effective_max_queue_delay_ms(self, engine: EngineConfig) -> float:
+        return self.max_queue_delay_ms if self.max_queue_delay_ms is not None else engine.max_queue_delay_ms
+
+
+@dataclass
+class MetricsConfig:
+    enabled: bool = setting(True, boolean())
+    listen: str = setting("0.0.0.0:9464", Scalar("HOST:PORT such as '0.0.0.0:9464' (port 1-65535)", _listen_check))
+
+    @property
+    def host(self) -> str:
+        return (_split_listen(self.listen) or ("0.0.0.0", 9464))[0]
+
+    @property
+    def port(self) -> int:
+        return (_split_listen(self.listen) or ("0.0.0.0", 9464))[1]
+
+
+@dataclass
+class WatchdogConfig:
+    backend: str = setting("auto", choice("auto", "nvml", "fake", "none"))
+    interval_s: float = setting(1.0, number(0, 60, lo_open=True))
+    temperature_warning_c: float = setting(83.0, number(0, 150))
+    temperature_critical_c: float = setting(90.0, number(0, 150))  # must exceed the warning temperature
+    memory_warning_ratio: float = setting(0.95, number(0, 1, lo_open=True))
+    memory_critical_ratio: float = setting(0.99, number(0, 1, lo_open=True))  # must exceed the warning ratio
+    temperature_hysteresis_c: float = setting(2.0, number(0, 50))  # a state is left this far below its threshold
+    lost_after_failures: int = setting(3, integer(1, 100))  # unreadable samples in a row that mean "GPU lost"
+
+
+@dataclass
+class JobsConfig:
+    """Jobs (StartInfer / StartGenerate, then Get...Result): calls that must not block a PLC cycle."""
+
+    max_wait_ms: int = setting(2000, integer(0, 60000))  # the longest WaitMs a Get...Result call waits
+    result_ttl_s: float = setting(60.0, number(1, 86400))  # a finished job's result is kept this long unreleased
+    max_per_client: int = setting(16, integer(1, 10000))  # unreleased jobs per identity
+
+
+def _writer_check(v: Any, expect: str) -> str | None:
+    if v == "monitor":
+        return "the monitor role may never write a mailbox (CONTRACT: monitor browses, reads, subscribes)"
+    if v in ("operator", "engineer"):
+        return None
+    if isinstance(v, str) and v.startswith("user:") and _USER_NAME.fullmatch(v[5:]):
+        return None
+    if isinstance(v, str) and v.startswith("x509:") and normalize_thumbprint(v[5:]) is not None:
+        return None
+    return f"expected {expect}, got {_shown(v)}"
+
+
+def _writer_convert(v: str, ctx: Any) -> str:
+    return f"x509:{normalize_thumbprint(v[5:])}" if v.startswith("x509:") else v
+
+
+_WRITER = Scalar("a role (operator, engineer) or an identity ('user:NAME', 'x509:SHA1-THUMBPRINT')", _writer_check,
+                 _writer_convert)
+
+
+@dataclass
+class MailboxConfig:
+    """`mailboxes: NAME: {...}`: variables a PLC writes and subscribes to instead of calling methods (CONTRACT
+    `Mailboxes/<name>`). `writers`: roles (operator: operators and engineers; engineer: engineers only) and
+    identities ('user:NAME', 'x509:THUMBPRINT') that may write Input/Prompt and Request; a monitor never may."""
+
+    model: str = required(text("the name of a configured model"))
+    writers: list[str] = setting(["operator"], ListOf(_WRITER, "roles or identities", non_empty=True))
+    max_tokens: int | None = setting(None, optional(integer(1)))  # generative: MaxTokens per request (null: 128)
+    temperature: float | None = setting(None, optional(number(0, 2)))  # generative: null: 0 (greedy)
+    name: str = ""
+
+    @property
+    def effective_max_tokens(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else 128
+
+    @property
+    def effective_temperature(self) -> float:
+        return self.temperature if self.temperature is not None else 0.0
+
+    def may_write(self, role: str | None, identity: str) -> bool:
+        """Whether a session of this role and identity may write the mailbox's inputs (never a monitor)."""
+        if role not in ("operator", "engineer"):
+            return False
+        for w in self.writers:
+            if w == identity or w == role or (w == "operator" and role == "engineer"):
+                return True
+        return False
+
+
+@dataclass
+class AuditConfig:
+    enabled: bool = setting(True, boolean())
+    path: Path | None = setting(None, optional(_path_rule()))  # None: <state_dir>/audit/audit.jsonl
+    max_bytes: int = setting(10485760, integer(4096))
+    keep_files: int = setting(10, integer(1, 1000))
+    # refuse: while the audit log cannot be written (disk full, read-only), calls answer BadResourceUnavailable and
+    # Alarms/AuditLogFailed is true; continue: calls go on unaudited (the alarm is raised all the same)
+    on_failure: str = setting("refuse", choice("refuse", "continue"))
+    queue_size: int = setting(10000, integer(16, 1000000))  # records waiting for the writer thread, at most
+
+
+@dataclass
+class LoggingConfig:
+    level: str = setting("INFO", choice("DEBUG", "INFO", "WARNING", "ERROR", case_insensitive=True))
+    format: str = setting("text", choice("text", "json"))
+
+
+@dataclass
+class ApplianceConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    users: list[UserConfig] = field(default_factory=list)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    models: dict[str, ModelConfig] = field(default_factory=dict)  # in file order
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    mailboxes: dict[str, MailboxConfig] = field(default_factory=dict)  # in file order
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    source: str = "<defaults>"
+
+    def __post_init__(self) -> None:
+        if self.audit.path is None:
+            self.audit = dataclasses.replace(self.audit, path=self.server.state_dir / "audit" / "audit.jsonl")
+
+    @property
+    def state_dir(self) -> Path:
+        return self.server.state_dir
+
+
+_SECTIONS = {"server": ServerConfig, "security": SecurityConfig, "engine": EngineConfig, "metrics": MetricsConfig,
+             "watchdog": WatchdogConfig, "jobs": JobsConfig, "audit": AuditConfig,
+             "logging": LoggingConfig}
+_TOP_KEYS = ("server", "security", "users", "engine", "models", "mailboxes", "metrics", "watchdog", "jobs", "audit",
+             "logging")
