@@ -10,6 +10,10 @@ from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+# Slot keys of Converse conversations (the rest are UA sessions' keys): "conv:" + a hash of identity and id. The
+# engine keeps these in the state directory, so they outlive a worker and the appliance.
+CONVERSATION_PREFIX = "conv:"
+
 
 @dataclass(frozen=True)
 class ModelStatus:

@@ -148,3 +148,49 @@ def test_converse_continues_across_sessions_per_identity(app):
             r = await call(c, "chat", "Converse", [ua.Variant("", V.String), *gen_args("x", 5)])
             assert status_name(r) == "BadInvalidArgument"
     run(go())
+
+
+def test_converse_survives_a_killed_worker_and_a_restarted_appliance(tmp_path):
+    """Each turn in a new session; between turns the model's worker is killed, then the whole appliance restarts
+    on the same state directory: the conversation goes on growing, never ContextLost."""
+    import os
+    import signal
+    import time
+
+    make_model_dir(tmp_path / "chat", scripted=REPLY)
+    models = {"chat": {"kind": "generative", "path": str(tmp_path / "chat"), "max_text_chars": 16000}}
+
+    def turn(app, plc, n: int) -> tuple[int, bool]:
+        async def go():
+            async with session(app, *plc) as c:
+                r = await call(c, "chat", "Converse", [ua.Variant("line3", V.String), *gen_args(f"turn {n}", 5)])
+                assert status_name(r) == "Good"
+                return r.OutputArguments[3].Value, r.OutputArguments[4].Value
+        return run(go())
+
+    def ready(app) -> None:
+        deadline = time.monotonic() + 60
+        while app.app.services["chat"].status().state != "Ready":
+            assert time.monotonic() < deadline, "chat not Ready again"
+            time.sleep(0.1)
+
+    app = RunningAppliance(tmp_path / "state", models, {})
+    plc = app.issue("plc1", "operator")
+    contexts = []
+    try:
+        contexts.append(turn(app, plc, 0))
+        os.kill(app.app.services["chat"].supervisor.process.pid, signal.SIGKILL)
+        time.sleep(0.5)
+        ready(app)
+        contexts.append(turn(app, plc, 1))
+    finally:
+        app.stop()
+    app = RunningAppliance(tmp_path / "state", models, {})
+    try:
+        contexts.append(turn(app, plc, 2))
+    finally:
+        app.stop()
+    assert [lost for _n, lost in contexts] == [False, False, False]
+    lengths = [n for n, _lost in contexts]
+    assert lengths[0] < lengths[1] < lengths[2], lengths  # one conversation, three turns long
+    assert list((tmp_path / "state" / "conversations" / "chat").glob("*.json"))

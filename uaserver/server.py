@@ -26,6 +26,7 @@ from appliance.drift import DriftDetector
 from appliance.rate_limit import RateLimiter
 from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
 from appliance.jobs import Job, JobStore
+from appliance.model_port import CONVERSATION_PREFIX
 from appliance.config import MAIN_VARIANT
 from appliance.variants import Promotions, choose
 
@@ -646,7 +647,7 @@ class ApplianceUaServer:
         if not (1 <= len(conversation) <= 64) or not all(32 <= ord(ch) < 127 for ch in conversation):
             raise InvalidArgument("ConversationId must be 1-64 printable ASCII characters", index, OUT_OF_RANGE)
         owner = hashlib.sha256(f"{caller_identity(ctx.session)}\0{conversation}".encode()).hexdigest()[:32]
-        key = f"conv:{owner}"
+        key = f"{CONVERSATION_PREFIX}{owner}"
         self._conversations[key] = (model, time.monotonic())
         return key
 

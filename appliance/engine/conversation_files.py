@@ -14,10 +14,9 @@ import time
 from pathlib import Path
 
 from appliance.engine.slots import Parked
+from appliance.model_port import CONVERSATION_PREFIX as PREFIX
 
 log = logging.getLogger(__name__)
-
-PREFIX = "conv:"
 
 
 class ConversationFiles:

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from appliance.errors import EngineFailure, NotReady, ResourceUnavailable
-from appliance.model_port import GenerateResult, InferResult, ModelStatus
+from appliance.model_port import CONVERSATION_PREFIX, GenerateResult, InferResult, ModelStatus
 from appliance.workers import protocol as p
 from appliance.workers.supervisor import WorkerSupervisor
 
@@ -150,5 +150,7 @@ class RemoteModel:
         raise EngineFailure("reload failed: the model did not load in time")
 
     def _worker_lost(self) -> None:
-        self._sessions_lost |= self._sessions_with_state
+        # A Converse conversation is not lost: its engine wrote every answered turn to the state directory
+        # (appliance/engine/conversation_files.py) and the new worker recalls it. A UA session's slot is gone.
+        self._sessions_lost |= {s for s in self._sessions_with_state if not s.startswith(CONVERSATION_PREFIX)}
         self._sessions_with_state = set()
