@@ -233,7 +233,7 @@ class Appliance:
 
     def _publish_model_metrics(self) -> None:
         m = self.metrics
-        slots_total = slots_used = 0
+        slots_total = slots_used = parked = 0
         for name, model in self.services.items():
             st = model.status()
             m.queue_depth.labels(name).set(st.queue_depth)
@@ -243,6 +243,8 @@ class Appliance:
                 m.set_model_info(name, st.version, st.backend)
             slots_total += st.slots_total
             slots_used += st.slots_in_use
+            parked += st.conversations_parked
+        m.conversations_parked.set(parked)
         m.kv_slots_total.set(slots_total)
         m.kv_slots_used.set(slots_used)
         for alarm, active in self.alarms().items():

@@ -72,6 +72,9 @@ class Metrics:
                                  registry=r)
         self.kv_slots_total = Gauge("appliance_kv_slots_total", "KV-cache slots preallocated", registry=r)
         self.kv_slots_used = Gauge("appliance_kv_slots_used", "KV-cache slots owned by a session", registry=r)
+        self.conversations_parked = Gauge(
+            "appliance_conversations_parked", "Evicted conversations parked in host memory until their next call",
+            registry=r)
         self.tokens_total = Counter("appliance_tokens", "Tokens processed, by kind (prompt | generated)",
                                     ["model", "kind"], registry=r)
         self.prefix_cache_hits_total = Counter(

@@ -37,6 +37,7 @@ class ModelStatus:
     max_samples: int = 0
     slots_total: int = 0  # generative models
     slots_in_use: int = 0
+    conversations_parked: int = 0  # evicted conversations held in host memory
 
 
 @dataclass(frozen=True)

@@ -368,12 +368,14 @@ def test_evicted_sessions_are_parked_and_continue_as_if_never_evicted(model_dir)
             for i in range(12):
                 r = await svc.generate(f"s{i}", turn, 4, 0.0, FAR)
                 out.append((r.text, r.context_tokens, r.context_lost))
+        held = svc.conversations_parked
         await svc.stop()
-        return out
+        return out, held
 
-    roomy = run(answers(12, 0))
-    parked = run(answers(4, 64))
+    roomy, none_parked = run(answers(12, 0))
+    parked, held = run(answers(4, 64))
+    assert none_parked == 0 and held == 8  # 12 conversations: 4 in slots, 8 parked
     assert parked == roomy
     assert not any(lost for _t, _n, lost in parked)
-    dropped = run(answers(4, 0))
+    dropped, _ = run(answers(4, 0))
     assert sum(lost for _t, _n, lost in dropped) == 12 * (len(turns) - 1)  # without parking: every second call

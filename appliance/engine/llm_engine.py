@@ -49,6 +49,7 @@ class EngineLoop:
         # Published by the engine thread (plain ints: reads from the event loop need no lock).
         self._running = 0
         self._slots_in_use = 0
+        self._conversations_parked = 0
         self._slots_total_published = 0
         self._slots_used_published = 0
 
@@ -61,6 +62,11 @@ class EngineLoop:
     @property
     def slots_in_use(self) -> int:
         return self._slots_in_use
+
+    @property
+    def conversations_parked(self) -> int:
+        """Evicted conversations held in host memory until their session's next call."""
+        return self._conversations_parked
 
     def submit(self, seq: Sequence) -> None:
         """Queue a request; seq.handle (a Reply) gets its GenerateResult or error."""
@@ -247,6 +253,7 @@ class EngineLoop:
         total = self.settings.kv_slots if total is None else total
         used = self._slots.in_use if total else 0
         self._slots_in_use = used
+        self._conversations_parked = self._slots.parked if total else 0
         if self.metrics is not None:  # deltas: several generative models share the two gauges
             self.metrics.kv_slots_total.inc(total - self._slots_total_published)
             self.metrics.kv_slots_used.inc(used - self._slots_used_published)

@@ -70,6 +70,10 @@ class GenerativeModelService(ModelStatus):
         return self._engine_loop.slots_in_use
 
     @property
+    def conversations_parked(self) -> int:
+        return self._engine_loop.conversations_parked
+
+    @property
     def queue_depth(self) -> int:
         return max(0, self._outstanding - self._engine_loop.running)
 

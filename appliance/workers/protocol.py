@@ -110,6 +110,7 @@ class ModelSnapshot(msgspec.Struct, array_like=True, omit_defaults=True):
     queue_depth: int = 0
     slots_total: int = 0
     slots_in_use: int = 0
+    conversations_parked: int = 0
 
 
 class InferDone(_Msg):

@@ -53,7 +53,8 @@ class RemoteModel:
             heartbeat=self.heartbeat, worker_restarts=sup.restarts, worker_up=sup.up, restarting=sup.restarting,
             failure_reason=(snap.failure_reason or (sup.death_reason if sup.failed else "")),
             queue_depth=snap.queue_depth, input_shape=tuple(snap.input_shape), output_shape=tuple(snap.output_shape),
-            max_samples=self.max_samples, slots_total=snap.slots_total, slots_in_use=snap.slots_in_use)
+            max_samples=self.max_samples, slots_total=snap.slots_total, slots_in_use=snap.slots_in_use,
+            conversations_parked=snap.conversations_parked)
 
     def tick_heartbeat(self) -> None:
         """Called once a second by the serve process: +1 while the worker answers liveness checks."""

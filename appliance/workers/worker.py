@@ -72,6 +72,7 @@ def snapshot(svc) -> p.ModelSnapshot:
     else:
         snap.slots_total = int(svc.slots_total)
         snap.slots_in_use = int(svc.slots_in_use)
+        snap.conversations_parked = int(svc.conversations_parked)
     return snap
 
 
