@@ -249,8 +249,19 @@ class LlamaModel:
         from kernels import use_triton
         return use_triton(self.kernels, self.device)
 
+    def decode_graphs(self, cache: KVCache):
+        """Decode steps through the fused kernels as CUDA graphs, one per batch-size bucket up to the slot count
+        (appliance/engine/cuda_graphs.py; on a CPU the same buffers run eagerly). Padded rows write to the scratch
+        cell (position max_seq_len) of slot 0 and attend over one position, so they touch nothing real."""
+        from appliance.engine.cuda_graphs import DecodeGraphs, InputSpec
+
+        specs = {"token_ids": InputSpec((), torch.long, 0), "slot_ids": InputSpec((), torch.long, 0),
+                 "positions": InputSpec((), torch.long, cache.max_seq_len), "lengths": InputSpec((), torch.long, 1)}
+        return DecodeGraphs(lambda token_ids, slot_ids, positions, lengths: self._decode_kernels(
+            cache, token_ids, slot_ids, positions, lengths), specs, max_batch=cache.n_slots, device=self.device)
+
     def _decode_kernels(self, cache: KVCache, token_ids: torch.Tensor, slot_ids: torch.Tensor,
-                        positions: torch.Tensor) -> torch.Tensor:
+                        positions: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """One token per row at its own position, every op a fused kernel (kernels/): add+RMSNorm, rotary in place,
         KV written into the slots, decode attention reading each row's slot through its index and length (no
         gather), SiLU-gate. Same numbers as forward() within the kernels' tolerance (tests/test_llama_kernels.py)."""
@@ -272,7 +283,8 @@ class LlamaModel:
                        qkv[:, n_h + n_kv:].contiguous())
             apply_rotary_(q, k, positions, self._kernel_cos, self._kernel_sin, backend=be)
             write_kv_(cache.k_layers[li], cache.v_layers[li], k, v, slot_ids, positions, backend=be)
-            attn = decode_attention(q, cache.k_layers[li], cache.v_layers[li], slot_ids, positions + 1, backend=be)
+            attn = decode_attention(q, cache.k_layers[li], cache.v_layers[li], slot_ids,
+                                    positions + 1 if lengths is None else lengths, backend=be)
             delta = lw.o(attn.reshape(b, n_h * hd))
             x = add_rms_norm(delta, h, lw.mlp_norm, eps, backend=be)
             delta = lw.down(silu_mul(lw.gate_up(x), backend=be))

@@ -66,3 +66,48 @@ def test_the_engine_through_the_kernels_answers_as_the_eager_engine(tmp_path):
             await svc.stop()
 
     assert asyncio.run(answers("triton")) == asyncio.run(answers("torch"))
+
+
+def test_the_runner_through_decode_graphs_answers_as_the_eager_runner(tmp_path):
+    """The runner's CUDA-graph path (on this CPU: the same padded bucket buffers, run eagerly) gives the eager
+    path's tokens for ragged rows in slots out of order, batch sizes that fall between buckets included."""
+    from appliance.engine.runner import ModelRunner
+    from appliance.engine.scheduler import Scheduler
+    from appliance.engine.sequence import FinishReason, Sequence
+    from appliance.engine.slots import SlotManager
+
+    class Fixed:
+        def __init__(self, prompts):
+            self.prompts = prompts
+
+        def prepare(self, seq, slot, acquired):
+            slot.tokens.extend(self.prompts[int(seq.prompt)])
+
+        def accept(self, seq, slot, token):
+            seq.generated.append(token)
+            slot.tokens.append(token)
+            return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
+
+        def close(self, seq, slot):
+            pass
+
+    make_model_dir(tmp_path / "m", seed=4)
+    loaded = load_weights(tmp_path / "m", torch.float32)
+    prompts = [[5, 17, 33, 2, 91], [44, 12, 3], [7, 7, 8, 9, 10, 11], [60, 61], [3, 4, 5]]
+
+    def tokens(model: LlamaModel, graphs: bool) -> list[list[int]]:
+        cache = KVCache(loaded.config, 8, 48, torch.float32)
+        sched = Scheduler(SlotManager(8, 48), Fixed(prompts), prefill_chunk=16)
+        runner = ModelRunner(model, cache, graphs=graphs)
+        seqs = [Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=4 + i) for i in range(len(prompts))]
+        for s in seqs:
+            sched.add(s)
+        while sched.has_work:
+            plan = sched.schedule()
+            sched.commit(plan, runner.run(plan))
+        assert (runner._graphs is not None) == graphs
+        return [s.generated for s in seqs]
+
+    want = tokens(LlamaModel(loaded.config, loaded.tensors, kernels="torch"), graphs=False)
+    got = tokens(LlamaModel(loaded.config, loaded.tensors, kernels="triton"), graphs=True)
+    assert got == want

@@ -11,9 +11,15 @@ from models.llama import KVCache, LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache):
+    def __init__(self, model: LlamaModel, cache: KVCache, graphs: bool | None = None):
+        """graphs: decode steps as CUDA graphs (None: when the model decodes through the fused kernels on CUDA;
+        True on a CPU runs the same padded buffers eagerly, for tests)."""
         self.model = model
         self.cache = cache
+        if graphs is None:
+            graphs = model.device.type == "cuda" and model.use_kernels()
+        self._want_graphs = graphs
+        self._graphs = None  # captured at the first decode step (Triton compiles there too)
         self._generators: dict[int, torch.Generator] = {}
         self.prefixes: dict[tuple[int, ...], torch.Tensor] = {}  # shared heads' KV (keys: prefix_index)
         self.parked: dict[str, torch.Tensor] = {}  # parked conversations' KV by session (slots.SlotMove)
@@ -49,9 +55,17 @@ class ModelRunner:
                 self._sample(logits[rows], [chunks[i].seq for i in rows], sampled)
         if plan.decode:
             rows = sorted(plan.decode, key=lambda r: r.slot)  # consecutive slots attend over a cache view
-            logits = self.model.forward(
-                self.cache, torch.tensor([[r.token] for r in rows]), torch.tensor([r.slot for r in rows]),
-                torch.tensor([r.pos for r in rows]), torch.ones(len(rows), dtype=torch.long))
+            if self._want_graphs:
+                if self._graphs is None:
+                    self._graphs = self.model.decode_graphs(self.cache)
+                positions = torch.tensor([r.pos for r in rows])
+                logits = self._graphs.run(token_ids=torch.tensor([r.token for r in rows]),
+                                          slot_ids=torch.tensor([r.slot for r in rows]), positions=positions,
+                                          lengths=positions + 1).float()
+            else:
+                logits = self.model.forward(
+                    self.cache, torch.tensor([[r.token] for r in rows]), torch.tensor([r.slot for r in rows]),
+                    torch.tensor([r.pos for r in rows]), torch.ones(len(rows), dtype=torch.long))
             self._sample(logits, [r.seq for r in rows], sampled)
         return sampled
 
