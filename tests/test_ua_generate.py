@@ -123,19 +123,37 @@ def test_dropped_connection_frees_its_slot_after_the_session_timeout(app):
     run(go())
 
 
-def test_eviction_takes_the_least_recently_used_idle_slot(app):
+def test_eviction_takes_the_least_recently_used_idle_slot_and_parks_its_conversation(app):
     async def go():
         async with session(app, *app.operator) as a, session(app, *app.operator) as b, \
                 session(app, *app.operator) as c:
-            assert status_name(await call(a, "chat", "Generate", gen_args("first"))) == "Good"
+            first = outputs(await call(a, "chat", "Generate", gen_args("first")))
             assert status_name(await call(b, "chat", "Generate", gen_args("second"))) == "Good"
             r = outputs(await call(c, "chat", "Generate", gen_args("third")))  # evicts a (least recently used)
             assert r["ContextLost"] is False
-            r = outputs(await call(b, "chat", "Generate", gen_args("again")))
+            r = outputs(await call(b, "chat", "Generate", gen_args("again")))  # b keeps its slot
             assert r["ContextLost"] is False
+            # a's conversation was parked in host memory, not dropped: it comes back whole
             r = outputs(await call(a, "chat", "Generate", gen_args("back")))
-            assert r["ContextLost"] is True
+            assert r["ContextLost"] is False and r["ContextTokens"] > first["ContextTokens"] + first["TokenCount"]
     run(go())
+
+
+def test_eviction_without_parking_answers_context_lost(tmp_path, model_dir):
+    a = RunningAppliance(tmp_path, {"chat": {"kind": "generative", "path": str(model_dir), "max_text_chars": 200}},
+                         {"engine": {"kv_slots": 2, "max_seq_len": 256, "max_new_tokens": 32, "prefill_chunk": 16,
+                                     "park_memory_mb": 0}})
+    try:
+        cert = a.issue("plc", "operator")
+
+        async def go():
+            async with session(a, *cert) as s1, session(a, *cert) as s2, session(a, *cert) as s3:
+                for s, text in ((s1, "first"), (s2, "second"), (s3, "third")):  # the third evicts s1
+                    assert outputs(await call(s, "chat", "Generate", gen_args(text)))["ContextLost"] is False
+                assert outputs(await call(s1, "chat", "Generate", gen_args("back")))["ContextLost"] is True
+        run(go())
+    finally:
+        a.stop()
 
 
 def test_reject_mode_answers_resource_unavailable(tmp_path, model_dir):
