@@ -54,10 +54,43 @@ def hf_model(shape: dict, dtype):
     return model.to(dtype).eval()
 
 
-def engine_model(hf, dtype):
+def engine_model(hf, dtype, kernels: str = "auto"):
     from models.llama import LlamaModel
     cfg = LlamaConfig.from_hf_dict(hf.config.to_dict())
-    return LlamaModel(cfg, dict(hf.state_dict()), dtype=dtype, device=DEVICE)
+    return LlamaModel(cfg, dict(hf.state_dict()), dtype=dtype, device=DEVICE, kernels=kernels)
+
+
+def greedy_runner(model, prompts, new_tokens) -> list[list[int]]:
+    """The serving path: Scheduler + ModelRunner, decode through the kernels as CUDA graphs (the runner's default on
+    CUDA with the kernels; eager buffers in the CPU dry run)."""
+    from appliance.engine.runner import ModelRunner
+    from appliance.engine.scheduler import Scheduler
+    from appliance.engine.sequence import FinishReason, Sequence
+    from appliance.engine.slots import SlotManager
+    from models.llama import KVCache
+
+    class Fixed:
+        def prepare(self, seq, slot, acquired):
+            slot.tokens.extend(prompts[int(seq.prompt)])
+
+        def accept(self, seq, slot, token):
+            seq.generated.append(token)
+            slot.tokens.append(token)
+            return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
+
+        def close(self, seq, slot):
+            pass
+
+    b = len(prompts)
+    sched = Scheduler(SlotManager(b, MAX_SEQ), Fixed(), prefill_chunk=256)
+    runner = ModelRunner(model, KVCache(model.config, b, MAX_SEQ, model.dtype, DEVICE), graphs=True)
+    seqs = [Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=new_tokens) for i in range(b)]
+    for s in seqs:
+        sched.add(s)
+    while sched.has_work:
+        plan = sched.schedule()
+        sched.commit(plan, runner.run(plan))
+    return [s.generated for s in seqs]
 
 
 def kernel_model(hf, dtype, backend):
@@ -126,6 +159,8 @@ def check_tokens(res: Results, name: str, quick: bool):
     n = 4 if DRY_RUN else 8 if quick else 16
     want = greedy_hf(hf, prompts, n)
     res.check(greedy_engine(engine_model(hf, torch.float32), prompts, n) == want, f"{name} fp32 engine == HF")
+    res.check(greedy_runner(engine_model(hf, torch.float32, "triton"), prompts, n) == want,
+              f"{name} fp32 engine runner (kernels + CUDA graphs) == HF")
     for backend, graphs in (("torch", False), ("triton", False), ("triton", True)):
         got = greedy_kernel(kernel_model(hf, torch.float32, backend), prompts, n, graphs)
         agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
