@@ -35,8 +35,9 @@ import torch  # noqa: E402
 
 from appliance.engine.runner import ModelRunner  # noqa: E402
 from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import FinishReason, Sequence  # noqa: E402
+from appliance.engine.sequence import Sequence  # noqa: E402
 from appliance.engine.slots import SlotManager  # noqa: E402
+from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 
@@ -82,27 +83,9 @@ def hf_config_dict(cfg: LlamaConfig) -> dict:
                 eos_token_id=None)
 
 
-class FixedLength:
-    """TurnPolicy: the prompt names a token list; exactly max_tokens tokens, end-of-sequence ignored."""
-
-    def __init__(self, prompts: dict[str, list[int]]):
-        self.prompts = prompts
-
-    def prepare(self, seq, slot, acquired):
-        slot.tokens.extend(self.prompts[seq.prompt])
-
-    def accept(self, seq, slot, token):
-        seq.generated.append(token)
-        slot.tokens.append(token)
-        return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
-
-    def close(self, seq, slot):
-        pass
-
-
 def bench_ours(model: LlamaModel, cache: KVCache, prompts: list[list[int]], n: int, new: int):
     slots = SlotManager(cache.n_slots, cache.max_seq_len)
-    turns = FixedLength({str(i): prompts[i % len(prompts)] for i in range(n)})
+    turns = TokenTurns({str(i): prompts[i % len(prompts)] for i in range(n)})
     sched = Scheduler(slots, turns, prefill_chunk=256, max_prefill_tokens=2048)
     runner = ModelRunner(model, cache)
     seqs = [Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=new) for i in range(n)]
@@ -110,9 +93,7 @@ def bench_ours(model: LlamaModel, cache: KVCache, prompts: list[list[int]], n: i
     for s in seqs:
         s.arrival = time.monotonic()
         sched.add(s)
-    while sched.has_work:
-        plan = sched.schedule()
-        sched.commit(plan, runner.run(plan))
+    run_to_end(sched, runner)
     wall = time.perf_counter() - start
     ttft = sum(s.first_token_at - s.arrival for s in seqs) / n
     return n * new / wall, ttft, [s.generated for s in seqs]

@@ -65,31 +65,19 @@ def greedy_runner(model, prompts, new_tokens) -> list[list[int]]:
     CUDA with the kernels; eager buffers in the CPU dry run)."""
     from appliance.engine.runner import ModelRunner
     from appliance.engine.scheduler import Scheduler
-    from appliance.engine.sequence import FinishReason, Sequence
+    from appliance.engine.sequence import Sequence
     from appliance.engine.slots import SlotManager
+    from appliance.engine.token_turns import TokenTurns, run_to_end
     from models.llama import KVCache
 
-    class Fixed:
-        def prepare(self, seq, slot, acquired):
-            slot.tokens.extend(prompts[int(seq.prompt)])
-
-        def accept(self, seq, slot, token):
-            seq.generated.append(token)
-            slot.tokens.append(token)
-            return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
-
-        def close(self, seq, slot):
-            pass
-
     b = len(prompts)
-    sched = Scheduler(SlotManager(b, MAX_SEQ), Fixed(), prefill_chunk=256)
+    sched = Scheduler(SlotManager(b, MAX_SEQ), TokenTurns({str(i): p for i, p in enumerate(prompts)}),
+                      prefill_chunk=256)
     runner = ModelRunner(model, KVCache(model.config, b, MAX_SEQ, model.dtype, DEVICE), graphs=True)
     seqs = [Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=new_tokens) for i in range(b)]
     for s in seqs:
         sched.add(s)
-    while sched.has_work:
-        plan = sched.schedule()
-        sched.commit(plan, runner.run(plan))
+    run_to_end(sched, runner)
     return [s.generated for s in seqs]
 
 

@@ -11,8 +11,9 @@ pytest.importorskip("transformers")
 
 from appliance.engine.runner import ModelRunner  # noqa: E402
 from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import FinishReason, Sequence  # noqa: E402
+from appliance.engine.sequence import Sequence  # noqa: E402
 from appliance.engine.slots import SlotManager  # noqa: E402
+from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.weights import load_weights  # noqa: E402
 from tiny_llm import make_model_dir  # noqa: E402
@@ -21,32 +22,14 @@ PROMPTS = 16
 NEW = 12
 
 
-class Fixed:
-    def __init__(self, prompts):
-        self.prompts = prompts
-
-    def prepare(self, seq, slot, acquired):
-        slot.tokens.extend(self.prompts[int(seq.prompt)])
-
-    def accept(self, seq, slot, token):
-        seq.generated.append(token)
-        slot.tokens.append(token)
-        return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
-
-    def close(self, seq, slot):
-        pass
-
-
 def decode(model, kv_dtype, prompts, which: list[int]) -> dict[int, list[int]]:
     cache = KVCache(model.config, len(which), 96, kv_dtype)
-    sched = Scheduler(SlotManager(len(which), 96), Fixed(prompts), prefill_chunk=64, max_prefill_tokens=1024)
-    runner = ModelRunner(model, cache)
+    turns = TokenTurns({str(i): p for i, p in enumerate(prompts)})
+    sched = Scheduler(SlotManager(len(which), 96), turns, prefill_chunk=64, max_prefill_tokens=1024)
     seqs = {i: Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=NEW) for i in which}
     for s in seqs.values():
         sched.add(s)
-    while sched.has_work:
-        plan = sched.schedule()
-        sched.commit(plan, runner.run(plan))
+    run_to_end(sched, ModelRunner(model, cache))
     return {i: s.generated for i, s in seqs.items()}
 
 

@@ -73,23 +73,9 @@ def test_the_runner_through_decode_graphs_answers_as_the_eager_runner(tmp_path):
     path's tokens for ragged rows in slots out of order, batch sizes that fall between buckets included."""
     from appliance.engine.runner import ModelRunner
     from appliance.engine.scheduler import Scheduler
-    from appliance.engine.sequence import FinishReason, Sequence
+    from appliance.engine.sequence import Sequence
     from appliance.engine.slots import SlotManager
-
-    class Fixed:
-        def __init__(self, prompts):
-            self.prompts = prompts
-
-        def prepare(self, seq, slot, acquired):
-            slot.tokens.extend(self.prompts[int(seq.prompt)])
-
-        def accept(self, seq, slot, token):
-            seq.generated.append(token)
-            slot.tokens.append(token)
-            return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
-
-        def close(self, seq, slot):
-            pass
+    from appliance.engine.token_turns import TokenTurns, run_to_end
 
     make_model_dir(tmp_path / "m", seed=4)
     loaded = load_weights(tmp_path / "m", torch.float32)
@@ -97,14 +83,13 @@ def test_the_runner_through_decode_graphs_answers_as_the_eager_runner(tmp_path):
 
     def tokens(model: LlamaModel, graphs: bool) -> list[list[int]]:
         cache = KVCache(loaded.config, 8, 48, torch.float32)
-        sched = Scheduler(SlotManager(8, 48), Fixed(prompts), prefill_chunk=16)
+        turns = TokenTurns({str(i): p for i, p in enumerate(prompts)})
+        sched = Scheduler(SlotManager(8, 48), turns, prefill_chunk=16)
         runner = ModelRunner(model, cache, graphs=graphs)
         seqs = [Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=4 + i) for i in range(len(prompts))]
         for s in seqs:
             sched.add(s)
-        while sched.has_work:
-            plan = sched.schedule()
-            sched.commit(plan, runner.run(plan))
+        run_to_end(sched, runner)
         assert (runner._graphs is not None) == graphs
         return [s.generated for s in seqs]
 

@@ -13,6 +13,7 @@ from appliance.engine.runner import ModelRunner  # noqa: E402
 from appliance.engine.scheduler import Scheduler  # noqa: E402
 from appliance.engine.sequence import FinishReason, Sequence  # noqa: E402
 from appliance.engine.slots import SlotManager  # noqa: E402
+from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 
@@ -55,34 +56,6 @@ def hf_greedy(hf_model, prompts: list[list[int]], new_tokens: int) -> list[list[
         out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                 pad_token_id=PAD)
     return [row[width:].tolist() for row in out]
-
-
-class TokenTurns:
-    """A TurnPolicy over raw token ids (no tokenizer): the prompt string names a list in `turns`."""
-
-    def __init__(self):
-        self.turns: dict[str, list[int]] = {}
-
-    def prepare(self, seq, slot, acquired):
-        slot.tokens.extend(self.turns[seq.prompt])
-
-    def accept(self, seq, slot, token):
-        seq.generated.append(token)
-        slot.tokens.append(token)
-        return FinishReason.LENGTH if len(seq.generated) >= seq.max_tokens else None
-
-    def close(self, seq, slot):
-        pass
-
-
-def run_to_end(scheduler: Scheduler, runner: ModelRunner) -> int:
-    steps = 0
-    while scheduler.has_work:
-        plan = scheduler.schedule()
-        assert not plan.failed
-        scheduler.commit(plan, runner.run(plan))
-        steps += 1
-    return steps
 
 
 def test_prefill_logits_match_hf_for_ragged_rows(hf_model, ours):
