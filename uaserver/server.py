@@ -545,15 +545,7 @@ class ApplianceUaServer:
 
         async def body(ctx: CallContext, args):
             ctx.detail = f"mailbox {args[1].Value} Request {args[2].Value}"
-            samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
-            ctx.input_digest = digest(samples)
-            model = self._answering(svc, ctx)
-            require_ready(model)
-            r = await model.infer(samples, self.handlers.deadline())
-            ctx.version = r.model_version
-            ctx.output_digest = digest(r.output)
-            if svc.name in self.drift:
-                asyncio.get_running_loop().call_soon(self._drift_update, svc.name, samples, r.output)
+            r = await self._infer(svc, ctx, args[0])
             classified = await self._classified(svc.name, classifier, r.output) if classifier else None
             return MailboxAnswer(r.model_version, output=r.output.tolist(), classified=classified)
         return body
@@ -668,19 +660,25 @@ class ApplianceUaServer:
                 del self._conversations[key]
                 self.services[model].release(key)
 
+    async def _infer(self, svc, ctx: CallContext, samples_arg: ua.Variant):
+        """One Infer as Infer, Classify and mailboxes run it: the samples checked, the answering model (variant or
+        fallback), its result recorded for the audit, drift updated."""
+        samples = self.handlers.float_array(samples_arg, 0, _most_floats(svc))
+        ctx.input_digest = digest(samples)
+        model = self._answering(svc, ctx)
+        require_ready(model)
+        r = await model.infer(samples, self.handlers.deadline())
+        ctx.version = r.model_version
+        ctx.output_digest = digest(r.output)
+        if svc.name in self.drift:  # after the answer is sent: drift costs the caller nothing
+            asyncio.get_running_loop().call_soon(self._drift_update, svc.name, samples, r.output)
+        return r
+
     def _infer_body(self, svc, classify: bool = False):
         classifier = self.classifiers.get(svc.name)
 
         async def body(ctx: CallContext, args):
-            samples = self.handlers.float_array(args[0], 0, _most_floats(svc))
-            ctx.input_digest = digest(samples)
-            model = self._answering(svc, ctx)
-            require_ready(model)
-            r = await model.infer(samples, self.handlers.deadline())
-            ctx.version = r.model_version
-            ctx.output_digest = digest(r.output)
-            if svc.name in self.drift:  # after the answer is sent: drift costs the caller nothing
-                asyncio.get_running_loop().call_soon(self._drift_update, svc.name, samples, r.output)
+            r = await self._infer(svc, ctx, args[0])
             if classifier is None:
                 return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
             result = await self._classified(svc.name, classifier, r.output)
