@@ -64,3 +64,44 @@ async def call_method(client: Client, parent, method_node, args: list[ua.Variant
     request.InputArguments = args
     results = await client.uaclient.call([request])
     return results[0]
+
+
+class AdminUnreachable(Exception):
+    """The appliance on this box could not be asked: `reason` is "no_pki" (never started) or "not_running"."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def call_admin(config, method: str, args: list[ua.Variant], timeout_s: float) -> ua.CallMethodResult:
+    """Call Appliance/Admin/<method> of the appliance running on this box, over loopback, as the box's commissioning
+    engineer (a certificate the local CA issues once, kept in state_dir/clients). For the CLI's deploy, rollback
+    and promote; raises AdminUnreachable."""
+    import asyncio
+    import socket
+
+    from certs.pki import PKI
+
+    state_dir = Path(config.server.state_dir)
+    out = state_dir / "clients"
+    cert, key = out / "commissioning-engineer.der", out / "commissioning-engineer.key.pem"
+    if not (cert.exists() and key.exists()):
+        pki = PKI(state_dir)
+        if not pki.exists():
+            raise AdminUnreachable("no_pki")
+        pki.issue("commissioning-engineer", "engineer", out, socket.gethostname())
+    endpoint = f"opc.tcp://127.0.0.1:{config.server.port}"
+
+    async def call() -> ua.CallMethodResult:
+        try:
+            client = await connect(endpoint, cert, key, timeout=timeout_s)
+        except (OSError, asyncio.TimeoutError, TimeoutError):
+            raise AdminUnreachable("not_running") from None
+        try:
+            ns = await client.get_namespace_index(NAMESPACE_URI)
+            admin = await client.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Admin"])
+            return await call_method(client, admin, await admin.get_child(f"{ns}:{method}"), args)
+        finally:
+            await client.disconnect()
+    return asyncio.run(call())

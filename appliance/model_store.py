@@ -240,40 +240,18 @@ def request_reload(config, name: str, timeout_s: float = 600.0) -> ReloadResult:
     """Ask the running appliance on this box to load the model's `current` version: Admin/ReloadModel over OPC UA
     on loopback, as the box's commissioning engineer (a certificate the local CA issues once, like `appliance call`'s
     commissioning operator). Not running: the new version serves from its next start."""
-    import asyncio
-    import socket
-
     from asyncua import ua
 
-    from certs.pki import PKI
+    from .client import AdminUnreachable, call_admin
 
-    from .client import call_method, connect
-
-    state_dir = Path(config.server.state_dir)
-    out = state_dir / "clients"
-    cert, key = out / "commissioning-engineer.der", out / "commissioning-engineer.key.pem"
-    if not (cert.exists() and key.exists()):
-        pki = PKI(state_dir)
-        if not pki.exists():
+    try:
+        r = call_admin(config, "ReloadModel", [ua.Variant(name, ua.VariantType.String)], timeout_s)
+    except AdminUnreachable as e:
+        if e.reason == "no_pki":
             return ReloadResult(False, "the appliance has no PKI yet (never started): the version serves from its "
                                        "first start")
-        pki.issue("commissioning-engineer", "engineer", out, socket.gethostname())
-    endpoint = f"opc.tcp://127.0.0.1:{config.server.port}"
-
-    async def reload() -> ReloadResult:
-        try:
-            client = await connect(endpoint, cert, key, timeout=timeout_s)
-        except (OSError, asyncio.TimeoutError, TimeoutError):
-            return ReloadResult(False, "the appliance is not running: the version serves from its next start")
-        try:
-            ns = await client.get_namespace_index("urn:opcua-inference-appliance")
-            admin = await client.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Admin"])
-            method = await admin.get_child(f"{ns}:ReloadModel")
-            r = await call_method(client, admin, method, [ua.Variant(name, ua.VariantType.String)])
-        finally:
-            await client.disconnect()
-        if r.StatusCode.is_good():
-            return ReloadResult(True, f"the appliance now serves version {r.OutputArguments[0].Value}")
-        return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name}: the previous version keeps serving "
-                                   "(see the audit log and the appliance's log for the reason)")
-    return asyncio.run(reload())
+        return ReloadResult(False, "the appliance is not running: the version serves from its next start")
+    if r.StatusCode.is_good():
+        return ReloadResult(True, f"the appliance now serves version {r.OutputArguments[0].Value}")
+    return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name}: the previous version keeps serving "
+                               "(see the audit log and the appliance's log for the reason)")

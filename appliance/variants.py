@@ -74,40 +74,17 @@ class Promotions:
 def request_promote(config, model: str, variant: str, timeout_s: float = 30.0) -> tuple[bool, str]:
     """`appliance models promote`: Admin/PromoteVariant over OPC UA on loopback as the box's commissioning engineer
     (the certificate `appliance models deploy` uses). (done, what happened)."""
-    import asyncio
-    import socket
-
     from asyncua import ua
 
-    from certs.pki import PKI
+    from .client import AdminUnreachable, call_admin
 
-    from .client import call_method, connect
-
-    state_dir = Path(config.server.state_dir)
-    out = state_dir / "clients"
-    cert, key = out / "commissioning-engineer.der", out / "commissioning-engineer.key.pem"
-    if not (cert.exists() and key.exists()):
-        pki = PKI(state_dir)
-        if not pki.exists():
-            return False, "the appliance has no PKI yet (never started)"
-        pki.issue("commissioning-engineer", "engineer", out, socket.gethostname())
-    endpoint = f"opc.tcp://127.0.0.1:{config.server.port}"
-
-    async def promote() -> tuple[bool, str]:
-        try:
-            client = await connect(endpoint, cert, key, timeout=timeout_s)
-        except (OSError, asyncio.TimeoutError, TimeoutError):
-            return False, "the appliance is not running"
-        try:
-            ns = await client.get_namespace_index("urn:opcua-inference-appliance")
-            admin = await client.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Admin"])
-            method = await admin.get_child(f"{ns}:PromoteVariant")
-            r = await call_method(client, admin, method, [ua.Variant(model, ua.VariantType.String),
-                                                          ua.Variant(variant, ua.VariantType.String)])
-        finally:
-            await client.disconnect()
-        if r.StatusCode.is_good():
-            return True, (f"all traffic of {model} now goes to variant {variant}" if variant
-                          else f"{model} serves its configured split again")
-        return False, f"PromoteVariant answered {r.StatusCode.name}"
-    return asyncio.run(promote())
+    try:
+        r = call_admin(config, "PromoteVariant", [ua.Variant(model, ua.VariantType.String),
+                                                  ua.Variant(variant, ua.VariantType.String)], timeout_s)
+    except AdminUnreachable as e:
+        return False, ("the appliance has no PKI yet (never started)" if e.reason == "no_pki"
+                       else "the appliance is not running")
+    if r.StatusCode.is_good():
+        return True, (f"all traffic of {model} now goes to variant {variant}" if variant
+                      else f"{model} serves its configured split again")
+    return False, f"PromoteVariant answered {r.StatusCode.name}"
