@@ -113,3 +113,26 @@ def load(path: Path) -> dict[str, Any] | None:
     except Exception as exc:  # a torn or foreign file: rebuild it
         log.warning("weight cache %s unusable (%s); rebuilding", path.name, exc)
         return None
+
+
+def gguf_matrix_types(path: Path, cache_dir: Path | None) -> set[str]:
+    """The GGUF types of a file's matrices (to choose `engine.weights: auto`), remembered in the model's cache
+    directory under the file's fingerprint: reading them parses the whole GGUF header (SmolLM2: 3-5 s for its
+    vocabulary), which a cached start otherwise never does."""
+    from models.gguf_loader import matrix_types
+    from models.weights import fingerprint
+
+    memo = Path(cache_dir) / f"types-{fingerprint([Path(path)])}.json" if cache_dir is not None else None
+    if memo is not None:
+        try:
+            return set(json.loads(memo.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            pass
+    types = matrix_types(path)
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            memo.write_text(json.dumps(sorted(types)), encoding="utf-8")
+        except OSError:
+            pass
+    return types

@@ -181,3 +181,14 @@ def test_kv_cache_pages_cost_nothing_until_written():
     cache.kv[:, :, 0, :, :64] = 1.0  # one slot's first 64 positions
     assert float(cache.kv[0, 0, 1].abs().sum()) == 0.0  # and the rest reads as zeros
     assert _rss_bytes() - before < 0.2 * size
+
+
+def test_auto_format_reads_the_gguf_header_once_per_file(tmp_path, monkeypatch):
+    """engine.weights: auto needs the file's matrix types; a cached start takes them from the cache directory."""
+    from models.weight_cache import gguf_matrix_types
+    model = tmp_path / "m.gguf"
+    _config, hf_weights, raw = write_tiny_gguf(model, tied=True)
+    first = gguf_matrix_types(model, tmp_path / "cache")
+    assert first == {qtype.name for name, (_data, qtype) in raw.items() if hf_weights[name].dim() == 2}
+    monkeypatch.setattr(gguf_loader, "matrix_types", lambda p: (_ for _ in ()).throw(AssertionError("parsed")))
+    assert gguf_matrix_types(model, tmp_path / "cache") == first

@@ -54,13 +54,14 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineFailure("device cuda was asked for but no GPU is available")
-    quantized, dtype_name = weight_format(s.weights, s.dtype, Path(path), device)
+    cache_dir = Path(s.weight_cache_dir) if s.weight_cache_dir else None
+    quantized, dtype_name = weight_format(s.weights, s.dtype, Path(path), device, cache_dir)
     dtype = getattr(torch, dtype_name)
     kv_dtype = getattr(torch, s.kv_dtype if s.kv_dtype != "auto" else "bfloat16" if quantized else dtype_name)
     if s.threads > 0:
         torch.set_num_threads(s.threads)
 
-    loaded = load_weights(path, dtype, quantized, Path(s.weight_cache_dir) if s.weight_cache_dir else None)
+    loaded = load_weights(path, dtype, quantized, cache_dir)
     config = loaded.config
     max_seq_len = s.max_seq_len
     if max_seq_len > config.max_position_embeddings:
@@ -85,7 +86,8 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
     return LoadedEngine(model, cache, loaded.tokenizer, version_label or loaded.version, backend, max_seq_len)
 
 
-def weight_format(weights: str, dtype: str, path: Path, device: str) -> tuple[str | None, str]:
+def weight_format(weights: str, dtype: str, path: Path, device: str,
+                  cache_dir: Path | None = None) -> tuple[str | None, str]:
     """(quantized format or None, compute dtype) for `engine.weights` / `engine.dtype` on this file and device.
 
     auto keeps a GGUF file's quantization on a CPU with AVX-512: Q4_0 / Q4_1 run as int4 (the file's own numbers,
@@ -103,8 +105,8 @@ def weight_format(weights: str, dtype: str, path: Path, device: str) -> tuple[st
         return weights, "float32"
     if on_gpu or not (path.is_file() and path.suffix == ".gguf") or not quantized_ops_are_fast():
         return None, compute
-    from models.gguf_loader import matrix_types
-    types = matrix_types(path)
+    from models.weight_cache import gguf_matrix_types
+    types = gguf_matrix_types(path, cache_dir)
     if types & {"Q4_0", "Q4_1"}:
         return "int4", "float32"
     if "Q8_0" in types:
