@@ -76,6 +76,9 @@ def test_metrics_exposes_prometheus_text(running):
     assert "# TYPE appliance_requests_total counter" in text
     assert 'appliance_requests_total{method="Infer",model="te",status="Good"} 3.0' in text
     assert "# HELP appliance_kv_slots_total" in text and "appliance_watchdog_state" in text
+    # the contract: every metric's HELP and TYPE from the start, these two included
+    assert "# TYPE appliance_prefix_cache_hits_total counter" in text
+    assert "# TYPE appliance_conversations_parked gauge" in text
 
 
 def test_healthz_is_pure_liveness(running):
