@@ -379,3 +379,34 @@ def test_evicted_sessions_are_parked_and_continue_as_if_never_evicted(model_dir)
     assert not any(lost for _t, _n, lost in parked)
     dropped, _ = run(answers(4, 0))
     assert sum(lost for _t, _n, lost in dropped) == 12 * (len(turns) - 1)  # without parking: every second call
+
+
+def test_conversations_in_the_state_directory_end_by_ttl_with_context_lost(model_dir, tmp_path):
+    """A Converse conversation's file lets a new engine continue it; the TTL ending it (the serve process's
+    release, or a file too old at start) makes its next call say ContextLost; EndConversation does not."""
+    import os
+
+    key = "conv:" + "ab12" * 8
+    conv_dir = str(tmp_path / "conversations")
+
+    async def body():
+        svc = await started(model_dir, conversation_dir=conv_dir, conversation_ttl_s=3600)
+        first = await svc.generate(key, "Is the pump running?", 3, 0.0, FAR)
+        await svc.stop()
+        svc = await started(model_dir, conversation_dir=conv_dir, conversation_ttl_s=3600)
+        again = await svc.generate(key, "And valve 3?", 3, 0.0, FAR)  # a new engine recalls it from its file
+        assert not again.context_lost and again.context_tokens > first.context_tokens
+        svc.release(key)  # what the serve process's conversation TTL sends
+        after_ttl = await svc.generate(key, "Still there?", 3, 0.0, FAR)
+        assert after_ttl.context_lost and after_ttl.context_tokens < again.context_tokens
+        await svc.reset(key)  # EndConversation
+        fresh = await svc.generate(key, "New start.", 3, 0.0, FAR)
+        assert not fresh.context_lost
+        await svc.stop()
+        (path,) = (tmp_path / "conversations").glob("*.json")
+        os.utime(path, (0, 0))  # unused far longer than the TTL while no engine ran
+        svc = await started(model_dir, conversation_dir=conv_dir, conversation_ttl_s=3600)
+        late = await svc.generate(key, "Hello again.", 3, 0.0, FAR)
+        assert late.context_lost and late.context_tokens < fresh.context_tokens + 10
+        await svc.stop()
+    run(body())

@@ -2,8 +2,8 @@
 and the appliance: after each finished turn the conversation's tokens and messages are written (atomically) to
 `<dir>/<key>.json`; a conversation a fresh engine does not hold comes back from its file at its next call, and its
 keys and values are computed again by the prefill (a file holds tokens, not the KV cache: a few KB per turn instead
-of ~46 KB per token). Files unused for the conversation TTL are removed at start; EndConversation, the TTL and new
-weights remove them too.
+of ~46 KB per token). Files unused for the conversation TTL are removed at start (those conversations' next calls
+say ContextLost, as after the serve process's own TTL); EndConversation and new weights remove them too.
 """
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ class ConversationFiles:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         cutoff = time.time() - ttl_s
+        self.expired: list[str] = []  # conversations the TTL ended while no engine ran (removed here)
         for f in self.directory.glob("*.json"):
             try:
                 if f.stat().st_mtime < cutoff:
                     f.unlink()
+                    self.expired.append(PREFIX + f.stem)
             except OSError:
                 pass
 
@@ -59,10 +61,13 @@ class ConversationFiles:
             log.warning("conversation file %s unreadable (%s): starting over", path.name, exc)
             return None
 
-    def forget(self, session: str) -> None:
+    def forget(self, session: str) -> bool:
+        """Remove the conversation's file; False when the session is not a conversation."""
         path = self._path(session)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        if path is None:
+            return False
+        path.unlink(missing_ok=True)
+        return True
 
     def forget_all(self) -> None:
         for f in self.directory.glob("*.json"):

@@ -103,6 +103,9 @@ class EngineLoop:
         self._slots = SlotManager(s.kv_slots, engine.max_seq_len, s.slot_policy,
                                   park_tokens=park_tokens(engine.cache, s.park_memory_mb),
                                   recall=self._files.recall if self._files else None)
+        if self._files is not None:
+            for session in self._files.expired:  # ended by the TTL while the appliance was down
+                self._slots.mark_lost(session)
         self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len)
         self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
                                     prefixes=PrefixIndex(s.prefix_cache_entries))
@@ -208,8 +211,10 @@ class EngineLoop:
             for seq in self._scheduler.cancel_session(session):
                 self._answer(seq, error=NotReady("the session closed"))
             self._slots.release(session)
-            if self._files is not None:
-                self._files.forget(session)
+            if self._files is not None and self._files.forget(session) and len(item) == 2:
+                # a conversation released without a caller waiting: the serve process's conversation TTL ended
+                # it (EndConversation waits for its reply), so its next call says ContextLost
+                self._slots.mark_lost(session)
             self._publish_slots()  # before the reply: a caller reading SlotsInUse next sees the slot free
             if len(item) > 2:
                 item[2].send(None)

@@ -218,6 +218,10 @@ class SlotManager:
         del slot.tokens[length:]
         slot.kv_len = min(slot.kv_len, length)
 
+    def mark_lost(self, session: str) -> None:
+        """The session's conversation ended without it asking (a TTL): its next call says ContextLost."""
+        self._remember_lost(session)
+
     def is_lost(self, session: str) -> bool:
         return session in self._lost
 
