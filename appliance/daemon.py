@@ -98,6 +98,7 @@ def model_spec(m, engine, device: str, state_dir: Path):
                     "top_p": m.top_p, "max_queue_size": engine.max_queue_size, "kernels": engine.kernels,
                     "weights": engine.weights, "kv_dtype": engine.kv_dtype,
                     "weight_cache_dir": str(state_dir / "cache" / "weights" / m.name),
+                    "cpu_kernel_dir": str(state_dir / "cache" / "kernels"),
                     "prefix_cache_entries": engine.prefix_cache_entries, "park_memory_mb": engine.park_memory_mb,
                     "conversation_dir": str(state_dir / "conversations" / m.name),
                     "conversation_ttl_s": engine.conversation_ttl_s}

@@ -163,19 +163,27 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
 
 def build(path: Path | None, fmt: str, cfg, tensors, threads: int):
     """(model, KV dtype, resolved format) of one weight format: float32 / bfloat16 from the dequantised tensors,
-    int8 / int4 kept quantized from the file, auto as the appliance resolves it on this machine."""
-    from appliance.engine.llm_loading import weight_format
+    int8 / int4 kept quantized from the file (with our AVX2 kernels where the appliance would use them; int8-torch /
+    int4-torch with torch's ops), auto as the appliance resolves it on this machine."""
+    from appliance.engine.llm_loading import cpu_quant_kernels, torch_quantized_ops_are_fast, weight_format
+    from appliance.engine.llm_settings import GenerativeSettings
     from models.weights import load_weights
+    kernels = cpu_quant_kernels(GenerativeSettings(), "cpu")
     if fmt == "auto":
-        quantized, dtype_name = weight_format("auto", "auto", path, "cpu") if path else (None, "float32")
+        fast = kernels is not None or torch_quantized_ops_are_fast()
+        quantized, dtype_name = weight_format("auto", "auto", path, "cpu", fast_quantized=fast) if path \
+            else (None, "float32")
         fmt_resolved = quantized or dtype_name
     else:
         fmt_resolved = fmt
     if fmt_resolved in ("float32", "bfloat16"):
         dtype = getattr(torch, fmt_resolved)
         return LlamaModel(cfg, tensors, dtype=dtype), dtype, fmt_resolved
-    w = load_weights(path, torch.float32, fmt_resolved)
-    return LlamaModel(w.config, w.tensors), torch.bfloat16, fmt_resolved
+    quantized = fmt_resolved.removesuffix("-torch")
+    w = load_weights(path, torch.float32, quantized)
+    model = LlamaModel(w.config, w.tensors, cpu_kernels=None if fmt_resolved.endswith("-torch") else kernels)
+    label = fmt_resolved if fmt_resolved.endswith("-torch") or kernels is None else f"{fmt_resolved}+avx2"
+    return model, torch.bfloat16, label
 
 
 def main() -> None:
@@ -183,7 +191,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 and 8 sequences")
     ap.add_argument("--weights", type=str, default="auto,float32",
-                    help="our weight formats, comma-separated: auto, float32, bfloat16, int8, int4")
+                    help="our weight formats, comma-separated: auto, float32, bfloat16, int8, int4, int8-torch, "
+                         "int4-torch")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=str, default=None, help="e.g. 1,4,8,16")
@@ -203,7 +212,7 @@ def main() -> None:
     models = {}
     for fmt in formats:
         model, kv_dtype, resolved = build(path if gguf else None, fmt, cfg, tensors, args.threads)
-        name = f"{fmt}={resolved}" if fmt == "auto" else fmt
+        name = f"{fmt}={resolved}" if fmt == "auto" else resolved
         models[name] = (model, KVCache(model.config, max(batches), max(map(len, prompts)) + new + 8, kv_dtype))
     from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
     hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg), attn_implementation="sdpa")).eval()

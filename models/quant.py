@@ -164,38 +164,54 @@ def _int4_from_q4(rows: np.ndarray, type_name: str, n: int, k: int) -> Int4Group
 # ---- multiplying -----------------------------------------------------------------------------------------------
 
 class Int8Linear:
-    """y = x @ w.T for int8 rows, weight-only: `torch._weight_int8pack_mm` (fp32 activations, int8 weights and
-    one scale per row)."""
+    """y = x @ w.T for int8 rows, weight-only (fp32 activations): torch's `_weight_int8pack_mm`, or with `cpu_kernels`
+    (kernels.cpu_quant, AVX2 CPUs) our kernel."""
 
-    def __init__(self, m: Int8Rows):
+    def __init__(self, m: Int8Rows, cpu_kernels=None):
         self.out_features, self.in_features = m.shape
         self.q, self.scale = m.q.contiguous(), m.scale.float().contiguous()
+        self.kernels = cpu_kernels if self.in_features % GROUP == 0 else None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        y = torch._weight_int8pack_mm(x2.float().contiguous(), self.q, self.scale)
+        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        if self.kernels is not None:
+            from kernels.cpu_quant import q8_linear
+            y = q8_linear(self.kernels, x2, self.q, self.scale)
+        else:
+            y = torch._weight_int8pack_mm(x2, self.q, self.scale)
         if bias is not None:
             y = y + bias
         return y.view(*shape[:-1], self.out_features)
 
 
 class Int4Linear:
-    """y = x @ w.T for int4 groups of 32 (torch's CPU int4 op; fp32 activations)."""
+    """y = x @ w.T for int4 groups of 32 (fp32 activations): torch's CPU int4 op, or with `cpu_kernels`
+    (kernels.cpu_quant, AVX2 CPUs) our kernel on the blocks as GGUF lays them out."""
 
-    def __init__(self, m: Int4Groups):
+    def __init__(self, m: Int4Groups, cpu_kernels=None):
         self.out_features, self.in_features = m.shape
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(m.q.to(torch.int32).contiguous(), 1)
-        self.scales_and_zeros = torch.stack([m.scale.t(), m.zero.t()], dim=-1).float().contiguous()
+        self.kernels = cpu_kernels
+        if cpu_kernels is not None:
+            from kernels.cpu_quant import pack_int4
+            self.blocks = pack_int4(m.q, m.scale, m.zero)
+        else:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(m.q.to(torch.int32).contiguous(), 1)
+            self.scales_and_zeros = torch.stack([m.scale.t(), m.zero.t()], dim=-1).float().contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # the op wants a contiguous input
-        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # both ops want a contiguous fp32 input
+        if self.kernels is not None:
+            from kernels.cpu_quant import q4_linear
+            y = q4_linear(self.kernels, x2, self.blocks, self.out_features)
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
         if bias is not None:
             y = y + bias
         return y.view(*shape[:-1], self.out_features)
 
 
-def linear_for(m: QuantizedMatrix):
-    return Int8Linear(m) if isinstance(m, Int8Rows) else Int4Linear(m)
+def linear_for(m: QuantizedMatrix, cpu_kernels=None):
+    """The linear layer for a quantized matrix; cpu_kernels: kernels.cpu_quant.library() or None for torch's ops."""
+    return Int8Linear(m, cpu_kernels) if isinstance(m, Int8Rows) else Int4Linear(m, cpu_kernels)

@@ -1,7 +1,8 @@
 """Batch invariance, reported: 16 prompts of different lengths decoded greedily alone and all together through the
 scheduler and runner; how many outputs are identical, per weight format. Asserted for fp32 (the same numbers must
-not depend on batch partners); printed for bfloat16, int8 and int4, whose matmul kernels may block differently by
-batch size."""
+not depend on batch partners) and for our AVX2 kernels (int4+avx2, int8+avx2: a row's sums keep their order in any
+tile); printed for bfloat16, int8 and int4 through torch's ops, whose matmul kernels may block differently by batch
+size."""
 from __future__ import annotations
 
 import pytest
@@ -40,10 +41,17 @@ def model_dir(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4", "int8+avx2", "int4+avx2"])
 def test_batch_invariance(model_dir, fmt):
     g = torch.Generator().manual_seed(5)
-    if fmt in ("float32", "bfloat16"):
+    if fmt.endswith("+avx2"):
+        from kernels import cpu_quant
+        kernels = cpu_quant.library()
+        if kernels is None:
+            pytest.skip("our AVX2 kernels are not available here (no AVX2 or no C compiler)")
+        w = load_weights(model_dir, torch.float32, fmt.removesuffix("+avx2"))
+        model, kv_dtype = LlamaModel(w.config, w.tensors, cpu_kernels=kernels), torch.bfloat16
+    elif fmt in ("float32", "bfloat16"):
         w = load_weights(model_dir, getattr(torch, fmt))
         model, kv_dtype = LlamaModel(w.config, w.tensors, dtype=getattr(torch, fmt)), getattr(torch, fmt)
     else:
@@ -57,5 +65,5 @@ def test_batch_invariance(model_dir, fmt):
     together = decode(model, kv_dtype, prompts, list(range(PROMPTS)))
     same = sum(alone[i] == together[i] for i in range(PROMPTS))
     print(f"batch invariance {fmt}: {same}/{PROMPTS} greedy outputs identical alone and together")
-    if fmt == "float32":
+    if fmt in ("float32", "int8+avx2", "int4+avx2"):
         assert same == PROMPTS

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels import cpu_quant
 from models import gguf_loader, quant, weight_cache
 from models.llama import KVCache, LlamaModel
 from models.weights import load_weights
@@ -65,18 +66,26 @@ def greedy(model: LlamaModel, ids: list[int], n: int, kv_dtype: torch.dtype) -> 
     return out
 
 
+@pytest.mark.parametrize("ops", ["torch", "avx2"])
 @pytest.mark.parametrize("fmt, min_agreement, max_logit_diff", [("int4", 0.99, 1.0), ("int8", 0.95, 4.0)])
-def test_quantized_against_dequantised_fp32(fp32, text_ids, fp32_logits, fmt, min_agreement, max_logit_diff):
+def test_quantized_against_dequantised_fp32(fp32, text_ids, fp32_logits, fmt, min_agreement, max_logit_diff, ops):
+    """ops: torch's int4/int8 weight ops, or our AVX2 kernels (kernels/cpu/quant_matmul.c; their lm_head multiplies
+    int8 rows before the fp32 refinement)."""
+    kernels = None
+    if ops == "avx2":
+        kernels = cpu_quant.library()
+        if kernels is None:
+            pytest.skip("our AVX2 kernels are not available here (no AVX2 or no C compiler; see the log)")
     w = load_weights(smollm2_path(), torch.float32, fmt)
     matrices = [t for n, t in w.tensors.items() if n not in quant.HEAD_NAMES and not isinstance(t, torch.Tensor)]
     assert len(matrices) == 7 * w.config.num_hidden_layers  # every layer matrix stayed quantized
     assert all(isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for n, t in w.tensors.items()
                if n in quant.HEAD_NAMES)
-    model = LlamaModel(w.config, w.tensors)
+    model = LlamaModel(w.config, w.tensors, cpu_kernels=kernels)
     logits = teacher_forced(model, text_ids, torch.bfloat16)
     agreement = (logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean().item()
     diff = (logits - fp32_logits).abs().max().item()
-    print(f"{fmt}: top-1 agreement {agreement:.4f} over {len(text_ids)} tokens, max |logit diff| {diff:.3f}")
+    print(f"{fmt} ({ops}): top-1 agreement {agreement:.4f} over {len(text_ids)} tokens, max |logit diff| {diff:.3f}")
     assert agreement >= min_agreement and diff < max_logit_diff
     ids = fp32[0].tokenizer.encode(REFERENCE_PROMPT)
     assert fp32[0].tokenizer.decode(greedy(model, ids, 20, torch.bfloat16)) == REFERENCE_ANSWER

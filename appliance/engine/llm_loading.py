@@ -55,7 +55,9 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineFailure("device cuda was asked for but no GPU is available")
     cache_dir = Path(s.weight_cache_dir) if s.weight_cache_dir else None
-    quantized, dtype_name = weight_format(s.weights, s.dtype, Path(path), device, cache_dir)
+    cpu_kernels = cpu_quant_kernels(s, device)
+    quantized, dtype_name = weight_format(s.weights, s.dtype, Path(path), device, cache_dir,
+                                          fast_quantized=cpu_kernels is not None or torch_quantized_ops_are_fast())
     dtype = getattr(torch, dtype_name)
     kv_dtype = getattr(torch, s.kv_dtype if s.kv_dtype != "auto" else "bfloat16" if quantized else dtype_name)
     if s.threads > 0:
@@ -68,7 +70,8 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
         log.warning("model %s: max_seq_len %d exceeds the model's %d positions; using %d", name,
                     max_seq_len, config.max_position_embeddings, config.max_position_embeddings)
         max_seq_len = config.max_position_embeddings
-    model = LlamaModel(config, loaded.tensors, dtype=dtype, device=device, kernels=s.kernels)
+    model = LlamaModel(config, loaded.tensors, dtype=dtype, device=device, kernels=s.kernels,
+                       cpu_kernels=cpu_kernels if quantized else None)
     del loaded.tensors
     cache = None
     if current is not None and _same_cache_shape(current.cache, config, s.kv_slots, max_seq_len, kv_dtype, device):
@@ -83,18 +86,21 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
                 "lower kv_slots or max_seq_len")
         cache = KVCache(config, s.kv_slots, max_seq_len, kv_dtype, device)
     backend = ("torch-cuda" if device.startswith("cuda") else "torch-cpu") + (f"-{quantized}" if quantized else "")
+    if quantized and cpu_kernels is not None:
+        backend += "+avx2"
     return LoadedEngine(model, cache, loaded.tokenizer, version_label or loaded.version, backend, max_seq_len)
 
 
-def weight_format(weights: str, dtype: str, path: Path, device: str,
-                  cache_dir: Path | None = None) -> tuple[str | None, str]:
+def weight_format(weights: str, dtype: str, path: Path, device: str, cache_dir: Path | None = None,
+                  fast_quantized: bool = True) -> tuple[str | None, str]:
     """(quantized format or None, compute dtype) for `engine.weights` / `engine.dtype` on this file and device.
 
-    auto keeps a GGUF file's quantization on a CPU with AVX-512: Q4_0 / Q4_1 run as int4 (the file's own numbers,
-    exactly), Q8_0 as int8. Float files, GPUs and AVX2-only CPUs take `dtype` (auto: float32 on CPU, where bf16
-    greedy output diverges from the reference within a few tokens; bfloat16 on CUDA): on an AVX2-only EPYC torch's
-    int4 / int8 weight ops took 123 / 69 ms per SmolLM2 decode step at 1 sequence and ~1 s at 8, against 48 and
-    64 ms for fp32 (bench/generate.py --weights); with AVX-512 they beat fp32 (FIELD-NOTES in the README)."""
+    auto keeps a GGUF file's quantization on a CPU where quantized matmuls are fast (fast_quantized: torch's ops on
+    AVX-512, our kernels on AVX2): Q4_0 / Q4_1 run as int4 (the file's own numbers, exactly), Q8_0 as int8. Float
+    files, GPUs and CPUs without either take `dtype` (auto: float32 on CPU, where bf16 greedy output diverges from
+    the reference within a few tokens; bfloat16 on CUDA). On an AVX2-only EPYC torch's own int4 / int8 weight ops
+    took 123 / 69 ms per SmolLM2 decode step at 1 sequence and ~1 s at 8, against 48 and 64 ms for fp32; our AVX2
+    kernels 25 and 54 ms (bench/generate.py --weights)."""
     on_gpu = device.startswith("cuda")
     compute = dtype if dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     if weights in ("float32", "bfloat16"):
@@ -103,7 +109,7 @@ def weight_format(weights: str, dtype: str, path: Path, device: str,
         if on_gpu:
             raise EngineFailure(f"weights: {weights} runs on the CPU only; use bfloat16 (or auto) on a GPU")
         return weights, "float32"
-    if on_gpu or not (path.is_file() and path.suffix == ".gguf") or not quantized_ops_are_fast():
+    if on_gpu or not (path.is_file() and path.suffix == ".gguf") or not fast_quantized:
         return None, compute
     from models.weight_cache import gguf_matrix_types
     types = gguf_matrix_types(path, cache_dir)
@@ -114,11 +120,19 @@ def weight_format(weights: str, dtype: str, path: Path, device: str,
     return None, compute
 
 
-def quantized_ops_are_fast() -> bool:
+def torch_quantized_ops_are_fast() -> bool:
     """torch's CPU int4 / int8 weight matmuls have vectorised kernels for AVX-512 (and newer), not for AVX2."""
     import torch
     capability = torch.backends.cpu.get_cpu_capability()
     return capability.startswith("AVX512") or "AMX" in capability
+
+
+def cpu_quant_kernels(settings: GenerativeSettings, device: str):
+    """Our AVX2 quantized matmuls (kernels.cpu_quant), on a CPU where torch's own are slow, or None."""
+    if device.startswith("cuda") or torch_quantized_ops_are_fast():
+        return None
+    from kernels import cpu_quant
+    return cpu_quant.library(Path(settings.cpu_kernel_dir) if settings.cpu_kernel_dir else None)
 
 
 async def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -30,6 +30,7 @@ class GenerativeSettings:
     weights: str = "auto"  # auto | float32 | bfloat16 | int8 | int4 (see llm_loading.weight_format)
     kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the compute dtype) | float32 | bfloat16
     weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
+    cpu_kernel_dir: str | None = None  # our AVX2 quantized matmuls built here (kernels/cpu_quant.py)
     prefix_cache_entries: int = 8  # shared prompt prefixes kept in host memory (0: none)
     park_memory_mb: int = 256  # host memory for evicted sessions' conversations (slots.SlotManager parking)
     conversation_dir: str | None = None  # Converse conversations kept here across restarts (conversation_files)
