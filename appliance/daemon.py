@@ -99,6 +99,7 @@ def model_spec(m, engine, device: str, state_dir: Path):
                     "weights": engine.weights, "kv_dtype": engine.kv_dtype,
                     "weight_cache_dir": str(state_dir / "cache" / "weights" / m.name),
                     "cpu_kernel_dir": str(state_dir / "cache" / "kernels"),
+                    "compile": engine.compile, "compile_cache_dir": str(state_dir / "cache" / "inductor"),
                     "prefix_cache_entries": engine.prefix_cache_entries, "park_memory_mb": engine.park_memory_mb,
                     "conversation_dir": str(state_dir / "conversations" / m.name),
                     "conversation_ttl_s": engine.conversation_ttl_s}

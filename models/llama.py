@@ -70,27 +70,31 @@ class RefinedHead:
 
     REFINE = 16
 
-    def __init__(self, approx, weight: torch.Tensor):
-        self.approx = approx  # fp32 (rows, hidden) -> fp32 (rows, vocab)
+    def __init__(self, approx_linear, weight: torch.Tensor):
+        self.approx_linear = approx_linear  # Linear (bfloat16, packed) or quant.Int8Linear
         self.weight = weight  # (vocab, hidden) bfloat16, the rows the refinement reads
         self.out_features, self.in_features = weight.shape
 
     @classmethod
     def build(cls, weight: torch.Tensor, pack: bool, cpu_kernels=None) -> "RefinedHead":
         if cpu_kernels is not None:
-            approx = quant.Int8Linear(quant.int8_rows(quant.float_chunks(weight)), cpu_kernels)
-        else:
-            linear = Linear.build(weight, pack)
-            approx = lambda x: linear(x.to(torch.bfloat16)).float()  # noqa: E731
-        return cls(approx, weight)
+            return cls(quant.Int8Linear(quant.int8_rows(quant.float_chunks(weight)), cpu_kernels), weight)
+        return cls(Linear.build(weight, pack), weight)
+
+    def refine(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+        """approx (rows, vocab) fp32 with its REFINE highest logits recomputed exactly from x (rows, hidden) fp32."""
+        top = approx.topk(min(self.REFINE, self.out_features), dim=-1).indices  # (rows, k)
+        exact = torch.einsum("rh,rkh->rk", x, self.weight[top].float())
+        return approx.scatter(1, top, exact)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        y = self.approx(x2)
-        top = y.topk(min(self.REFINE, self.out_features), dim=-1).indices  # (rows, k)
-        exact = torch.einsum("rh,rkh->rk", x2, self.weight[top].float())
-        y.scatter_(1, top, exact)
+        if isinstance(self.approx_linear, Linear):
+            approx = self.approx_linear(x2.to(torch.bfloat16)).float()
+        else:
+            approx = self.approx_linear(x2)
+        y = self.refine(x2, approx)
         if bias is not None:
             y = y + bias
         return y.view(*shape[:-1], self.out_features)

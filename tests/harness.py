@@ -32,6 +32,9 @@ class RunningAppliance:
             "watchdog": {"backend": "none"},
             "models": models,
         }
+        # Decode stays eager unless a test asks: the background compile (engine.compile: auto) of every appliance
+        # a test starts would take both cores of a CI machine. tests/test_compiled_decode.py compiles, over OPC UA too.
+        doc["engine"] = {"compile": "off"}
         for section, values in (extra or {}).items():
             if isinstance(values, dict):
                 doc.setdefault(section, {}).update(values)

@@ -109,7 +109,7 @@ class EngineLoop:
         self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len)
         self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
                                     prefixes=PrefixIndex(s.prefix_cache_entries))
-        self._runner = ModelRunner(engine.model, engine.cache)
+        self._runner = ModelRunner(engine.model, engine.cache, compiled=engine.compiled_decode)
         self._live_engine = engine
         self._pending_swap: tuple[LoadedEngine, Reply] | None = None
         self._exit = False
@@ -242,7 +242,7 @@ class EngineLoop:
         self._scheduler.prefixes.clear()  # heads computed by the old weights
         self._scheduler.prefixes.take_evicted()  # the new runner starts without them
         from appliance.engine.runner import ModelRunner
-        self._runner = ModelRunner(engine.model, engine.cache)
+        self._runner = ModelRunner(engine.model, engine.cache, compiled=engine.compiled_decode)
         self._live_engine = engine
         self._scheduler.paused = False
         log.info("model %s: weights swapped, %d conversations dropped", self.name, len(lost))

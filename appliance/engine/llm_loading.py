@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from appliance.engine.llm_settings import DTYPES, MEMORY_HEADROOM, WEIGHTS, GenerativeSettings
+from appliance.engine.llm_settings import COMPILE, DTYPES, MEMORY_HEADROOM, WEIGHTS, GenerativeSettings
 from appliance.engine.slots import POLICIES
 from appliance.engine.thread_reply import Reply
 from appliance.errors import ApplianceError, EngineFailure
@@ -29,6 +29,7 @@ class LoadedEngine:
     version: str
     backend: str
     max_seq_len: int
+    compiled_decode: Any = None  # models.compiled_decode.CompiledDecode, ready once compiled; None: eager decode
 
 
 def load_engine(name: str, path: Path, settings: GenerativeSettings, version_label: str | None,
@@ -46,6 +47,8 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
         raise EngineFailure(f"dtype must be one of {', '.join(DTYPES)}")
     if s.weights not in WEIGHTS:
         raise EngineFailure(f"weights must be one of {', '.join(WEIGHTS)}")
+    if s.compile not in COMPILE:
+        raise EngineFailure(f"compile must be one of {', '.join(COMPILE)}")
     if min(s.kv_slots, s.max_seq_len, s.max_new_tokens, s.prefill_chunk, s.max_text_chars) < 1:
         raise EngineFailure("kv_slots, max_seq_len, max_new_tokens, prefill_chunk and max_text_chars must be "
                             "positive")
@@ -88,7 +91,28 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
     backend = ("torch-cuda" if device.startswith("cuda") else "torch-cpu") + (f"-{quantized}" if quantized else "")
     if quantized and cpu_kernels is not None:
         backend += "+avx2"
-    return LoadedEngine(model, cache, loaded.tokenizer, version_label or loaded.version, backend, max_seq_len)
+    compiled = None
+    if s.compile != "off" and device == "cpu":
+        from models.compiled_decode import CompiledDecode
+        compiled = CompiledDecode(model, cache, Path(s.compile_cache_dir) if s.compile_cache_dir else None)
+        if s.compile == "on":
+            compile_decode(name, compiled)
+        else:  # a short-lived thread of its own (see in_fresh_thread): the engine serves eagerly meanwhile
+            threading.Thread(target=compile_decode, args=(name, compiled), name=f"compile-{name}",
+                             daemon=True).start()
+    return LoadedEngine(model, cache, loaded.tokenizer, version_label or loaded.version, backend, max_seq_len,
+                        compiled)
+
+
+def compile_decode(name: str, compiled: Any) -> None:
+    """Compile the decode step; where torch cannot, say why and leave decode eager."""
+    from models.compiled_decode import CompileUnavailable
+    try:
+        compiled.compile()
+    except CompileUnavailable as exc:
+        log.warning("model %s: decode stays eager: %s", name, exc)
+    else:
+        log.info("model %s: decode step compiled in %.1f s", name, compiled.compile_seconds)
 
 
 def weight_format(weights: str, dtype: str, path: Path, device: str, cache_dir: Path | None = None,

@@ -9,6 +9,7 @@ MAX_TEMPERATURE = 2.0
 MEMORY_HEADROOM = 0.8  # the KV cache may take at most this share of the memory available at load
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
+COMPILE = ("auto", "on", "off")
 
 
 @dataclass
@@ -31,6 +32,8 @@ class GenerativeSettings:
     kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the compute dtype) | float32 | bfloat16
     weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
     cpu_kernel_dir: str | None = None  # our AVX2 quantized matmuls built here (kernels/cpu_quant.py)
+    compile: str = "off"  # the CPU decode step compiled: auto (in the background after load) | on (before) | off
+    compile_cache_dir: str | None = None  # Inductor's artefacts (models/compiled_decode.py)
     prefix_cache_entries: int = 8  # shared prompt prefixes kept in host memory (0: none)
     park_memory_mb: int = 256  # host memory for evicted sessions' conversations (slots.SlotManager parking)
     conversation_dir: str | None = None  # Converse conversations kept here across restarts (conversation_files)

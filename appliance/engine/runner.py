@@ -1,6 +1,9 @@
 """Executes a step plan on the model: one forward for the prefill chunks (ragged rows, padded to the longest chunk)
-and one batched decode forward for every generating sequence (each at its own position), then samples."""
+and one batched decode forward for every generating sequence (each at its own position), then samples. Decode runs
+as CUDA graphs on a GPU, through the compiled decode step on a CPU once it is compiled, else eagerly."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -9,13 +12,17 @@ from appliance.engine.scheduler import StepPlan
 from appliance.engine.sequence import Sequence
 from models.llama import KVCache, LlamaModel
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: KVCache, graphs: bool | None = None):
+    def __init__(self, model: LlamaModel, cache: KVCache, graphs: bool | None = None, compiled=None):
         """graphs: decode steps as CUDA graphs (None: when the model decodes through the fused kernels on CUDA;
-        True on a CPU runs the same padded buffers eagerly, for tests)."""
+        True on a CPU runs the same padded buffers eagerly, for tests). compiled: a CompiledDecode
+        (models/compiled_decode.py) that decode steps go through once it is ready."""
         self.model = model
         self.cache = cache
+        self.compiled = compiled
         if graphs is None:
             graphs = model.device.type == "cuda" and model.use_kernels()
         self._want_graphs = graphs
@@ -63,9 +70,18 @@ class ModelRunner:
                                           slot_ids=torch.tensor([r.slot for r in rows]), positions=positions,
                                           lengths=positions + 1).float()
             else:
-                logits = self.model.forward(
-                    self.cache, torch.tensor([[r.token] for r in rows]), torch.tensor([r.slot for r in rows]),
-                    torch.tensor([r.pos for r in rows]), torch.ones(len(rows), dtype=torch.long))
+                tokens, slots = torch.tensor([r.token for r in rows]), torch.tensor([r.slot for r in rows])
+                positions = torch.tensor([r.pos for r in rows])
+                logits = None
+                if self.compiled is not None and self.compiled.ready:
+                    try:
+                        logits = self.compiled.step(tokens, slots, positions)
+                    except Exception:  # noqa: BLE001 - e.g. a shape that would recompile: eager from now on
+                        log.exception("compiled decode step failed; decoding eagerly from now on")
+                        self.compiled = None
+                if logits is None:
+                    logits = self.model.forward(self.cache, tokens.view(-1, 1), slots, positions,
+                                                torch.ones(len(rows), dtype=torch.long))
             self._sample(logits, [r.seq for r in rows], sampled)
         return sampled
 

@@ -1,0 +1,214 @@
+"""The decode step compiled by torch.compile (Inductor, CPU): one token per row, each row at its own position.
+
+The eager forward (models/llama.py) stays the reference and the fallback: prefill always runs there, and decode does
+until `compile()` has succeeded. What compiling buys is the ~600 small ops of a step between the matmuls (norms,
+rotary, cache writes, attention, SiLU-gate) fused into a few generated C++ loops with no Python in between.
+
+Shapes: `dynamic=True`, so one graph serves every batch of two rows or more and every attention length; torch
+specialises a batch of one, so that is a second graph (`compile()` makes both). Attention looks at the longest row
+rounded up to ATTENTION_ROUND positions, through a mask built here, like the eager path.
+
+The weight matmuls reach the graph as custom ops (`appliance::...`): oneDNN's packed weights and our AVX2 kernels
+(kernels/cpu_quant.py) are opaque to Inductor, which would otherwise try, and fail, to lower them. torch's own int4 /
+int8 ops are traced as they are.
+
+Inductor's artefacts (generated C++, compiled objects, FX graphs) are kept under `cache_dir` (the state
+directory's `cache/inductor`), so a restart loads them instead of compiling again (TORCHINDUCTOR_CACHE_DIR, set for
+this process: the worker serves one model).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from models import quant
+from models.llama import ATTENTION_ROUND, KVCache, Linear, LlamaModel, RefinedHead
+
+log = logging.getLogger(__name__)
+
+
+# ---- the matmuls as ops torch.compile can place in a graph -------------------------------------------------------
+
+@torch.library.custom_op("appliance::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x, packed, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+_C_FUNCTIONS: dict[tuple[str, int], Callable] = {}
+
+
+def _c_function(kind: str, address: int) -> Callable:
+    fn = _C_FUNCTIONS.get((kind, address))
+    if fn is None:
+        ptr, i32 = ctypes.c_void_p, ctypes.c_int
+        args = [ptr, i32, i32, ptr, i32, ptr, i32] if kind == "q4" else [ptr, i32, i32, ptr, ptr, i32, ptr, i32]
+        fn = _C_FUNCTIONS[(kind, address)] = ctypes.CFUNCTYPE(i32, *args)(address)
+    return fn
+
+
+@torch.library.custom_op("appliance::q4_linear", mutates_args=())
+def q4_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, function: int) -> torch.Tensor:
+    """function: the address of kernels/cpu/quant_matmul.c's q4_linear in the loaded library."""
+    rows, k = x.shape
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if _c_function("q4", function)(x.data_ptr(), rows, k, blocks.data_ptr(), out_features, y.data_ptr(),
+                                   torch.get_num_threads()) != 0:
+        raise RuntimeError(f"q4_linear failed for a ({rows}, {k}) input")
+    return y
+
+
+@q4_linear.register_fake
+def _(x, blocks, out_features, function):
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.custom_op("appliance::q8_linear", mutates_args=())
+def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, function: int) -> torch.Tensor:
+    rows, k = x.shape
+    y = torch.empty(rows, q.shape[0], dtype=torch.float32)
+    if _c_function("q8", function)(x.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), q.shape[0], y.data_ptr(),
+                                   torch.get_num_threads()) != 0:
+        raise RuntimeError(f"q8_linear failed for a ({rows}, {k}) input")
+    return y
+
+
+@q8_linear.register_fake
+def _(x, q, scale, function):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def _address(lib, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x (rows, in) fp32 -> (rows, out) through ops a graph can hold, for each kind of linear layer the model has."""
+    if isinstance(linear, Linear):
+        if linear.packed is None:
+            return lambda x: F.linear(x, linear.plain)
+        return lambda x: packed_linear(x.to(linear.packed.dtype), linear.packed, linear.out_features).to(x.dtype)
+    if isinstance(linear, quant.Int4Linear) and linear.kernels is not None:
+        fn = _address(linear.kernels, "q4_linear")
+        return lambda x: q4_linear(x.float().contiguous(), linear.blocks, linear.out_features, fn)
+    if isinstance(linear, quant.Int8Linear) and linear.kernels is not None:
+        fn = _address(linear.kernels, "q8_linear")
+        return lambda x: q8_linear(x.float().contiguous(), linear.q, linear.scale, fn)
+    if isinstance(linear, (quant.Int4Linear, quant.Int8Linear)):
+        return linear  # torch's int4 / int8 ops: aten, traced as they are
+    raise TypeError(f"no traceable form for {type(linear).__name__}")
+
+
+WARM_UP = ((1, ATTENTION_ROUND), (1, 2 * ATTENTION_ROUND), (2, ATTENTION_ROUND), (3, 2 * ATTENTION_ROUND))
+
+
+class CompileUnavailable(RuntimeError):
+    """torch.compile cannot build the decode step here (no C++ compiler, an unsupported op): decode stays eager."""
+
+
+class CompiledDecode:
+    """model's decode step over cache, compiled; `step()` has forward()'s numbers for rows of one token."""
+
+    def __init__(self, model: LlamaModel, cache: KVCache, cache_dir: Path | None = None):
+        if model.device.type != "cpu":
+            raise CompileUnavailable("the compiled decode step is for CPUs (CUDA decodes through CUDA graphs)")
+        self.model, self.cache, self.cache_dir = model, cache, cache_dir
+        layers = model.layers
+        self._qkv = [traceable(lw.qkv) for lw in layers]
+        self._o = [traceable(lw.o) for lw in layers]
+        self._gate_up = [traceable(lw.gate_up) for lw in layers]
+        self._down = [traceable(lw.down) for lw in layers]
+        head = model.lm_head
+        self._head_approx = traceable(head.approx_linear) if isinstance(head, RefinedHead) else traceable(head)
+        self._cos, self._sin = model._rope_tables(cache.max_seq_len + 1)  # + the scratch cell warm-up rows use
+        self._compiled = None
+        self.compile_seconds: float | None = None
+
+    def _decode(self, token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """The graph: token_ids, slot_ids, positions (B,) long; mask (B, 1, 1, T) bool -> fp32 logits (B, vocab)."""
+        m, cfg, cache = self.model, self.model.config, self.cache
+        b, t_len = token_ids.shape[0], mask.shape[-1]
+        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        group, half, eps, hidden = n_h // n_kv, hd // 2, cfg.rms_norm_eps, cfg.hidden_size
+        cos = self._cos[positions].view(b, 1, hd)
+        sin = self._sin[positions].view(b, 1, hd)
+        heads = torch.arange(n_kv, device=token_ids.device).view(1, n_kv)
+        rows, cols = slot_ids.view(b, 1), positions.view(b, 1)
+        h = m.embed(token_ids)
+        for li, lw in enumerate(m.layers):
+            x = F.rms_norm(h, (hidden,), lw.attn_norm, eps)
+            qkv = self._qkv[li](x)
+            if lw.qkv_bias is not None:
+                qkv = qkv + lw.qkv_bias
+            qkv = qkv.view(b, n_h + 2 * n_kv, hd)
+            qk = qkv[:, :n_h + n_kv]
+            qk = torch.addcmul(qk * cos, qk.unflatten(-1, (2, half)).flip(-2).flatten(-2), sin)
+            k_cache, v_cache = cache.k_layers[li], cache.v_layers[li]
+            k_cache.index_put_((rows, heads, cols), qk[:, n_h:].to(k_cache.dtype))
+            v_cache.index_put_((rows, heads, cols), qkv[:, n_h + n_kv:].to(v_cache.dtype))
+            keys = k_cache[slot_ids, :, :t_len].to(h.dtype)
+            values = v_cache[slot_ids, :, :t_len].to(h.dtype)
+            attn = F.scaled_dot_product_attention(qk[:, :n_h].reshape(b, n_kv, group, hd), keys, values,
+                                                  attn_mask=mask)
+            h = h + self._o[li](attn.reshape(b, n_h * hd))
+            x = F.rms_norm(h, (hidden,), lw.mlp_norm, eps)
+            gate, up = self._gate_up[li](x).chunk(2, dim=-1)
+            h = h + self._down[li](F.silu(gate) * up)
+        h = F.rms_norm(h, (hidden,), m.norm, eps)
+        head = m.lm_head
+        if not isinstance(head, RefinedHead):
+            return self._head_approx(h).float()
+        return head.refine(h.float(), self._head_approx(h.float()))
+
+    def compile(self) -> None:
+        """Build the graphs now (a batch of one, and of several; each over any attention length): raises
+        CompileUnavailable where torch cannot."""
+        if self.cache_dir is not None:
+            Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
+        import torch._inductor.config as inductor_config
+        # Compile in this process: a pool of compile workers would stay behind as children of the model's worker
+        # (memory, processes), for no gain on a 2-core box whose other core is serving.
+        inductor_config.compile_threads = 1
+        started = time.monotonic()
+        # Automatic dynamic shapes: a dimension becomes symbolic once it has been seen with two sizes, so these
+        # warm-up calls leave the batch and attention-length dimensions symbolic and everything else (weights,
+        # the cache) static. Warm-up rows write only the scratch cell of slot 0.
+        scratch = self.cache.max_seq_len
+        try:
+            compiled = torch.compile(self._decode, fullgraph=True)
+            with torch.no_grad():
+                for b, t_len in WARM_UP:  # lengths as step() makes them: never past max_seq_len
+                    t_len = min(t_len, self.cache.max_seq_len)
+                    compiled(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+                             torch.full((b,), scratch), torch.ones(b, 1, 1, t_len, dtype=torch.bool))
+        except Exception as exc:  # noqa: BLE001 - whatever Inductor raises, the eager path serves
+            raise CompileUnavailable(f"torch.compile of the decode step failed: {type(exc).__name__}: "
+                                     f"{str(exc)[:300]}") from exc
+        self._compiled = compiled
+        self.compile_seconds = time.monotonic() - started
+        log.info("decode step compiled in %.1f s", self.compile_seconds)
+
+    @property
+    def ready(self) -> bool:
+        return self._compiled is not None
+
+    @torch.no_grad()
+    def step(self, token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (B, vocab) of one new token per row at positions (B,), its K/V written into slot_ids."""
+        longest = int(positions.max()) + 1
+        t_len = min(-(-longest // ATTENTION_ROUND) * ATTENTION_ROUND, self.cache.max_seq_len)
+        mask = (torch.arange(t_len) <= positions.unsqueeze(-1)).view(-1, 1, 1, t_len)
+        return self._compiled(token_ids, slot_ids, positions, mask)

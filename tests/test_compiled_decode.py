@@ -1,0 +1,181 @@
+"""The decode step compiled by torch.compile (models/compiled_decode.py) against the eager forward it replaces:
+the same greedy tokens for 8 sequences of different lengths decoded together, no recompilation once compiled,
+Inductor's artefacts reused by the next process, and the eager path serving where compiling fails."""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from appliance.engine.runner import ModelRunner  # noqa: E402
+from appliance.engine.scheduler import Scheduler  # noqa: E402
+from appliance.engine.sequence import Sequence  # noqa: E402
+from appliance.engine.slots import SlotManager  # noqa: E402
+from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from models.compiled_decode import CompiledDecode, CompileUnavailable  # noqa: E402
+from models.llama import KVCache, LlamaModel  # noqa: E402
+from models.weights import load_weights  # noqa: E402
+from tiny_llm import make_model_dir  # noqa: E402
+
+SEQS = 8
+NEW = 10
+MAX_SEQ = 160
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("compiled")
+    make_model_dir(d, seed=11)
+    return d
+
+
+def build(model_dir: Path, fmt: str):
+    if fmt == "float32":
+        w = load_weights(model_dir, torch.float32)
+        return LlamaModel(w.config, w.tensors), torch.float32
+    from kernels import cpu_quant
+    kernels = cpu_quant.library()
+    if kernels is None:
+        pytest.skip("our AVX2 kernels are not available here (no AVX2 or no C compiler)")
+    w = load_weights(model_dir, torch.float32, "int4")
+    return LlamaModel(w.config, w.tensors, cpu_kernels=kernels), torch.bfloat16
+
+
+def decode_together(model, cache, compiled) -> tuple[dict[int, list[int]], int]:
+    """Greedy tokens of SEQS prompts of lengths 3..66 decoded together, and how many decode steps went through the
+    compiled step."""
+    g = torch.Generator().manual_seed(2)
+    prompts = {str(i): [1] + torch.randint(3, model.config.vocab_size, (2 + 9 * i,), generator=g).tolist()
+               for i in range(SEQS)}
+    sched = Scheduler(SlotManager(SEQS, MAX_SEQ), TokenTurns(prompts), prefill_chunk=32, max_prefill_tokens=256)
+    seqs = {i: Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=NEW) for i in range(SEQS)}
+    for s in seqs.values():
+        sched.add(s)
+    runner = ModelRunner(model, cache, compiled=compiled)
+    steps = 0
+    if compiled is not None:
+        real_step = compiled.step
+
+        def counting_step(*args):
+            nonlocal steps
+            steps += 1
+            return real_step(*args)
+        compiled.step = counting_step
+    run_to_end(sched, runner)
+    return {i: s.generated for i, s in seqs.items()}, steps
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int4+avx2"])
+def test_compiled_gives_the_eager_greedy_tokens_for_8_sequences_together(model_dir, fmt, tmp_path):
+    model, kv_dtype = build(model_dir, fmt)
+    eager, _ = decode_together(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), None)
+    cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
+    compiled = CompiledDecode(model, cache, tmp_path / "inductor")
+    compiled.compile()
+    together, steps = decode_together(model, cache, compiled)
+    assert steps >= NEW - 1  # the decode steps really went through the graph
+    assert together == eager
+
+
+def test_no_recompilation_across_batch_sizes_and_lengths(model_dir, tmp_path):
+    from torch._dynamo.utils import counters
+    model, kv_dtype = build(model_dir, "float32")
+    cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
+    compiled = CompiledDecode(model, cache, tmp_path / "inductor")
+    compiled.compile()
+    frames = counters["stats"]["unique_graphs"]
+    for b in range(1, SEQS + 1):
+        for last in (0, 70, MAX_SEQ - 1):
+            positions = torch.arange(b) * 3 % (last + 1)
+            positions[-1] = last
+            out = compiled.step(torch.ones(b, dtype=torch.long), torch.arange(b), positions)
+            assert out.shape == (b, model.config.vocab_size)
+    assert counters["stats"]["unique_graphs"] == frames
+
+
+SECOND_PROCESS = """
+import json, sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+from torch._dynamo.utils import counters
+from models.compiled_decode import CompiledDecode
+from models.llama import KVCache, LlamaModel
+from models.weights import load_weights
+w = load_weights(sys.argv[2], torch.float32)
+model = LlamaModel(w.config, w.tensors)
+compiled = CompiledDecode(model, KVCache(w.config, 4, 64, torch.float32), sys.argv[3])
+compiled.compile()
+print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"], "seconds": compiled.compile_seconds}))
+"""
+
+
+def test_a_restart_reuses_the_compiled_artefacts(model_dir, tmp_path):
+    cache_dir = tmp_path / "inductor"
+    root = str(Path(__file__).resolve().parents[1])
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", SECOND_PROCESS, root, str(model_dir), str(cache_dir)],
+                             capture_output=True, text=True, timeout=600, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert runs[0]["hits"] == 0 and runs[1]["hits"] >= 2  # the second process compiled nothing of its own
+    assert any(cache_dir.iterdir())
+    print(f"compile: first process {runs[0]['seconds']:.1f} s, second {runs[1]['seconds']:.1f} s")
+
+
+def test_a_failed_compile_leaves_decode_eager(model_dir, monkeypatch, caplog):
+    from appliance.engine.llm_loading import compile_decode
+    model, kv_dtype = build(model_dir, "float32")
+    cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
+    compiled = CompiledDecode(model, cache)
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(CompileUnavailable, match="no C\\+\\+ compiler"):
+        compiled.compile()
+    with caplog.at_level("WARNING"):
+        compile_decode("tiny", compiled)
+    assert "decode stays eager" in caplog.text and not compiled.ready
+    eager, _ = decode_together(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), None)
+    together, steps = decode_together(model, cache, compiled)
+    assert steps == 0 and together == eager
+
+
+def test_generate_over_opc_ua_with_the_compiled_step_answers_as_eager(tmp_path, model_dir):
+    """engine.compile from the YAML reaches the worker: `on` compiles before Ready (artefacts under the state
+    directory), and two sessions generating together get the eager appliance's texts."""
+    from asyncua import ua
+
+    from harness import RunningAppliance
+    from uaclient import call, run, session, status_name
+
+    def texts(mode: str) -> list[str]:
+        app = RunningAppliance(tmp_path / mode, {"chat": {"kind": "generative", "path": str(model_dir),
+                                                          "max_text_chars": 200}},
+                               {"engine": {"kv_slots": 2, "max_seq_len": 256, "max_new_tokens": 12,
+                                           "compile": mode}})
+        try:
+            operator = app.issue("plc1", "operator")
+
+            async def one(prompt):
+                async with session(app, *operator) as c:
+                    r = await call(c, "chat", "Generate", [ua.Variant(prompt, ua.VariantType.String),
+                                                           ua.Variant(12, ua.VariantType.UInt32),
+                                                           ua.Variant(0.0, ua.VariantType.Float)])
+                    assert status_name(r) == "Good"
+                    return r.OutputArguments[0].Value
+
+            async def both():
+                return list(await asyncio.gather(one("pump one"), one("tank level rising high")))
+            return run(both())
+        finally:
+            app.stop()
+    compiled = texts("on")
+    assert any((tmp_path / "on" / "cache" / "inductor").iterdir())
+    assert compiled == texts("off")
