@@ -83,11 +83,11 @@ def hf_config_dict(cfg: LlamaConfig) -> dict:
                 eos_token_id=None)
 
 
-def bench_ours(model: LlamaModel, cache: KVCache, prompts: list[list[int]], n: int, new: int):
+def bench_ours(model: LlamaModel, cache: KVCache, prompts: list[list[int]], n: int, new: int, compiled=None):
     slots = SlotManager(cache.n_slots, cache.max_seq_len)
     turns = TokenTurns({str(i): prompts[i % len(prompts)] for i in range(n)})
     sched = Scheduler(slots, turns, prefill_chunk=256, max_prefill_tokens=2048)
-    runner = ModelRunner(model, cache)
+    runner = ModelRunner(model, cache, compiled=compiled)
     seqs = [Sequence(session_key=f"s{i}", prompt=str(i), max_tokens=new) for i in range(n)]
     start = time.perf_counter()
     for s in seqs:
@@ -190,9 +190,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 and 8 sequences")
-    ap.add_argument("--weights", type=str, default="auto,float32",
+    ap.add_argument("--weights", type=str, default="auto,auto+compiled,float32",
                     help="our weight formats, comma-separated: auto, float32, bfloat16, int8, int4, int8-torch, "
-                         "int4-torch")
+                         "int4-torch; +compiled: decode through the compiled step (models/compiled_decode.py)")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=str, default=None, help="e.g. 1,4,8,16")
@@ -210,10 +210,21 @@ def main() -> None:
     t0 = time.perf_counter()
     cfg, tensors, prompts, label = load(path, torch.float32)
     models = {}
+    built = {}
     for fmt in formats:
-        model, kv_dtype, resolved = build(path if gguf else None, fmt, cfg, tensors, args.threads)
-        name = f"{fmt}={resolved}" if fmt == "auto" else resolved
-        models[name] = (model, KVCache(model.config, max(batches), max(map(len, prompts)) + new + 8, kv_dtype))
+        base = fmt.removesuffix("+compiled")
+        if base not in built:  # auto and auto+compiled share one model
+            built[base] = build(path if gguf else None, base, cfg, tensors, args.threads)
+        model, kv_dtype, resolved = built[base]
+        name = (f"{base}={resolved}" if base == "auto" else resolved) + fmt[len(base):]
+        cache = KVCache(model.config, max(batches), max(map(len, prompts)) + new + 8, kv_dtype)
+        compiled = None
+        if fmt.endswith("+compiled"):
+            from models.compiled_decode import CompiledDecode
+            compiled = CompiledDecode(model, cache, Path.home() / ".cache" / "opcua-appliance" / "inductor")
+            compiled.compile()
+            print(f"{name}: decode step compiled in {compiled.compile_seconds:.1f} s", flush=True)
+        models[name] = (model, cache, compiled)
     from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
     hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg), attn_implementation="sdpa")).eval()
     hf.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
@@ -231,8 +242,8 @@ def main() -> None:
     print(f"model: {label}, {args.threads} threads, {new} new tokens, loaded in {time.perf_counter() - t0:.1f} s; "
           f"CPU {torch.backends.cpu.get_cpu_capability()}; ours = Scheduler + ModelRunner driven directly")
 
-    for model, cache in models.values():
-        bench_ours(model, cache, prompts, 1, 4)  # warm-up
+    for model, cache, compiled in models.values():
+        bench_ours(model, cache, prompts, 1, 4, compiled)  # warm-up
     rows = []
     repeats = args.repeats or (2 if args.quick else 3)
     for n in batches:
@@ -242,8 +253,8 @@ def main() -> None:
         for _ in range(repeats):
             tps, _ttft, h_tokens = bench_hf(hf, prompts, n, new)
             h_tps = max(h_tps, tps)
-            for name, (model, cache) in models.items():
-                tps, _ttft, o_tokens = bench_ours(model, cache, prompts, n, new)
+            for name, (model, cache, compiled) in models.items():
+                tps, _ttft, o_tokens = bench_ours(model, cache, prompts, n, new, compiled)
                 ours[name] = max(ours[name], tps)
                 same[name] = sum(a == b for a, b in zip(o_tokens, h_tokens))
             if lcpp is not None:
@@ -254,7 +265,8 @@ def main() -> None:
 
     agreement = {}
     if gguf:
-        agreement = top1_agreement(path, fp32, {name: m for name, (m, _c) in models.items()}, lcpp)
+        agreement = top1_agreement(path, fp32, {name: m for name, (m, _c, compiled) in models.items()
+                                                if compiled is None}, lcpp)
     if lcpp is not None:
         lcpp.close()
     service = {}

@@ -9,7 +9,8 @@ overwrite a real position of their own row in the same step.
 
 Weights come by their HF checkpoint names; q/k/v and gate/up are concatenated once at load so each layer runs two
 matmuls fewer per step (Python dispatch is a measurable cost on a 2-core CPU). On CPU the weight matrices are also
-packed for oneDNN once (see Linear). torch.compile is deliberately not used: it was 4x slower on this CPU.
+packed for oneDNN once (see Linear). This eager forward is the reference: decode steps on a CPU go through
+models/compiled_decode.py once it has compiled them.
 """
 from __future__ import annotations
 

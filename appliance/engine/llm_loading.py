@@ -107,6 +107,7 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
 def compile_decode(name: str, compiled: Any) -> None:
     """Compile the decode step; where torch cannot, say why and leave decode eager."""
     from models.compiled_decode import CompileUnavailable
+    log.info("model %s: compiling the decode step", name)
     try:
         compiled.compile()
     except CompileUnavailable as exc:
