@@ -39,6 +39,7 @@ class LlamaCpp:
             raise RuntimeError("llama.cpp could not create a context")
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.n_seq = n_seq
+        self.n_batch = cp.n_batch
         self.batch = L.llama_batch_init(max(512, n_ctx) * n_seq, 0, n_seq)
 
     def close(self) -> None:
@@ -69,12 +70,16 @@ class LlamaCpp:
         self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
         n = len(prompts)
         start = time.perf_counter()
-        rows, last = [], []
-        for s, p in enumerate(prompts):  # one prefill batch holding every prompt, as our scheduler does
+        rows = []
+        for s, p in enumerate(prompts):  # prefill batches holding every prompt, as our scheduler does
             rows += [(t, i, s, i == len(p) - 1) for i, t in enumerate(p)]
-            last.append(len(rows) - 1)
-        self._decode(rows)
-        out = [[int(np.argmax(self._logits(i)))] for i in last]
+        out: list[list[int]] = [[] for _ in prompts]
+        for at in range(0, len(rows), self.n_batch):  # llama.cpp takes at most n_batch tokens per decode
+            chunk = rows[at:at + self.n_batch]
+            self._decode(chunk)
+            for i, (_tok, _pos, s, last) in enumerate(chunk):
+                if last:
+                    out[s].append(int(np.argmax(self._logits(i))))
         ttft = time.perf_counter() - start
         for step in range(1, new):
             self._decode([(out[s][-1], len(prompts[s]) + step - 1, s, True) for s in range(n)])
