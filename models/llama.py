@@ -149,6 +149,18 @@ class AttentionMeta:
     mask: torch.Tensor  # (B, 1, S, t_len) bool, True where a query may look
 
 
+@dataclass
+class RowPart:
+    """A (B, S) block of ragged rows in one forward (forward_mixed runs a prefill part and a decode part)."""
+    token_ids: torch.Tensor  # (B, S)
+    seq_lens: torch.Tensor  # (B,) valid tokens per row
+    slot_rows: torch.Tensor  # (B, S) each token's slot
+    write_pos: torch.Tensor  # (B, S) each token's cache cell (padding: the scratch cell)
+    cos: torch.Tensor  # (B, S, 1, head_dim)
+    sin: torch.Tensor
+    meta: AttentionMeta
+
+
 def attention_meta(slot_ids: torch.Tensor, positions: torch.Tensor, t_len: int) -> AttentionMeta:
     b = slot_ids.shape[0]
     first = int(slot_ids[0])
@@ -318,15 +330,44 @@ class LlamaModel:
         Writes their keys/values into slot slot_ids[b] and returns fp32 logits of each row's last valid token
         (B, vocab), or of every position (B, S, vocab) with all_logits.
         """
-        cfg = self.config
         dev = self.device
         token_ids = token_ids.to(dev)
+        if token_ids.shape[1] == 1 and not all_logits and self.use_kernels():  # decode: the fused kernels
+            return self._decode_kernels(cache, token_ids[:, 0], slot_ids.to(dev, torch.long),
+                                        start_pos.to(dev, torch.long))
+        part = self._rows(cache, token_ids, slot_ids, start_pos, seq_lens)
+        (h,) = self._layers(cache, [part])
+        if not all_logits:
+            h = h[torch.arange(h.shape[0], device=dev), part.seq_lens - 1]
+        h = F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    @torch.no_grad()
+    def forward_mixed(self, cache: KVCache, prefill: tuple[torch.Tensor, ...],
+                      decode: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill chunks and decode rows of one step in one pass over the weights: every matmul multiplies the
+        tokens of both at once, only attention runs per part. prefill: forward()'s (token_ids (B, S), slot_ids,
+        start_pos, seq_lens); decode: (token_ids (D,), slot_ids, positions). Returns fp32 logits of each prefill
+        row's last valid token (B, vocab) and of each decode row (D, vocab), forward()'s numbers for each."""
+        ids, slots, starts, lens = prefill
+        d_ids, d_slots, d_pos = decode
+        parts = [self._rows(cache, ids.to(self.device), slots, starts, lens),
+                 self._rows(cache, d_ids.to(self.device).view(-1, 1), d_slots, d_pos, torch.ones_like(d_pos))]
+        h_prefill, h_decode = self._layers(cache, parts)
+        rows = torch.arange(h_prefill.shape[0], device=self.device)
+        h = torch.cat([h_prefill[rows, parts[0].seq_lens - 1], h_decode[:, 0]])
+        h = F.rms_norm(h, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        logits = self.lm_head(h).float()
+        return logits[:h_prefill.shape[0]], logits[h_prefill.shape[0]:]
+
+    def _rows(self, cache: KVCache, token_ids: torch.Tensor, slot_ids: torch.Tensor, start_pos: torch.Tensor,
+              seq_lens: torch.Tensor) -> "RowPart":
+        """What every layer needs about a (B, S) block of ragged rows: positions, rotary, cache cells, mask."""
+        dev = self.device
         slot_ids = slot_ids.to(dev, torch.long)
         start_pos = start_pos.to(dev, torch.long)
         seq_lens = seq_lens.to(dev, torch.long)
         b, s = token_ids.shape
-        if s == 1 and not all_logits and self.use_kernels():  # decode steps: the fused kernels; prefill: below
-            return self._decode_kernels(cache, token_ids[:, 0], slot_ids, start_pos)
         offsets = torch.arange(s, device=dev)
         positions = start_pos.unsqueeze(1) + offsets  # (B, S)
         valid = offsets.unsqueeze(0) < seq_lens.unsqueeze(1)
@@ -335,37 +376,40 @@ class LlamaModel:
         query_pos = torch.minimum(positions, (start_pos + seq_lens - 1).unsqueeze(1))
         longest = int((start_pos + seq_lens).max())
         t_len = min(-(-longest // ATTENTION_ROUND) * ATTENTION_ROUND, cache.max_seq_len)
-        slot_rows = slot_ids.unsqueeze(1).expand(b, s)
-        meta = attention_meta(slot_ids, query_pos, t_len)
-
         cos_t, sin_t = self._rope_tables(cache.max_seq_len)
-        cos = cos_t[query_pos].unsqueeze(2)  # (B, S, 1, hd)
-        sin = sin_t[query_pos].unsqueeze(2)  # first half negated: rotate_half(x) * sin == swap_halves(x) * sin
-        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        half = hd // 2
-        eps = cfg.rms_norm_eps
+        # sin's first half is negated: rotate_half(x) * sin == swap_halves(x) * sin
+        return RowPart(token_ids, seq_lens, slot_ids.unsqueeze(1).expand(b, s), write_pos,
+                       cos_t[query_pos].unsqueeze(2), sin_t[query_pos].unsqueeze(2),
+                       attention_meta(slot_ids, query_pos, t_len))
 
-        h = self.embed(token_ids)
+    def _layers(self, cache: KVCache, parts: list["RowPart"]) -> list[torch.Tensor]:
+        """The residual stream of each part after every layer, (B, S, hidden) each. The parts' tokens share each
+        matmul (one pass over the weights); rotary, cache writes and attention run per part."""
+        cfg = self.config
+        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        half, eps, hidden = hd // 2, cfg.rms_norm_eps, cfg.hidden_size
+        shapes = [p.token_ids.shape for p in parts]
+        sizes = [b * s for b, s in shapes]
+        h = torch.cat([self.embed(p.token_ids).reshape(-1, hidden) for p in parts]) if len(parts) > 1 \
+            else self.embed(parts[0].token_ids).reshape(-1, hidden)  # (all tokens, hidden)
         for li, lw in enumerate(self.layers):
-            x = F.rms_norm(h, (cfg.hidden_size,), lw.attn_norm, eps)
-            qkv = lw.qkv(x, lw.qkv_bias).view(b, s, n_h + 2 * n_kv, hd)
-            qk = qkv[:, :, :n_h + n_kv]
-            swapped = qk.unflatten(-1, (2, half)).flip(-2).flatten(-2)
-            qk = torch.addcmul(qk * cos, swapped, sin)
-            q, k = qk[:, :, :n_h], qk[:, :, n_h:]
-            v = qkv[:, :, n_h + n_kv:]
-            k_cache, v_cache = cache.k_layers[li], cache.v_layers[li]
-            k_cache[slot_rows, :, write_pos] = k.to(k_cache.dtype)
-            v_cache[slot_rows, :, write_pos] = v.to(v_cache.dtype)
-            h = h + lw.o(attend(q, k_cache, v_cache, meta))
-            x = F.rms_norm(h, (cfg.hidden_size,), lw.mlp_norm, eps)
+            x = F.rms_norm(h, (hidden,), lw.attn_norm, eps)
+            qkv_all = lw.qkv(x, lw.qkv_bias)
+            attn = []
+            for part, (b, s), qkv in zip(parts, shapes, qkv_all.split(sizes)):
+                qkv = qkv.view(b, s, n_h + 2 * n_kv, hd)
+                qk = qkv[:, :, :n_h + n_kv]
+                swapped = qk.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+                qk = torch.addcmul(qk * part.cos, swapped, part.sin)
+                k_cache, v_cache = cache.k_layers[li], cache.v_layers[li]
+                k_cache[part.slot_rows, :, part.write_pos] = qk[:, :, n_h:].to(k_cache.dtype)
+                v_cache[part.slot_rows, :, part.write_pos] = qkv[:, :, n_h + n_kv:].to(v_cache.dtype)
+                attn.append(attend(qk[:, :, :n_h], k_cache, v_cache, part.meta).reshape(b * s, n_h * hd))
+            h = h + lw.o(torch.cat(attn) if len(attn) > 1 else attn[0])
+            x = F.rms_norm(h, (hidden,), lw.mlp_norm, eps)
             gate, up = lw.gate_up(x).chunk(2, dim=-1)
             h = h + lw.down(F.silu(gate) * up)
-
-        if not all_logits:
-            h = h[torch.arange(b, device=dev), seq_lens - 1]
-        h = F.rms_norm(h, (cfg.hidden_size,), self.norm, eps)
-        return self.lm_head(h).float()
+        return [part.view(b, s, hidden) for part, (b, s) in zip(h.split(sizes), shapes)]
 
     def matmul_weights(self) -> list[Linear]:
         """Every weight matrix one decode step multiplies by (for the bare-matmul throughput limit)."""

@@ -1,6 +1,7 @@
-"""Executes a step plan on the model: one forward for the prefill chunks (ragged rows, padded to the longest chunk)
-and one batched decode forward for every generating sequence (each at its own position), then samples. Decode runs
-as CUDA graphs on a GPU, through the compiled decode step on a CPU once it is compiled, else eagerly."""
+"""Executes a step plan on the model, then samples: the prefill chunks (ragged rows, padded to the longest chunk) and
+the decode rows (one token per generating sequence, each at its own position) in one pass over the weights
+(LlamaModel.forward_mixed). A step with decode rows only runs as CUDA graphs on a GPU, through the compiled decode
+step on a CPU once it is compiled, else eagerly."""
 from __future__ import annotations
 
 import logging
@@ -46,44 +47,53 @@ class ModelRunner:
             self.prefixes.pop(key, None)
         for copy in plan.prefix_loads:
             kv[:, :, copy.slot, :, :len(copy.key)] = self.prefixes[copy.key]
-        if plan.prefill:
-            chunks = plan.prefill
-            width = max(len(c.tokens) for c in chunks)
-            ids = torch.zeros(len(chunks), width, dtype=torch.long)
-            for i, c in enumerate(chunks):
-                ids[i, :len(c.tokens)] = torch.tensor(c.tokens, dtype=torch.long)
-            logits = self.model.forward(
-                self.cache, ids, torch.tensor([c.slot for c in chunks]),
-                torch.tensor([c.start_pos for c in chunks]), torch.tensor([len(c.tokens) for c in chunks]))
+        prefill = self._prefill_inputs(plan) if plan.prefill else None
+        decode_rows = sorted(plan.decode, key=lambda r: r.slot)  # consecutive slots attend over a cache view
+        decode = (torch.tensor([r.token for r in decode_rows]), torch.tensor([r.slot for r in decode_rows]),
+                  torch.tensor([r.pos for r in decode_rows])) if decode_rows else None
+        prefill_logits = decode_logits = None
+        if prefill is not None and decode is not None and not self._want_graphs:
+            # one pass over the weights for both (a decode step's matmuls are mostly reading the weights)
+            prefill_logits, decode_logits = self.model.forward_mixed(self.cache, prefill, decode)
+        elif prefill is not None:
+            prefill_logits = self.model.forward(self.cache, *prefill)
+        if prefill is not None:
             for copy in plan.prefix_saves:
                 self.prefixes[copy.key] = kv[:, :, copy.slot, :, :len(copy.key)].clone()
-            rows = [i for i, c in enumerate(chunks) if c.last]
+            rows = [i for i, c in enumerate(plan.prefill) if c.last]
             if rows:
-                self._sample(logits[rows], [chunks[i].seq for i in rows], sampled)
-        if plan.decode:
-            rows = sorted(plan.decode, key=lambda r: r.slot)  # consecutive slots attend over a cache view
-            if self._want_graphs:
-                if self._graphs is None:
-                    self._graphs = self.model.decode_graphs(self.cache)
-                positions = torch.tensor([r.pos for r in rows])
-                logits = self._graphs.run(token_ids=torch.tensor([r.token for r in rows]),
-                                          slot_ids=torch.tensor([r.slot for r in rows]), positions=positions,
-                                          lengths=positions + 1).float()
-            else:
-                tokens, slots = torch.tensor([r.token for r in rows]), torch.tensor([r.slot for r in rows])
-                positions = torch.tensor([r.pos for r in rows])
-                logits = None
-                if self.compiled is not None and self.compiled.ready:
-                    try:
-                        logits = self.compiled.step(tokens, slots, positions)
-                    except Exception:  # noqa: BLE001 - e.g. a shape that would recompile: eager from now on
-                        log.exception("compiled decode step failed; decoding eagerly from now on")
-                        self.compiled = None
-                if logits is None:
-                    logits = self.model.forward(self.cache, tokens.view(-1, 1), slots, positions,
-                                                torch.ones(len(rows), dtype=torch.long))
-            self._sample(logits, [r.seq for r in rows], sampled)
+                self._sample(prefill_logits[rows], [plan.prefill[i].seq for i in rows], sampled)
+        if decode is not None:
+            if decode_logits is None:
+                decode_logits = self._decode(*decode)
+            self._sample(decode_logits, [r.seq for r in decode_rows], sampled)
         return sampled
+
+    @staticmethod
+    def _prefill_inputs(plan: StepPlan) -> tuple[torch.Tensor, ...]:
+        """forward()'s ragged rows for the plan's prefill chunks, padded to the longest."""
+        chunks = plan.prefill
+        ids = torch.zeros(len(chunks), max(len(c.tokens) for c in chunks), dtype=torch.long)
+        for i, c in enumerate(chunks):
+            ids[i, :len(c.tokens)] = torch.tensor(c.tokens, dtype=torch.long)
+        return (ids, torch.tensor([c.slot for c in chunks]), torch.tensor([c.start_pos for c in chunks]),
+                torch.tensor([len(c.tokens) for c in chunks]))
+
+    def _decode(self, tokens: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A decode step alone: CUDA graphs, else the compiled step once ready, else the eager forward."""
+        if self._want_graphs:
+            if self._graphs is None:
+                self._graphs = self.model.decode_graphs(self.cache)
+            return self._graphs.run(token_ids=tokens, slot_ids=slots, positions=positions,
+                                    lengths=positions + 1).float()
+        if self.compiled is not None and self.compiled.ready:
+            try:
+                return self.compiled.step(tokens, slots, positions)
+            except Exception:  # noqa: BLE001 - e.g. a shape that would recompile: eager from now on
+                log.exception("compiled decode step failed; decoding eagerly from now on")
+                self.compiled = None
+        return self.model.forward(self.cache, tokens.view(-1, 1), slots, positions,
+                                  torch.ones(len(tokens), dtype=torch.long))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], out: dict[int, int]) -> None:
         gens = [self._generator(s) if s.temperature > 0 else None for s in seqs]
