@@ -32,7 +32,9 @@ BLOCK_BYTES = 24  # {float d; float m; uint8 qs[16]}
 QK = 32
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[str, ctypes.CDLL | None] = {}  # by build directory
+_by_path_lock = threading.Lock()
+_by_path: dict[str, ctypes.CDLL] = {}
 
 
 def cpu_has_avx2() -> bool:
@@ -82,15 +84,25 @@ def _load(build_dir: Path) -> ctypes.CDLL | None:
                         detail.decode(errors="replace")[:500])
             return None
     try:
-        lib = ctypes.CDLL(str(target))
+        return library_at(str(target))
     except OSError as exc:
         log.warning("CPU quantized kernels not loaded from %s (%s); torch's ops serve instead", target, exc)
         return None
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.q4_linear.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32]
-    lib.q8_linear.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32]
-    lib.q4_linear.restype = lib.q8_linear.restype = i32
-    return lib
+
+
+def library_at(path: str) -> ctypes.CDLL:
+    """The built library at path, loaded once per process (the compiled decode step's ops name it by its path,
+    which, unlike its address, is the same in the next process: Inductor's cache keys stay stable)."""
+    with _by_path_lock:
+        lib = _by_path.get(path)
+        if lib is None:
+            lib = ctypes.CDLL(path)
+            ptr, i32 = ctypes.c_void_p, ctypes.c_int
+            lib.q4_linear.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32]
+            lib.q8_linear.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32]
+            lib.q4_linear.restype = lib.q8_linear.restype = i32
+            _by_path[path] = lib
+        return lib
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,6 @@ this process: the worker serves one model).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -46,51 +45,27 @@ def _(x, packed, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-_C_FUNCTIONS: dict[tuple[str, int], Callable] = {}
-
-
-def _c_function(kind: str, address: int) -> Callable:
-    fn = _C_FUNCTIONS.get((kind, address))
-    if fn is None:
-        ptr, i32 = ctypes.c_void_p, ctypes.c_int
-        args = [ptr, i32, i32, ptr, i32, ptr, i32] if kind == "q4" else [ptr, i32, i32, ptr, ptr, i32, ptr, i32]
-        fn = _C_FUNCTIONS[(kind, address)] = ctypes.CFUNCTYPE(i32, *args)(address)
-    return fn
-
-
 @torch.library.custom_op("appliance::q4_linear", mutates_args=())
-def q4_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, function: int) -> torch.Tensor:
-    """function: the address of kernels/cpu/quant_matmul.c's q4_linear in the loaded library."""
-    rows, k = x.shape
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    if _c_function("q4", function)(x.data_ptr(), rows, k, blocks.data_ptr(), out_features, y.data_ptr(),
-                                   torch.get_num_threads()) != 0:
-        raise RuntimeError(f"q4_linear failed for a ({rows}, {k}) input")
-    return y
+def q4_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, library: str) -> torch.Tensor:
+    """library: the path of the built kernels/cpu/quant_matmul.c (kernels.cpu_quant.library_at)."""
+    from kernels import cpu_quant
+    return cpu_quant.q4_linear(cpu_quant.library_at(library), x, blocks, out_features)
 
 
 @q4_linear.register_fake
-def _(x, blocks, out_features, function):
+def _(x, blocks, out_features, library):
     return x.new_empty(x.shape[0], out_features)
 
 
 @torch.library.custom_op("appliance::q8_linear", mutates_args=())
-def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, function: int) -> torch.Tensor:
-    rows, k = x.shape
-    y = torch.empty(rows, q.shape[0], dtype=torch.float32)
-    if _c_function("q8", function)(x.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), q.shape[0], y.data_ptr(),
-                                   torch.get_num_threads()) != 0:
-        raise RuntimeError(f"q8_linear failed for a ({rows}, {k}) input")
-    return y
+def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, library: str) -> torch.Tensor:
+    from kernels import cpu_quant
+    return cpu_quant.q8_linear(cpu_quant.library_at(library), x, q, scale)
 
 
 @q8_linear.register_fake
-def _(x, q, scale, function):
+def _(x, q, scale, library):
     return x.new_empty(x.shape[0], q.shape[0])
-
-
-def _address(lib, name: str) -> int:
-    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
 def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -100,11 +75,9 @@ def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
             return lambda x: F.linear(x, linear.plain)
         return lambda x: packed_linear(x.to(linear.packed.dtype), linear.packed, linear.out_features).to(x.dtype)
     if isinstance(linear, quant.Int4Linear) and linear.kernels is not None:
-        fn = _address(linear.kernels, "q4_linear")
-        return lambda x: q4_linear(x.float().contiguous(), linear.blocks, linear.out_features, fn)
+        return lambda x: q4_linear(x.float().contiguous(), linear.blocks, linear.out_features, linear.kernels._name)
     if isinstance(linear, quant.Int8Linear) and linear.kernels is not None:
-        fn = _address(linear.kernels, "q8_linear")
-        return lambda x: q8_linear(x.float().contiguous(), linear.q, linear.scale, fn)
+        return lambda x: q8_linear(x.float().contiguous(), linear.q, linear.scale, linear.kernels._name)
     if isinstance(linear, (quant.Int4Linear, quant.Int8Linear)):
         return linear  # torch's int4 / int8 ops: aten, traced as they are
     raise TypeError(f"no traceable form for {type(linear).__name__}")
