@@ -184,3 +184,39 @@ def test_generate_over_opc_ua_with_the_compiled_step_answers_as_eager(tmp_path, 
     compiled = texts("on")
     assert any((tmp_path / "on" / "cache" / "inductor").iterdir())
     assert compiled == texts("off")
+
+
+def test_auto_compiles_in_the_background_after_ready_and_decode_switches_over(model_dir, tmp_path):
+    """engine.compile: auto: Ready without waiting for the compiler, eager answers meanwhile, the compiled step once
+    it is built, and the same greedy text from both."""
+    import time as clock
+
+    from appliance.engine.llm_service import GenerativeModelService
+    from appliance.engine.llm_settings import GenerativeSettings
+
+    async def go():
+        svc = GenerativeModelService("tiny", model_dir, GenerativeSettings(
+            kv_slots=2, max_seq_len=128, max_new_tokens=8, compile="auto",
+            compile_cache_dir=str(tmp_path / "inductor")), version_label="t", metrics=None)
+        await svc.start()
+        try:
+            compiled = svc._engine.compiled_decode
+            assert svc.state == "Ready" and not compiled.ready  # Ready came first
+            eager = await svc.generate("a", "pump one", 8, 0.0, clock.monotonic() + 60)
+            end = clock.monotonic() + 300
+            while not compiled.ready and clock.monotonic() < end:
+                await asyncio.sleep(0.2)
+            assert compiled.ready
+            calls = 0
+            real_step = compiled.step
+
+            def counting_step(*args):
+                nonlocal calls
+                calls += 1
+                return real_step(*args)
+            compiled.step = counting_step
+            after = await svc.generate("b", "pump one", 8, 0.0, clock.monotonic() + 60)
+            assert calls > 0 and after.text == eager.text
+        finally:
+            await svc.stop()
+    asyncio.run(go())

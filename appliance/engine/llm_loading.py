@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +19,8 @@ from appliance.engine.thread_reply import Reply
 from appliance.errors import ApplianceError, EngineFailure
 
 log = logging.getLogger(__name__)
+
+BACKGROUND_COMPILE_DELAY_S = 1.0  # engine.compile: auto starts compiling this long after Ready
 
 
 @dataclass
@@ -96,12 +99,22 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
         from models.compiled_decode import CompiledDecode
         compiled = CompiledDecode(model, cache, Path(s.compile_cache_dir) if s.compile_cache_dir else None)
         if s.compile == "on":
-            compile_decode(name, compiled)
-        else:  # a short-lived thread of its own (see in_fresh_thread): the engine serves eagerly meanwhile
-            threading.Thread(target=compile_decode, args=(name, compiled), name=f"compile-{name}",
-                             daemon=True).start()
+            compile_decode(name, compiled)  # auto: compile_in_background, once the model is Ready
     return LoadedEngine(model, cache, loaded.tokenizer, version_label or loaded.version, backend, max_seq_len,
                         compiled)
+
+
+def compile_in_background(name: str, engine: LoadedEngine) -> None:
+    """engine.compile: auto: compile the decode step in a short-lived thread of its own (see in_fresh_thread) after
+    a pause that lets Ready reach the serve process; the engine decodes eagerly until it is done."""
+    compiled = engine.compiled_decode
+    if compiled is None or compiled.ready:
+        return
+
+    def body() -> None:
+        time.sleep(BACKGROUND_COMPILE_DELAY_S)
+        compile_decode(name, compiled)
+    threading.Thread(target=body, name=f"compile-{name}", daemon=True).start()
 
 
 def compile_decode(name: str, compiled: Any) -> None:

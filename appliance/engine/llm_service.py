@@ -26,7 +26,8 @@ from appliance.errors import (INVALID, OUT_OF_RANGE, DeadlineExceeded, EngineFai
                               ResourceUnavailable)
 from appliance.engine.liveness import Liveness
 from appliance.engine.llm_engine import EngineLoop
-from appliance.engine.llm_loading import LoadedEngine, in_fresh_thread, load_engine, load_failure_reason
+from appliance.engine.llm_loading import (LoadedEngine, compile_in_background, in_fresh_thread, load_engine,
+                                          load_failure_reason)
 from appliance.engine.llm_settings import MAX_PROMPT_BYTES, MAX_TEMPERATURE, GenerativeSettings
 from appliance.engine.thread_reply import Reply
 from appliance.model_port import GenerateResult
@@ -101,6 +102,7 @@ class GenerativeModelService(ModelStatus):
             self.failure_reason = None
             self._publish_loaded()
             self._set_state("Ready")
+            compile_in_background(self.name, engine)
 
     async def reload(self) -> str:
         """New weights from the same path. Sequences running finish on the old weights; then every session's
@@ -129,6 +131,7 @@ class GenerativeModelService(ModelStatus):
             self.failure_reason = None
             self._publish_loaded()
             self._set_state("Ready")
+            compile_in_background(self.name, engine)
             log.info("model %s now serves version %s on %s", self.name, engine.version, engine.backend)
             return engine.version
 
