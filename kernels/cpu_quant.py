@@ -7,8 +7,8 @@ kernels quantize the activations per block of 32 to int8 as llama.cpp does and m
 
 The library is plain C (no torch headers), so building it takes about a second: it is built on first use into a
 cache directory (the state directory's, or the user's cache) keyed by the source's digest and the compiler flags,
-and reused after. Where there is no compiler, no AVX2, or the build fails, `library()` returns None and the callers
-keep torch's ops.
+and reused after; the Debian package ships it prebuilt beside the source (`python -m kernels.cpu_quant DIR`). Where
+there is no compiler, no AVX2, or the build fails, `library()` returns None and the callers keep torch's ops.
 """
 from __future__ import annotations
 
@@ -59,25 +59,35 @@ def library(build_dir: Path | None = None) -> ctypes.CDLL | None:
         return _loaded[key]
 
 
+def library_name() -> str:
+    """The built file's name: the source's digest and the flags, so an edited source is never run stale."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return f"quant_matmul-{digest}.so"
+
+
+def build(directory: Path) -> Path:
+    """Compile the library into directory (atomically); raises OSError / SubprocessError where it cannot."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    target = Path(directory) / library_name()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: a reader never sees half
+        out = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE)], check=True, capture_output=True, timeout=120)
+        os.replace(out, target)
+    return target
+
+
 def _load(build_dir: Path) -> ctypes.CDLL | None:
     if not cpu_has_avx2():
         log.info("CPU quantized kernels not used: the CPU has no AVX2")
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = build_dir / f"quant_matmul-{digest}.so"
-    if not target.exists():
-        if compiler is None:
-            log.warning("CPU quantized kernels not built: no C compiler (cc/gcc) on PATH; torch's ops serve instead")
-            return None
+    # A package build (image/build-deb.sh) ships the library beside its source: no compiler needed on the box.
+    target = next((p for p in (SOURCE.parent / library_name(), build_dir / library_name()) if p.exists()), None)
+    if target is None:
         try:
-            build_dir.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=build_dir) as tmp:  # built aside, renamed: a reader never sees half
-                out = Path(tmp) / target.name
-                subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE)], check=True, capture_output=True,
-                               timeout=120)
-                os.replace(out, target)
+            target = build(build_dir)
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             log.warning("CPU quantized kernels not built (%s %s); torch's ops serve instead", exc,
@@ -136,3 +146,8 @@ def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.T
     if rc != 0:
         raise RuntimeError(f"q8_linear failed ({rc}) for a ({rows}, {k}) input")
     return y
+
+
+if __name__ == "__main__":  # python -m kernels.cpu_quant [DIR]: build the library (default: beside the source)
+    import sys
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else SOURCE.parent))

@@ -2,6 +2,8 @@
 dequantised to fp32, and how the library is built, cached and refused."""
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 import torch
 
@@ -97,3 +99,20 @@ def test_auto_keeps_a_q4_file_quantized_only_where_quantized_matmuls_are_fast(tm
     write_tiny_gguf(path, tied=False)
     assert weight_format("auto", "auto", path, "cpu", tmp_path / "c", fast_quantized=True) == ("int4", "float32")
     assert weight_format("auto", "auto", path, "cpu", tmp_path / "c", fast_quantized=False) == (None, "float32")
+
+
+def test_a_library_shipped_beside_the_source_needs_no_compiler(tmp_path, monkeypatch):
+    """The Debian package builds it at package time (python -m kernels.cpu_quant); the box may have no cc."""
+    if not cpu_quant.cpu_has_avx2():
+        pytest.skip("no AVX2: the library is never looked for")
+    source = tmp_path / "src" / "quant_matmul.c"
+    source.parent.mkdir()
+    source.write_bytes(cpu_quant.SOURCE.read_bytes())
+    monkeypatch.setattr(cpu_quant, "SOURCE", source)
+    try:
+        shipped = cpu_quant.build(source.parent)
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("no C compiler here to make the package's library")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler from here on
+    lib = cpu_quant.library(tmp_path / "state-cache")
+    assert lib is not None and lib._name == str(shipped) and not (tmp_path / "state-cache").exists()

@@ -82,10 +82,31 @@ def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
 
 def onnx_output_width(model_path: Path) -> int | None:
     """The last output dimension of an ONNX model's first output, or None when it is not a fixed number."""
-    import onnx  # only when labels must be checked against a model
-    model = onnx.load(str(model_path), load_external_data=False)
-    dims = model.graph.output[0].type.tensor_type.shape.dim
+    dims = onnx_model(model_path).graph.output[0].type.tensor_type.shape.dim
     return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+
+
+def onnx_model(model_path: Path):
+    """The ModelProto of an ONNX file (weights kept in external files are not read)."""
+    model = _onnx_messages().ModelProto()
+    model.ParseFromString(Path(model_path).read_bytes())
+    return model
+
+
+def _onnx_messages():
+    """onnx's generated protobuf module alone: `import onnx` takes 1.2 s (its helpers import ml_dtypes, numpy and
+    more), on the critical path of every start; this file imports only google.protobuf."""
+    import importlib.util
+    import sys
+    module = sys.modules.get("onnx.onnx_ml_pb2") or sys.modules.get("_appliance_onnx_ml_pb2")
+    if module is None:
+        spec = importlib.util.find_spec("onnx")  # finds the package without running its __init__
+        file = Path(spec.origin).with_name("onnx_ml_pb2.py")
+        module_spec = importlib.util.spec_from_file_location("_appliance_onnx_ml_pb2", file)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        sys.modules["_appliance_onnx_ml_pb2"] = module
+    return module
 
 
 def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Path, ctx: _Context,
@@ -178,10 +199,8 @@ CALL_OVERHEAD_BYTES = 4096  # a Call request's headers, security footer and padd
 
 def onnx_sample_floats(model_path: Path) -> int | None:
     """Floats in one sample of an ONNX model's first input (its dimensions after the batch), or None if unknown."""
-    import onnx
     try:
-        model = onnx.load(str(model_path), load_external_data=False)
-        dims = model.graph.input[0].type.tensor_type.shape.dim[1:]
+        dims = onnx_model(model_path).graph.input[0].type.tensor_type.shape.dim[1:]
     except Exception:  # noqa: BLE001 - the engine reports an unreadable model when it loads it
         return None
     if not dims or not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
