@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from appliance.errors import ApplianceError, EngineFailure
 log = logging.getLogger(__name__)
 
 BACKGROUND_COMPILE_DELAY_S = 1.0  # engine.compile: auto starts compiling this long after Ready
+BACKGROUND_COMPILE_NICE = 19  # ... at the lowest priority: it takes the CPU only when the models leave it idle
 
 
 @dataclass
@@ -112,6 +114,10 @@ def compile_in_background(name: str, engine: LoadedEngine) -> None:
         return
 
     def body() -> None:
+        try:  # the compiler's CPU time after the models it would slow (Linux: a thread's own nice value)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_COMPILE_NICE)
+        except OSError:
+            pass
         time.sleep(BACKGROUND_COMPILE_DELAY_S)
         compile_decode(name, compiled)
     threading.Thread(target=body, name=f"compile-{name}", daemon=True).start()
