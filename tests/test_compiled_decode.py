@@ -220,3 +220,21 @@ def test_auto_compiles_in_the_background_after_ready_and_decode_switches_over(mo
         finally:
             await svc.stop()
     asyncio.run(go())
+
+
+def test_a_reloaded_model_reuses_the_graphs_with_its_own_weights(model_dir, tmp_path):
+    """A reload makes a new CompiledDecode: the graphs take weights and cache as inputs, so it compiles nothing
+    new, and it computes with the new weights, not the old ones."""
+    from torch._dynamo.utils import counters
+    w = load_weights(model_dir, torch.float32)
+    args = (torch.tensor([5, 9, 2]), torch.arange(3), torch.tensor([4, 7, 30]))
+    graphs = []
+    for scale in (1.0, 1.5):
+        model = LlamaModel(w.config, {k: v * scale if ".mlp." in k else v for k, v in w.tensors.items()})
+        compiled = CompiledDecode(model, KVCache(model.config, 4, 64, torch.float32), tmp_path / "inductor")
+        compiled.compile()
+        graphs.append(counters["stats"]["unique_graphs"])
+        eager = model.forward(KVCache(model.config, 4, 64, torch.float32), args[0].view(-1, 1), args[1], args[2],
+                              torch.ones(3, dtype=torch.long))
+        assert torch.allclose(compiled.step(*args), eager, atol=1e-4)
+    assert graphs[1] == graphs[0]
