@@ -21,10 +21,10 @@ def lib(tmp_path_factory):
     return built
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16, 19])
 @pytest.mark.parametrize("n, k", [(96, 64), (33, 32), (7, 160)])
 def test_kernels_match_the_dequantised_matmul(lib, rows, n, k):
-    """Every row tile (1-4 rows, and the remainder after whole tiles), odd output counts, one and several blocks."""
+    """Row tiles of 1-8 rows, whole tiles and the remainder after them, odd output counts, one and several blocks."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(rows, k, generator=g) * 3
