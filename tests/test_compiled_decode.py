@@ -59,17 +59,21 @@ def decode_together(model, cache, compiled) -> tuple[dict[int, list[int]], int]:
     for s in seqs.values():
         sched.add(s)
     runner = ModelRunner(model, cache, compiled=compiled)
-    steps = 0
-    if compiled is not None:
-        real_step = compiled.step
-
-        def counting_step(*args):
-            nonlocal steps
-            steps += 1
-            return real_step(*args)
-        compiled.step = counting_step
+    steps = count_steps(compiled) if compiled is not None else [0]
     run_to_end(sched, runner)
-    return {i: s.generated for i, s in seqs.items()}, steps
+    return {i: s.generated for i, s in seqs.items()}, steps[0]
+
+
+def count_steps(compiled: CompiledDecode) -> list[int]:
+    """From now on, [decode steps that went through the compiled step]."""
+    calls = [0]
+    real_step = compiled.step
+
+    def counting_step(*args):
+        calls[0] += 1
+        return real_step(*args)
+    compiled.step = counting_step
+    return calls
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int4+avx2"])
@@ -207,16 +211,9 @@ def test_auto_compiles_in_the_background_after_ready_and_decode_switches_over(mo
             while not compiled.ready and clock.monotonic() < end:
                 await asyncio.sleep(0.2)
             assert compiled.ready
-            calls = 0
-            real_step = compiled.step
-
-            def counting_step(*args):
-                nonlocal calls
-                calls += 1
-                return real_step(*args)
-            compiled.step = counting_step
+            calls = count_steps(compiled)
             after = await svc.generate("b", "pump one", 8, 0.0, clock.monotonic() + 60)
-            assert calls > 0 and after.text == eager.text
+            assert calls[0] > 0 and after.text == eager.text
         finally:
             await svc.stop()
     asyncio.run(go())
