@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "quant_matmul.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-BLOCK_BYTES = 24  # {float d; float m; uint8 qs[16]}
 QK = 32
 
 _lock = threading.Lock()
@@ -38,8 +37,8 @@ _by_path: dict[str, ctypes.CDLL] = {}
 
 
 def cpu_has_avx2() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or \
-        torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))
+    """AVX2 and FMA, which every capability torch reports from AVX2 up (AVX512*, AMX*) includes."""
+    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))
 
 
 def default_build_dir() -> Path:

@@ -104,7 +104,7 @@ class CompiledDecode:
         self._down = [traceable(lw.down) for lw in layers]
         head = model.lm_head
         self._head_approx = traceable(head.approx_linear) if isinstance(head, RefinedHead) else traceable(head)
-        self._cos, self._sin = model._rope_tables(cache.max_seq_len + 1)  # + the scratch cell warm-up rows use
+        self._cos, self._sin = model.rope_tables(cache.max_seq_len + 1)  # + the scratch cell warm-up rows use
         self._compiled = None
         self.compile_seconds: float | None = None
 

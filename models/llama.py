@@ -262,7 +262,8 @@ class LlamaModel:
         self._cos = self._sin = torch.empty(0)
 
     # -- rotary -----------------------------------------------------------------------------------------------
-    def _rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (first half negated) for positions 0..length-1 at least, (positions, head_dim)."""
         if length > self._rope_len:  # computed in fp32 like HF, then cast
             hd = self.config.head_dim
             inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
@@ -376,7 +377,7 @@ class LlamaModel:
         query_pos = torch.minimum(positions, (start_pos + seq_lens - 1).unsqueeze(1))
         longest = int((start_pos + seq_lens).max())
         t_len = min(-(-longest // ATTENTION_ROUND) * ATTENTION_ROUND, cache.max_seq_len)
-        cos_t, sin_t = self._rope_tables(cache.max_seq_len)
+        cos_t, sin_t = self.rope_tables(cache.max_seq_len)
         # sin's first half is negated: rotate_half(x) * sin == swap_halves(x) * sin
         return RowPart(token_ids, seq_lens, slot_ids.unsqueeze(1).expand(b, s), write_pos,
                        cos_t[query_pos].unsqueeze(2), sin_t[query_pos].unsqueeze(2),

@@ -45,6 +45,15 @@ def _parse_users(node: Node | None, ctx: _Context) -> list[UserConfig]:
     return users
 
 
+def _check_name(name: str, what: str, key_node: Node, path: str, ctx: _Context) -> bool:
+    """A model's or mailbox's name (it becomes a browse name and a metric label)."""
+    if _MODEL_NAME.fullmatch(name):
+        return True
+    ctx.error(key_node, path, f"a {what} name must start with a letter and hold at most 64 characters "
+              f"A-Z a-z 0-9 _ -, got {_shown(name)}")
+    return False
+
+
 def _parse_models(node: Node | None, root: MappingNode | None, ctx: _Context) -> dict[str, ModelConfig]:
     hint = "a mapping of model names to their settings (kind, path, ...)"
     mapping = _as_mapping(node, ctx, "models", hint)
@@ -57,10 +66,7 @@ def _parse_models(node: Node | None, root: MappingNode | None, ctx: _Context) ->
     models: dict[str, ModelConfig] = {}
     for name, key_node, value_node in _items(mapping, ctx, "models", "model name"):
         path = _key_path("models", name)
-        name_ok = bool(_MODEL_NAME.fullmatch(name))
-        if not name_ok:
-            ctx.error(key_node, path, "a model name must start with a letter and hold at most 64 characters "
-                      f"A-Z a-z 0-9 _ -, got {_shown(name)}")
+        name_ok = _check_name(name, "model", key_node, path, ctx)
         parsed = _parse_fields(ModelConfig, value_node, ctx, path, where=f"model '{name}'")
         resolved = _check_model(parsed, ctx, path)  # checked even when incomplete: report every problem
         if name_ok and parsed.complete and resolved is not None:
@@ -75,10 +81,7 @@ def _parse_mailboxes(node: Node | None, ctx: _Context) -> dict[str, MailboxConfi
     boxes: dict[str, MailboxConfig] = {}
     for name, key_node, value_node in _items(mapping, ctx, "mailboxes", "mailbox name"):
         path = _key_path("mailboxes", name)
-        name_ok = bool(_MODEL_NAME.fullmatch(name))
-        if not name_ok:
-            ctx.error(key_node, path, "a mailbox name must start with a letter and hold at most 64 characters "
-                      f"A-Z a-z 0-9 _ -, got {_shown(name)}")
+        name_ok = _check_name(name, "mailbox", key_node, path, ctx)
         parsed = _parse_fields(MailboxConfig, value_node, ctx, path, where=f"mailbox '{name}'")
         if name_ok and parsed.complete:
             boxes[name] = MailboxConfig(**parsed.values, name=name)
