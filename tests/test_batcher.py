@@ -330,10 +330,14 @@ def test_every_request_answered_exactly_once_under_random_load(executor):
         except (DeadlineExceeded, ResourceUnavailable, EngineFailure) as exc:
             answers[rid].append(type(exc).__name__)
             return
+        except Exception as exc:  # recorded, so the asserts below name it (gather would swallow it)
+            answers[rid].append(repr(exc))
+            return
         finally:
             in_submit.discard(rid)
-        np.testing.assert_allclose(out, mlp(x), rtol=1e-5)
-        answers[rid].append("ok")
+        # atol too: an output near zero differs in its last bits between batch shapes of the BLAS kernel
+        same = np.allclose(out, mlp(x), rtol=1e-5, atol=1e-6)
+        answers[rid].append("ok" if same else f"wrong rows: {out} != {mlp(x)}")
 
     async def main():
         tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
@@ -347,8 +351,10 @@ def test_every_request_answered_exactly_once_under_random_load(executor):
 
     asyncio.run(main())
     outcomes = [a for a in answers.values()]
-    assert all(len(a) <= 1 for a in outcomes)
-    assert all(len(a) == 1 for a in outcomes)  # every call was submitted, and answered once
+    assert all(len(a) <= 1 for a in outcomes), [a for a in outcomes if len(a) > 1]
+    assert all(len(a) == 1 for a in outcomes), [r for r, a in answers.items() if not a]  # each answered once
+    assert {a[0] for a in outcomes} <= {"ok", "DeadlineExceeded", "ResourceUnavailable", "EngineFailure",
+                                        "cancelled"}, outcomes
     kinds = {a[0] for a in outcomes if a}
     assert {"ok", "DeadlineExceeded", "cancelled"} <= kinds
     assert all(count == 1 for count in executed.values())  # nothing ran twice

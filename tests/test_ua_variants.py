@@ -65,7 +65,11 @@ def app(tmp_path_factory):
     folder = tmp_path_factory.mktemp("variants")
     b = affine_model(folder / "affine-b.onnx", scale=3.0)
     a = start_appliance(folder, version="v-main", variants={"b": {"path": str(b), "weight": 50, "version": "v-b"}})
-    a.callers = [a.operator] + [a.issue(f"plc{i}", "operator") for i in range(2, 7)]
+    # Certificates are fresh each run, so their arms are random: issue callers until both arms have two.
+    a.callers = [a.operator]
+    while len(a.callers) < 6 or min(arms(a.callers).count("v-b"), arms(a.callers).count("v-main")) < 2:
+        assert len(a.callers) < 40, "forty identities all hashed into one arm of a 50/50 split"
+        a.callers.append(a.issue(f"plc{len(a.callers) + 1}", "operator"))
     a.engineer = a.issue("eng", "engineer")
     yield a
     a.stop()
@@ -75,6 +79,11 @@ def identity_of(cert: Path) -> str:
     import hashlib
     thumb = hashlib.sha1(cert.read_bytes()).hexdigest()
     return f"{thumb}/x509:{thumb}"
+
+
+def arms(callers) -> list[str]:
+    """The version each caller must meet under the configured 50/50 split."""
+    return ["v-b" if choose(identity_of(c), "affine", {"b": 50}) == "b" else "v-main" for c, _ in callers]
 
 
 async def versions(app) -> list[str]:
@@ -95,8 +104,8 @@ async def versions(app) -> list[str]:
 
 
 def test_callers_meet_their_variant_and_promote_switches_all_at_once(app):
-    expected = ["v-b" if choose(identity_of(c), "affine", {"b": 50}) == "b" else "v-main" for c, _ in app.callers]
-    assert set(expected) == {"v-b", "v-main"}  # six identities: both arms are exercised
+    expected = arms(app.callers)
+    assert set(expected) == {"v-b", "v-main"}  # both arms are exercised
     assert run(versions(app)) == expected
 
     async def promote(creds, variant):
