@@ -3,7 +3,7 @@ through ctypes.
 
 torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` have vectorised kernels for AVX-512 only; on an
 AVX2 CPU they ran a gate_up projection (3072 x 576, one row) in 8.0 and 5.0 ms against 0.24 ms in fp32. These
-kernels quantize the activations per block of 32 to int8 as llama.cpp does and multiply in integers.
+kernels keep the activations fp32 and widen the weights in registers (the C file says why, and how).
 
 The library is plain C (no torch headers), so building it takes about a second: it is built on first use into a
 cache directory (the state directory's, or the user's cache) keyed by the source's digest and the compiler flags,
@@ -115,17 +115,25 @@ def library_at(path: str) -> ctypes.CDLL:
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Int4Groups (q 0..15 one per byte, w = (q - 8) * scale + zero) as the kernel's blocks: (N, K / 32, 24) uint8,
-    each {d = scale, m = zero - 8 * scale, the 32 nibbles with element j and j + 16 in byte j}."""
+    """Int4Groups (q 0..15 one per byte, w = (q - 8) * scale + zero) as the kernel's panels: (ceil(N / 8), K / 32,
+    192) uint8, each {d[8] = scale, m[8] = zero - 8 * scale, nibbles[16][8]} for 8 output rows x 32 inputs, byte
+    [g][o] holding input g of output o low and input g + 16 high. Rows past N (to a multiple of 8) are zeros."""
     n, k = q.shape
-    groups = q.view(n, k // QK, QK)
-    nibbles = (groups[..., :16] | (groups[..., 16:] << 4)).to(torch.uint8)
-    dm = torch.stack([scale.float(), (zero.float() - 8.0 * scale.float())], dim=-1).contiguous()
-    return torch.cat([dm.view(torch.uint8).view(n, k // QK, 8), nibbles], dim=-1).contiguous()
+    pad = -n % 8
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, k)])
+        scale, zero = torch.cat([scale, scale.new_zeros(pad, k // QK)]), torch.cat([zero, zero.new_zeros(pad, k // QK)])
+    panels, nb = q.shape[0] // 8, k // QK
+    groups = q.view(panels, 8, nb, QK)
+    nibbles = (groups[..., :16] | (groups[..., 16:] << 4)).to(torch.uint8).permute(0, 2, 3, 1)  # panel, block, g, o
+    d = scale.float().view(panels, 8, nb).permute(0, 2, 1)
+    m = (zero.float() - 8.0 * scale.float()).view(panels, 8, nb).permute(0, 2, 1)
+    dm = torch.cat([d, m], dim=-1).contiguous().view(torch.uint8)  # panel, block, 64 bytes
+    return torch.cat([dm, nibbles.reshape(panels, nb, 128)], dim=-1).contiguous()
 
 
 def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x (rows, K) float32 contiguous @ the int4 blocks' matrix^T -> (rows, out_features)."""
+    """x (rows, K) float32 contiguous @ the int4 panels' (pack_int4) matrix^T -> (rows, out_features)."""
     rows, k = x.shape
     y = torch.empty(rows, out_features, dtype=torch.float32)
     rc = lib.q4_linear(x.data_ptr(), rows, k, blocks.data_ptr(), out_features, y.data_ptr(),
@@ -135,12 +143,24 @@ def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, out_featu
     return y
 
 
-def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (rows, K) float32 contiguous @ (q * scale[:, None])^T -> (rows, N)."""
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int8Rows (w = q * scale[:, None]) as the kernel's panels: ((ceil(N / 8), K / 32, 256) int8 with byte [i][o]
+    input i of output o, and the scales padded to 8 ceil(N / 8)). Rows past N are zeros."""
+    n, k = q.shape
+    pad = -n % 8
+    if pad:
+        q, scale = torch.cat([q, q.new_zeros(pad, k)]), torch.cat([scale, scale.new_zeros(pad)])
+    panels, nb = q.shape[0] // 8, k // QK
+    packed = q.view(panels, 8, nb, QK).permute(0, 2, 3, 1).reshape(panels, nb, QK * 8).contiguous()
+    return packed, scale.float().contiguous()
+
+
+def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
+              out_features: int) -> torch.Tensor:
+    """x (rows, K) float32 contiguous @ the int8 panels' (pack_int8) matrix^T -> (rows, out_features)."""
     rows, k = x.shape
-    n = q.shape[0]
-    y = torch.empty(rows, n, dtype=torch.float32)
-    rc = lib.q8_linear(x.data_ptr(), rows, k, q.data_ptr(), scale.data_ptr(), n, y.data_ptr(),
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    rc = lib.q8_linear(x.data_ptr(), rows, k, panels.data_ptr(), scale.data_ptr(), out_features, y.data_ptr(),
                        torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"q8_linear failed ({rc}) for a ({rows}, {k}) input")

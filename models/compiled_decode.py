@@ -46,26 +46,27 @@ def _(x, packed, out_features):
 
 
 @torch.library.custom_op("appliance::q4_linear", mutates_args=())
-def q4_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, library: str) -> torch.Tensor:
+def q4_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, library: str) -> torch.Tensor:
     """library: the path of the built kernels/cpu/quant_matmul.c (kernels.cpu_quant.library_at)."""
     from kernels import cpu_quant
-    return cpu_quant.q4_linear(cpu_quant.library_at(library), x, blocks, out_features)
+    return cpu_quant.q4_linear(cpu_quant.library_at(library), x, panels, out_features)
 
 
 @q4_linear.register_fake
-def _(x, blocks, out_features, library):
+def _(x, panels, out_features, library):
     return x.new_empty(x.shape[0], out_features)
 
 
 @torch.library.custom_op("appliance::q8_linear", mutates_args=())
-def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, library: str) -> torch.Tensor:
+def q8_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, out_features: int,
+              library: str) -> torch.Tensor:
     from kernels import cpu_quant
-    return cpu_quant.q8_linear(cpu_quant.library_at(library), x, q, scale)
+    return cpu_quant.q8_linear(cpu_quant.library_at(library), x, panels, scale, out_features)
 
 
 @q8_linear.register_fake
-def _(x, q, scale, library):
-    return x.new_empty(x.shape[0], q.shape[0])
+def _(x, panels, scale, out_features, library):
+    return x.new_empty(x.shape[0], out_features)
 
 
 def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -75,9 +76,10 @@ def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
             return lambda x: F.linear(x, linear.plain)
         return lambda x: packed_linear(x.to(linear.packed.dtype), linear.packed, linear.out_features).to(x.dtype)
     if isinstance(linear, quant.Int4Linear) and linear.kernels is not None:
-        return lambda x: q4_linear(x.float().contiguous(), linear.blocks, linear.out_features, linear.kernels._name)
+        return lambda x: q4_linear(x.float().contiguous(), linear.panels, linear.out_features, linear.kernels._name)
     if isinstance(linear, quant.Int8Linear) and linear.kernels is not None:
-        return lambda x: q8_linear(x.float().contiguous(), linear.q, linear.scale, linear.kernels._name)
+        return lambda x: q8_linear(x.float().contiguous(), linear.panels, linear.scale, linear.out_features,
+                                   linear.kernels._name)
     if isinstance(linear, (quant.Int4Linear, quant.Int8Linear)):
         return linear  # torch's int4 / int8 ops: aten, traced as they are
     raise TypeError(f"no traceable form for {type(linear).__name__}")

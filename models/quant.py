@@ -169,15 +169,19 @@ class Int8Linear:
 
     def __init__(self, m: Int8Rows, cpu_kernels=None):
         self.out_features, self.in_features = m.shape
-        self.q, self.scale = m.q.contiguous(), m.scale.float().contiguous()
         self.kernels = cpu_kernels if self.in_features % GROUP == 0 else None
+        if self.kernels is not None:
+            from kernels.cpu_quant import pack_int8
+            self.panels, self.scale = pack_int8(m.q, m.scale)
+        else:
+            self.q, self.scale = m.q.contiguous(), m.scale.float().contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         if self.kernels is not None:
             from kernels.cpu_quant import q8_linear
-            y = q8_linear(self.kernels, x2, self.q, self.scale)
+            y = q8_linear(self.kernels, x2, self.panels, self.scale, self.out_features)
         else:
             y = torch._weight_int8pack_mm(x2, self.q, self.scale)
         if bias is not None:
@@ -187,14 +191,14 @@ class Int8Linear:
 
 class Int4Linear:
     """y = x @ w.T for int4 groups of 32 (fp32 activations): torch's CPU int4 op, or with `cpu_kernels`
-    (kernels.cpu_quant, AVX2 CPUs) our kernel on the blocks as GGUF lays them out."""
+    (kernels.cpu_quant, AVX2 CPUs) our kernel on panels of 8 rows with the blocks' own numbers."""
 
     def __init__(self, m: Int4Groups, cpu_kernels=None):
         self.out_features, self.in_features = m.shape
         self.kernels = cpu_kernels
         if cpu_kernels is not None:
             from kernels.cpu_quant import pack_int4
-            self.blocks = pack_int4(m.q, m.scale, m.zero)
+            self.panels = pack_int4(m.q, m.scale, m.zero)
         else:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(m.q.to(torch.int32).contiguous(), 1)
             self.scales_and_zeros = torch.stack([m.scale.t(), m.zero.t()], dim=-1).float().contiguous()
@@ -204,7 +208,7 @@ class Int4Linear:
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # both ops want a contiguous fp32 input
         if self.kernels is not None:
             from kernels.cpu_quant import q4_linear
-            y = q4_linear(self.kernels, x2, self.blocks, self.out_features)
+            y = q4_linear(self.kernels, x2, self.panels, self.out_features)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
         if bias is not None:

@@ -24,7 +24,8 @@ def lib(tmp_path_factory):
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16, 19])
 @pytest.mark.parametrize("n, k", [(96, 64), (33, 32), (7, 160)])
 def test_kernels_match_the_dequantised_matmul(lib, rows, n, k):
-    """Row tiles of 1-8 rows, whole tiles and the remainder after them, odd output counts, one and several blocks."""
+    """Row tiles of 1-6 rows and how rows split into them, panels of 8 outputs one and four at a time and a last
+    partial panel (odd output counts), one and several blocks."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(rows, k, generator=g) * 3
@@ -55,12 +56,13 @@ def test_int4_blocks_keep_q4_0_and_q4_1_numbers(lib):
 def test_a_batch_gives_each_row_what_it_gives_alone(lib):
     """Rows do not interact: the tile a row falls in does not change its sums' order (batch invariance)."""
     g = torch.Generator().manual_seed(9)
-    m = quant.quantize(torch.randn(64, 128, generator=g), "int4")
-    x = torch.randn(7, 128, generator=g)
-    linear = quant.linear_for(m, lib)
-    together = linear(x)
-    for i in range(7):
-        assert torch.equal(linear(x[i:i + 1])[0], together[i])
+    w = torch.randn(76, 128, generator=g)  # 9 whole panels and a partial one
+    x = torch.randn(13, 128, generator=g)  # tiles of 5, 4 and 4 rows; alone, a row is a 1x4 tile
+    for fmt in quant.FORMATS:
+        linear = quant.linear_for(quant.quantize(w, fmt), lib)
+        together = linear(x)
+        for i in range(13):
+            assert torch.equal(linear(x[i:i + 1])[0], together[i]), (fmt, i)
 
 
 def test_the_library_is_built_once_per_directory_and_reused(tmp_path):
