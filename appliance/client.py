@@ -28,13 +28,19 @@ def certificate_uri(cert_path: Path) -> str:
     return uris[0] if uris else "urn:appliance:client"
 
 
+WATCHDOG_INTERVAL_S = 5.0
+
+
 async def connect(endpoint: str, cert: Path, key: Path, *, policy: str = "Basic256Sha256",
                   mode: str = "SignAndEncrypt", username: str | None = None, password: str | None = None,
                   x509_identity: bool = True, anonymous: bool = False, timeout: float = 30.0,
                   session_timeout_ms: int = 60_000, key_password: str | None = None) -> Client:
     """A connected client; the caller disconnects it. Identity: user name if given, else anonymous if asked,
     else the client certificate as X509 user identity."""
-    client = Client(endpoint, timeout=timeout)
+    # asyncua probes the server's state every watchdog interval and, without auto-reconnect, drops the connection
+    # when a probe takes longer than the interval (1 s by default): a 2-core box replacing a worker answered one
+    # probe late in CI and the client was cut off mid-test. 5 s between probes, 5 s to answer each.
+    client = Client(endpoint, timeout=timeout, watchdog_intervall=WATCHDOG_INTERVAL_S)
     client.application_uri = certificate_uri(cert)
     client.session_timeout = session_timeout_ms
     client.name = client.description = "appliance client"
