@@ -18,7 +18,7 @@ from asyncua.ua.ua_binary import uatcp_to_binary
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from appliance.client import POLICY_CLASSES, certificate_uri
+from appliance.client import POLICY_CLASSES, WATCHDOG_INTERVAL_S, certificate_uri
 from harness import RunningAppliance
 from onnx_models import affine_model
 from uaclient import call, floats, status_name
@@ -66,7 +66,7 @@ async def new_client(endpoint: str, cert: Path | None, key: Path | None, *, mode
                      application_uri: str | None = None, server_certificate: Path | None = None) -> Client:
     """An asyncua client with its application certificate set (or no security without cert); not connected.
     With server_certificate the client skips discovery, so it can ask for what the server does not offer."""
-    client = Client(endpoint, timeout=timeout)
+    client = Client(endpoint, timeout=timeout, watchdog_intervall=WATCHDOG_INTERVAL_S)  # as appliance.client.connect
     client.session_timeout = 60_000
     client.name = client.description = "attack test client"
     if cert is not None:
