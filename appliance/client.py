@@ -34,9 +34,11 @@ WATCHDOG_INTERVAL_S = 5.0
 async def connect(endpoint: str, cert: Path, key: Path, *, policy: str = "Basic256Sha256",
                   mode: str = "SignAndEncrypt", username: str | None = None, password: str | None = None,
                   x509_identity: bool = True, anonymous: bool = False, timeout: float = 30.0,
-                  session_timeout_ms: int = 60_000, key_password: str | None = None) -> Client:
+                  session_timeout_ms: int = 60_000, key_password: str | None = None,
+                  auto_reconnect: bool = False) -> Client:
     """A connected client; the caller disconnects it. Identity: user name if given, else anonymous if asked,
-    else the client certificate as X509 user identity."""
+    else the client certificate as X509 user identity. auto_reconnect: a lost connection is re-established by
+    re-activating the session on a new channel (its conversation goes on), as SCADA clients do."""
     # asyncua probes the server's state every watchdog interval and, without auto-reconnect, drops the connection
     # when a probe takes longer than the interval (1 s by default): a 2-core box replacing a worker answered one
     # probe late in CI and the client was cut off mid-test. 5 s between probes, 5 s to answer each.
@@ -52,7 +54,7 @@ async def connect(endpoint: str, cert: Path, key: Path, *, policy: str = "Basic2
     elif not anonymous and x509_identity:
         await client.load_client_certificate(str(cert))
         await client.load_private_key(str(key), password=key_password)
-    await client.connect()
+    await client.connect(auto_reconnect=auto_reconnect)
     return client
 
 

@@ -71,7 +71,7 @@ def test_minimal_file_names_only_its_models_and_everything_else_takes_the_contra
     lim = sec.limits
     assert (lim.max_message_size, lim.max_chunk_count) == (1048576, 18)  # ceil(1048576 / 65535) + 1
     assert (lim.max_secure_channels, lim.max_sessions, lim.max_requests_per_session) == (32, 64, 16)
-    assert (lim.session_activation_timeout_s, lim.session_timeout_s) == (5.0, 60.0)
+    assert (lim.session_activation_timeout_s, cfg.server.session_timeout_s) == (5.0, 60.0)
     assert (lim.max_array_length, lim.max_string_length, lim.max_nesting_depth) == (65536, 65536, 8)
 
     assert cfg.users == []
@@ -110,7 +110,7 @@ def test_every_key_can_be_set():
     assert cfg.security.role_for_certificate("3F2A00112233445566778899AABBCCDDEEFF019C") == "engineer"
     assert cfg.security.role_for_certificate("00" * 20, "O=Plant,CN=scada-01") == "operator"  # RFC 4514 order
     assert cfg.security.role_for_certificate("00" * 20, "CN=other") is None
-    assert cfg.security.limits.max_chunk_count == 8 and cfg.security.limits.session_timeout_s == 120.0
+    assert cfg.security.limits.max_chunk_count == 8 and cfg.server.session_timeout_s == 120.0
     assert [(u.name, u.role) for u in cfg.users] == [("plc-line3", "operator"), ("anna@plant", "engineer")]
     assert cfg.engine.device == "cuda:0" and cfg.engine.dtype == "bfloat16" and cfg.engine.slot_policy == "reject"
     assert list(cfg.models) == ["fault-classifier", "assistant"]  # file order

@@ -30,25 +30,27 @@ def _tokenizer(directory):
     return tok
 
 
-def _hf_model(vocab: int, eos: int, seed: int):
+def _hf_model(vocab: int, eos: int, seed: int, max_positions: int = 512):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                                    eos_token_id=eos, bos_token_id=None, pad_token_id=0,
                                    tie_word_embeddings=False)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def make_model_dir(directory, seed: int = 0, scripted: list[int] | None = None):
+def make_model_dir(directory, seed: int = 0, scripted: list[int] | None = None, endless: bool = False,
+                   max_positions: int = 512):
     """A random tiny Llama; with `scripted`, weights that make it reply exactly those token ids, then <|im_end|>
-    (attention and MLP outputs zeroed, so the next token is a function of the current one only)."""
+    (attention and MLP outputs zeroed, so the next token is a function of the current one only); with `endless`,
+    the scripted ids over and over, never <|im_end|> (a reply that runs until MaxTokens)."""
     directory.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(directory)
     vocab, eos = tok.get_vocab_size(), tok.token_to_id("<|im_end|>")
-    model = _hf_model(vocab, eos, seed)
+    model = _hf_model(vocab, eos, seed, max_positions)
     if scripted:
         with torch.no_grad():
-            chain = [*scripted, eos]
+            chain = [*scripted, scripted[0] if endless else eos]
             cls = torch.zeros(vocab, dtype=torch.long)  # class 0: any token not in the chain -> chain[0]
             for i, t in enumerate(scripted):
                 cls[t] = i + 1  # token chain[i] -> chain[i+1]

@@ -374,6 +374,23 @@ def _claimed_user(token) -> str:
 class HardenedProcessor(UaProcessor):
     guard: ChannelGuard
     _hello_seen: bool = False
+    _calls: set[asyncio.Task] | None = None  # this connection's method calls in flight
+
+    async def close(self) -> None:
+        """The connection is gone (closed, aborted, refused): nobody can receive the answers of its calls, so
+        they are abandoned (their generation stops); the session itself outlives the connection until its timeout
+        (see _should_close_session_on_transport_loss)."""
+        for task in list(self._calls or ()):
+            task.cancel()
+        await super().close()
+
+    def _should_close_session_on_transport_loss(self) -> bool:
+        # asyncua closes a session without subscriptions at once when its connection drops. An activated client
+        # session instead lives until its timeout, so a client whose connection broke re-activates it on a new
+        # channel and keeps its conversation; InternalSession's own timeout loop closes it otherwise.
+        if isinstance(self.session, ApplianceSession) and self.session.external and self.session.is_activated():
+            return False
+        return super()._should_close_session_on_transport_loss()
 
     def close_with_error(self, status: int, reason: str) -> bool:
         """Answer an ErrorMessage and tell the protocol to close (False, as asyncua's process() does)."""
@@ -550,10 +567,14 @@ class HardenedProcessor(UaProcessor):
         token = current_session.set(session)
         entry = current_audit_entry_id.set(clean_audit_entry_id(requesthdr.AuditEntryId))
         try:
-            asyncio.get_running_loop().create_task(self._run_call(session, requesthdr, seqhdr, params))
+            task = asyncio.get_running_loop().create_task(self._run_call(session, requesthdr, seqhdr, params))
         finally:
             current_audit_entry_id.reset(entry)
             current_session.reset(token)
+        if self._calls is None:
+            self._calls = set()
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
         return True
 
     async def _run_call(self, session: ApplianceSession, requesthdr, seqhdr, params) -> None:
@@ -567,6 +588,7 @@ class HardenedProcessor(UaProcessor):
             response.ResponseHeader.ServiceResult = ua.StatusCode(ua.StatusCodes.BadInternalError)
         finally:
             session.outstanding_calls -= 1
+            session.touch()  # in use until its call ended: the session timeout counts from here, not from the call
         try:
             self.send_response(requesthdr.RequestHandle, seqhdr, response)
         except Exception:

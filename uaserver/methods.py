@@ -243,6 +243,11 @@ class MethodHandlers:
             except ApplianceError as e:
                 status = status_for(e)
                 return status_result(status)
+            except asyncio.CancelledError:
+                # The client's connection is gone (or the server stops): no one can receive an answer. Counted and
+                # audited as abandoned; the engine stopped working on it when the cancellation reached the worker.
+                status, ctx.event = "BadConnectionClosed", "abandoned"
+                raise
             except Exception:
                 log.exception("%s on %s failed", method, model or "appliance")
                 status = "BadInternalError"

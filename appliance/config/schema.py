@@ -62,6 +62,9 @@ class ServerConfig:
     ip_addresses: list[str] = setting([], ListOf(Scalar("an IPv4 or IPv6 address", _ip_check), "IP addresses"))
     # SIGTERM: calls in flight may finish for this long; then they answer BadTimeout
     drain_timeout_s: float = setting(10.0, number(0, 3600))
+    # the longest session timeout granted: a session whose client vanished (no CloseSession) lives this long at
+    # most, then it is closed and its KV slot freed; re-activated on a new channel before then, it goes on
+    session_timeout_s: float = setting(60.0, number(0, 86400, lo_open=True))
 
     def __post_init__(self) -> None:
         if self.application_uri is None:
@@ -86,7 +89,6 @@ class LimitsConfig:
     max_sessions: int = setting(64, integer(1))
     max_requests_per_session: int = setting(16, integer(1))
     session_activation_timeout_s: float = setting(5.0, number(0, 3600, lo_open=True))
-    session_timeout_s: float = setting(60.0, number(0, 86400, lo_open=True))
     max_array_length: int = setting(65536, integer(1))
     max_string_length: int = setting(65536, integer(1))
     max_nesting_depth: int = setting(8, integer(1, 100))
@@ -373,6 +375,9 @@ class JobsConfig:
     max_wait_ms: int = setting(2000, integer(0, 60000))  # the longest WaitMs a Get...Result call waits
     result_ttl_s: float = setting(60.0, number(1, 86400))  # a finished job's result is kept this long unreleased
     max_per_client: int = setting(16, integer(1, 10000))  # unreleased jobs per identity
+    # a job's run is bounded by this, not by engine.request_timeout_s; a generation job that reaches it ends Done
+    # with the text so far and FinishReason "deadline"
+    timeout_s: float = setting(300.0, number(1, 86400))
 
 
 def _writer_check(v: Any, expect: str) -> str | None:
