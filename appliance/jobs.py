@@ -1,9 +1,9 @@
 """Jobs: a call started now and fetched later, for PLCs that must not block a cycle on a model (OPC 40100 style:
 StartX -> JobId, Get...Result with a wait, CancelJob, ReleaseJob).
 
-A job belongs to the caller's identity (client certificate + user), not to the session: a PLC may start it in one
-session and fetch it in the next, and closing a session cancels nothing. Another identity's or an unknown JobId is
-NotFound. At most `max_per_client` unreleased jobs per identity; a finished job is kept until released or for
+A job belongs to the caller's identity (client certificate + user) and to its model, not to the session: a PLC may
+start it in one session and fetch it in the next, and closing a session cancels nothing. Another identity's, another
+model's or an unknown JobId is NotFound. At most `max_per_client` unreleased jobs per identity; a finished job is kept until released or for
 `result_ttl_s`. Runs on the serve process's event loop; UA-free and torch-free.
 """
 from __future__ import annotations
@@ -86,15 +86,15 @@ class JobStore:
         if self.on_ready is not None and not isinstance(job.error, Cancelled):
             self.on_ready(job)
 
-    def get(self, owner: str, job_id: int) -> Job:
+    def get(self, owner: str, model: str, job_id: int) -> Job:
         job = self._jobs.get(job_id)
-        if job is None or job.owner != owner:
-            raise NotFound("no job with that id for this client")
+        if job is None or job.owner != owner or job.model != model:
+            raise NotFound("no job with that id for this client on this model")
         return job
 
-    async def wait(self, owner: str, job_id: int, wait_s: float) -> Job:
+    async def wait(self, owner: str, model: str, job_id: int, wait_s: float) -> Job:
         """The job once done, or after min(wait_s, max_wait_s), whichever comes first."""
-        job = self.get(owner, job_id)
+        job = self.get(owner, model, job_id)
         wait_s = min(max(0.0, wait_s), self.max_wait_s)
         if not job.done and wait_s > 0:
             try:
@@ -103,14 +103,14 @@ class JobStore:
                 pass
         return job
 
-    def cancel(self, owner: str, job_id: int) -> None:
-        job = self.get(owner, job_id)
+    def cancel(self, owner: str, model: str, job_id: int) -> None:
+        job = self.get(owner, model, job_id)
         if not job.done and job.task is not None:
             job.error = Cancelled("the job was cancelled")
             job.task.cancel()
 
-    def release(self, owner: str, job_id: int) -> None:
-        job = self.get(owner, job_id)
+    def release(self, owner: str, model: str, job_id: int) -> None:
+        job = self.get(owner, model, job_id)
         if not job.done and job.task is not None:
             job.error = Cancelled("the job was released")
             job.task.cancel()

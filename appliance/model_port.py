@@ -76,9 +76,11 @@ class TensorModel(ServedModel, Protocol):
 @runtime_checkable
 class GenerativeModel(ServedModel, Protocol):
     async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float, on_progress: Callable[[str, int], None] | None = None) -> GenerateResult:
+                       deadline: float, on_progress: Callable[[str, int], None] | None = None,
+                       finish_by: float | None = None) -> GenerateResult:
         """on_progress(text so far, tokens so far) as the reply grows; session: the KV slot's key (a UA session,
-        or a conversation of an identity)."""
+        or a conversation of an identity); finish_by: a job's bound, where the reply ends as it is (FinishReason
+        `deadline`)."""
 
     async def reset(self, session: str) -> None:
         """Forget the session's conversation and give its slot back."""

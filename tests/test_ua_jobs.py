@@ -11,7 +11,7 @@ from asyncua import ua
 
 from harness import RunningAppliance
 from onnx_models import affine_model
-from uaclient import call, floats, run, session, status_name
+from uaclient import call, floats, read, run, session, status_name
 
 pytest.importorskip("transformers")
 from tiny_llm import make_model_dir  # noqa: E402
@@ -194,3 +194,131 @@ def test_converse_survives_a_killed_worker_and_a_restarted_appliance(tmp_path):
     lengths = [n for n, _lost in contexts]
     assert lengths[0] < lengths[1] < lengths[2], lengths  # one conversation, three turns long
     assert list((tmp_path / "state" / "conversations" / "chat").glob("*.json"))
+
+
+# ---- Start checks its arguments as the synchronous call does; JobIds belong to their model; sessions; bounds ----
+
+def arg_marks(result) -> list[str]:
+    return [s.name for s in result.InputArgumentResults]
+
+
+def test_start_refuses_what_the_synchronous_call_refuses_with_the_same_code_and_argument(app):
+    async def go():
+        async with session(app, *app.plc2) as c:
+            for bad in ([1.0, 2.0, 3.0], [1.0] * 5, [float("nan")] * 4):  # wrong length, NaN
+                sync = await call(c, "affine", "Infer", [floats(bad)])
+                start = await call(c, "affine", "StartInfer", [floats(bad)])
+                assert status_name(sync) == status_name(start) == "BadInvalidArgument", bad
+                assert arg_marks(sync) == arg_marks(start) == ["BadOutOfRange"], bad
+                assert not start.OutputArguments  # no JobId for a call that could not run
+            cases = [  # (Prompt, MaxTokens, Temperature) -> the argument marked
+                (ua.Variant("hi", V.String), u32(0), ua.Variant(0.0, V.Float)),  # MaxTokens 0
+                (ua.Variant("hi", V.String), u32(401), ua.Variant(0.0, V.Float)),  # above engine.max_new_tokens
+                (ua.Variant("a\x07b", V.String), u32(5), ua.Variant(0.0, V.Float)),  # a control character
+                (ua.Variant("", V.String), u32(5), ua.Variant(0.0, V.Float)),  # empty prompt
+                (ua.Variant("hi", V.String), u32(5), ua.Variant(2.5, V.Float)),  # temperature out of range
+                (ua.Variant("hi", V.String), ua.Variant(5, V.Int32), ua.Variant(0.0, V.Float)),  # wrong type
+            ]
+            for args in cases:
+                sync = await call(c, "chat", "Generate", list(args))
+                start = await call(c, "chat", "StartGenerate", [ua.Variant("", V.String), *args])
+                assert status_name(sync) == status_name(start) == "BadInvalidArgument", args
+                assert ["Good", *arg_marks(sync)] == arg_marks(start), (args, arg_marks(sync), arg_marks(start))
+                assert not start.OutputArguments
+            # none of the refused Starts holds one of the identity's max_per_client (3) jobs
+            jobs = []
+            for _ in range(3):
+                r = await call(c, "affine", "StartInfer", [floats([1, 1, 1, 1])])
+                assert status_name(r) == "Good"
+                jobs.append(r.OutputArguments[0].Value)
+            for job in jobs:
+                assert status_name(await call(c, "affine", "ReleaseJob", [u32(job)])) == "Good"
+    run(go())
+
+
+def test_a_job_id_belongs_to_its_model(app):
+    async def go():
+        async with session(app, *app.plc2) as c:
+            r = await call(c, "affine", "StartInfer", [floats([1, 2, 3, 4])])
+            job = r.OutputArguments[0].Value
+            for method, args in (("GetGenerateResult", [u32(job), u32(500)]), ("CancelJob", [u32(job)]),
+                                 ("ReleaseJob", [u32(job)])):
+                assert status_name(await call(c, "chat", method, args)) == "BadNotFound", method
+            r = await call(c, "affine", "GetInferResult", [u32(job), u32(2000)])  # untouched on its own model
+            assert status_name(r) == "Good" and r.OutputArguments[0].Value is True
+            assert np.allclose(r.OutputArguments[1].Value, [3, 5, 7, 9])
+            assert status_name(await call(c, "affine", "ReleaseJob", [u32(job)])) == "Good"
+    run(go())
+
+
+def test_a_session_conversation_job_runs_to_its_end_after_its_session_closes(app):
+    """An S7 with MaintainSession FALSE: StartGenerate on its session's conversation, then the session closes."""
+    async def go():
+        async with session(app, *app.plc1) as c:
+            slots_before = await read(c, "Engine", "SlotsInUse")
+            r = await call(c, "chat", "StartGenerate", [ua.Variant("", V.String), *gen_args("Tell me", 200)])
+            assert status_name(r) == "Good"
+            job = r.OutputArguments[0].Value
+        # the session is closed now; the next session of the same PLC fetches the whole result
+        async with session(app, *app.plc1) as c:
+            for _ in range(20):
+                r = await call(c, "chat", "GetGenerateResult", [u32(job), u32(2000)])
+                assert status_name(r) == "Good", status_name(r)
+                if r.OutputArguments[0].Value:
+                    break
+            done, text, tokens, finish = [v.Value for v in r.OutputArguments[:4]]
+            assert done is True and tokens == len(REPLY) and finish == "stop" and text
+            assert status_name(await call(c, "chat", "ReleaseJob", [u32(job)])) == "Good"
+            for _ in range(40):  # the closed session's slot is given back once its job ended
+                if await read(c, "Engine", "SlotsInUse") <= slots_before:
+                    break
+                await asyncio.sleep(0.1)
+            assert await read(c, "Engine", "SlotsInUse") <= slots_before
+    run(go())
+
+
+def test_a_failed_job_answers_the_code_of_the_call_without_marking_get_arguments(app):
+    async def go():
+        async with session(app, *app.plc2) as c:
+            long_prompt = " ".join(f"w{i}" for i in range(2500))  # valid, but longer than the 2048-token context
+            r = await call(c, "chat", "StartGenerate", [ua.Variant("", V.String), *gen_args(long_prompt, 5)])
+            assert status_name(r) == "Good"
+            job = r.OutputArguments[0].Value
+            r = await call(c, "chat", "GetGenerateResult", [u32(job), u32(2000)])
+            assert status_name(r) == "BadInvalidArgument"
+            assert set(arg_marks(r)) <= {"Good"}, arg_marks(r)  # JobId and WaitMs were fine
+            assert status_name(await call(c, "chat", "ReleaseJob", [u32(job)])) == "Good"
+    run(go())
+
+
+def test_a_generation_job_is_bounded_by_jobs_timeout_not_by_the_request_deadline(tmp_path):
+    make_model_dir(tmp_path / "chat", scripted=list(range(40, 60)), endless=True, max_positions=16384)
+    models = {"chat": {"kind": "generative", "path": str(tmp_path / "chat"), "max_text_chars": 16000}}
+    app = RunningAppliance(tmp_path / "state", models, {
+        "jobs": {"timeout_s": 2}, "engine": {"max_seq_len": 16384, "max_new_tokens": 12000,
+                                             "request_timeout_s": 1}})
+    plc = app.issue("plc1", "operator")
+
+    async def go():
+        async with session(app, *plc) as c:
+            started = asyncio.get_running_loop().time()
+            r = await call(c, "chat", "StartGenerate", [ua.Variant("line3", V.String), *gen_args("Pump", 12000)])
+            assert status_name(r) == "Good"
+            job = r.OutputArguments[0].Value
+            while True:
+                r = await call(c, "chat", "GetGenerateResult", [u32(job), u32(2000)])
+                assert status_name(r) == "Good", status_name(r)  # not BadTimeout at the 1 s request deadline
+                if r.OutputArguments[0].Value:
+                    break
+            elapsed = asyncio.get_running_loop().time() - started
+            done, text, tokens, finish, context, lost = [v.Value for v in r.OutputArguments[:6]]
+            assert finish == "deadline" and 0 < tokens < 12000 and len(text) > 0
+            assert 1.9 < elapsed < 15, elapsed
+            # the reply so far stays in the conversation: the next turn continues after it
+            r = await call(c, "chat", "Converse", [ua.Variant("line3", V.String), *gen_args("Next", 3)])
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is False
+            assert r.OutputArguments[3].Value > context
+    try:
+        run(go())
+    finally:
+        app.stop()

@@ -21,10 +21,11 @@ from cryptography import x509
 
 from appliance import NAMESPACE_URI
 from appliance.audit import digest
+from appliance.call_checks import check_generate, check_samples
 from appliance.classify import ClassifierState
 from appliance.drift import DriftDetector
 from appliance.rate_limit import RateLimiter
-from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument
+from appliance.errors import INVALID, OUT_OF_RANGE, InvalidArgument, ResourceUnavailable
 from appliance.jobs import Job, JobStore
 from appliance.model_port import CONVERSATION_PREFIX
 from appliance.config import MAIN_VARIANT
@@ -40,6 +41,7 @@ from .methods import CallContext, MethodHandlers, MethodStatus, caller_identity,
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
+JOB_ANSWER_GRACE_S = 10.0  # past a generation job's bound, how long the engine has to answer with what it has
 
 POLICIES = {
     "Basic256Sha256": security_policies.SecurityPolicyBasic256Sha256,
@@ -102,6 +104,8 @@ class ApplianceUaServer:
         self._job_events: dict[str, object] = {}
         self._jobs_published: set[tuple[str, str]] = set()  # appliance_jobs series that exist  # model -> event generator of JobResultReady on its object
         self._conversations: dict[str, tuple[str, float]] = {}  # slot key -> (model, last use, monotonic)
+        self._session_jobs: dict[tuple[str, str], int] = {}  # (model, session key) -> its running jobs
+        self._closed_with_jobs: set[tuple[str, str]] = set()  # ... whose session closed: free the slot after
         self.conversation_ttl_s = config.engine.conversation_ttl_s
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
@@ -153,7 +157,7 @@ class ApplianceUaServer:
         configure_limits(server, max_chunk_count=lim.max_chunk_count, max_message_size=lim.max_message_size,
                          max_secure_channels=lim.max_secure_channels,
                          session_activation_timeout_s=lim.session_activation_timeout_s,
-                         session_timeout_s=lim.session_timeout_s)
+                         session_timeout_s=cfg.server.session_timeout_s)
         server.guard = ChannelGuard(
             allowed=frozenset((POLICIES[p].URI, MODES[m]) for p in sec.policies for m in sec.modes),
             validate_client_certificate=lambda der, uri: self.trust_list.validate_application_certificate(
@@ -217,8 +221,14 @@ class ApplianceUaServer:
 
     def _session_closed(self, session: ApplianceSession) -> None:
         self.handlers.event("session_close", session=session, detail=f"from {session.peer}")
-        for model in self.services.values():
-            if model.kind == "generative":
+        models = [*self.services.values(), *(v for variants in self.variants.values() for v in variants.values())]
+        for model in models:
+            if model.kind != "generative":
+                continue
+            if (model.name, session.key) in self._session_jobs:
+                # a job on the session's conversation runs to its end; its slot is freed after it
+                self._closed_with_jobs.add((model.name, session.key))
+            else:
                 model.release(session.key)
 
     def alarm_acknowledged(self, alarm: str, session: ApplianceSession | None, comment: str = "",
@@ -349,7 +359,7 @@ class ApplianceUaServer:
         h, cbs = self.handlers, {}
         if model.kind == "tensor":
             cbs[(name, "StartInfer")] = h.wrap("StartInfer", name, "operator", 1, self._start_infer_body(model))
-            cbs[(name, "GetInferResult")] = h.wrap("GetInferResult", name, "operator", 2, self._get_result_body())
+            cbs[(name, "GetInferResult")] = h.wrap("GetInferResult", name, "operator", 2, self._get_result_body(name))
         else:
             cbs[(name, "Converse")] = h.wrap("Converse", name, "operator", 4, self._generate_body(model, True))
             cbs[(name, "EndConversation")] = h.wrap("EndConversation", name, "operator", 1,
@@ -357,12 +367,16 @@ class ApplianceUaServer:
             cbs[(name, "StartGenerate")] = h.wrap("StartGenerate", name, "operator", 4,
                                                   self._start_generate_body(model))
             cbs[(name, "GetGenerateResult")] = h.wrap("GetGenerateResult", name, "operator", 2,
-                                                      self._get_result_body())
-        cbs[(name, "CancelJob")] = h.wrap("CancelJob", name, "operator", 1, self._cancel_job_body(release=False))
-        cbs[(name, "ReleaseJob")] = h.wrap("ReleaseJob", name, "operator", 1, self._cancel_job_body(release=True))
+                                                      self._get_result_body(name))
+        cbs[(name, "CancelJob")] = h.wrap("CancelJob", name, "operator", 1, self._cancel_job_body(name, False))
+        cbs[(name, "ReleaseJob")] = h.wrap("ReleaseJob", name, "operator", 1, self._cancel_job_body(name, True))
         return cbs
 
     # ---- jobs and conversations ----
+
+    def _job_bound(self) -> float:
+        """Where a job started now ends (jobs.timeout_s), instead of the synchronous call's deadline."""
+        return time.monotonic() + self.config.jobs.timeout_s
 
     def _start_infer_body(self, svc):
         async def body(ctx: CallContext, args):
@@ -370,9 +384,12 @@ class ApplianceUaServer:
             ctx.input_digest = digest(samples)
             model = self._answering(svc, ctx)
             require_ready(model)
+            st = model.status()
+            check_samples(samples, st.input_shape, st.max_samples)  # refused now, as Infer would refuse it
+            deadline = self._job_bound()
 
             async def run(on_progress):
-                r = await model.infer(samples, self.handlers.deadline())
+                r = await model.infer(samples, deadline)
                 if svc.name in self.drift:
                     self._drift_update(svc.name, samples, r.output)
                 classifier = self.classifiers.get(svc.name)
@@ -387,21 +404,41 @@ class ApplianceUaServer:
         async def body(ctx: CallContext, args):
             conversation = require_type(args[0], 0, (V.String,), array=False) or ""
             prompt, max_tokens, temperature = self._generate_args(args, 1)
+            # refused now, as Generate would refuse it (whether it fits the context is known once it runs)
+            check_generate(prompt, max_tokens, temperature, self.config.engine.max_new_tokens, first=1)
             ctx.input_digest = digest(prompt)
-            require_ready(svc)
             key = self._slot_key(ctx, conversation, svc.name, 0) if conversation else ctx.session.key
-            deadline = self.handlers.deadline()
-            job = self.jobs.start(caller_identity(ctx.session), svc.name, "generate",
-                                  lambda on_progress: svc.generate(key, prompt, max_tokens, temperature, deadline,
-                                                                   on_progress))
+            require_ready(svc)
+            finish_by = self._job_bound()
+            deadline = finish_by + JOB_ANSWER_GRACE_S
+            holds_session_slot = not conversation
+
+            async def run(on_progress):
+                try:
+                    return await svc.generate(key, prompt, max_tokens, temperature, deadline, on_progress,
+                                              finish_by=finish_by)
+                finally:
+                    if holds_session_slot:
+                        self._session_job_ended(svc, key)
+            if holds_session_slot:  # counted before the session can close: its slot is freed after the job
+                self._session_jobs[(svc.name, key)] = self._session_jobs.get((svc.name, key), 0) + 1
+            try:
+                job = self.jobs.start(caller_identity(ctx.session), svc.name, "generate", run)
+            except ResourceUnavailable:
+                if holds_session_slot:
+                    self._session_job_ended(svc, key)
+                raise
             return [ua.Variant(job.id, V.UInt32)]
         return body
 
-    def _get_result_body(self):
+    def _get_result_body(self, name: str):
         async def body(ctx: CallContext, args):
             job_id = self.handlers.uint32(args[0], 0)
             wait_ms = self.handlers.uint32(args[1], 1)
-            job = await self.jobs.wait(caller_identity(ctx.session), job_id, wait_ms / 1000.0)
+            job = await self.jobs.wait(caller_identity(ctx.session), name, job_id, wait_ms / 1000.0)
+            if isinstance(job.error, InvalidArgument):
+                # the code StartX's call would have answered; its argument index is not one of Get's arguments
+                raise MethodStatus("BadInvalidArgument")
             if job.error is not None:
                 raise job.error
             if job.kind == "infer":
@@ -420,15 +457,26 @@ class ApplianceUaServer:
             return [ua.Variant(True, V.Boolean), *self._generate_outputs(r)]
         return body
 
-    def _cancel_job_body(self, release: bool):
+    def _cancel_job_body(self, name: str, release: bool):
         async def body(ctx: CallContext, args):
             job_id = self.handlers.uint32(args[0], 0)
             if release:
-                self.jobs.release(caller_identity(ctx.session), job_id)
+                self.jobs.release(caller_identity(ctx.session), name, job_id)
             else:
-                self.jobs.cancel(caller_identity(ctx.session), job_id)
+                self.jobs.cancel(caller_identity(ctx.session), name, job_id)
             return []
         return body
+
+    def _session_job_ended(self, model, key: str) -> None:
+        """A job on a session's own conversation ended: the slot goes back now if the session closed meanwhile."""
+        left = self._session_jobs.get((model.name, key), 1) - 1
+        if left > 0:
+            self._session_jobs[(model.name, key)] = left
+            return
+        self._session_jobs.pop((model.name, key), None)
+        if (model.name, key) in self._closed_with_jobs:
+            self._closed_with_jobs.discard((model.name, key))
+            model.release(key)
 
     def _job_ready(self, job: Job) -> None:
         gen = self._job_events.get(job.model)

@@ -133,6 +133,8 @@ class EngineLoop:
             plan = sched.schedule()
             for seq, error in plan.failed:
                 self._answer(seq, error=error)
+            for seq in plan.finished:
+                self._finished(seq)
             self._running = len(sched.running)
             if not plan.empty:
                 self._step(plan)
@@ -172,18 +174,24 @@ class EngineLoop:
             for seq in finished:
                 m.queue_wait.labels(self.name).observe(seq.admitted_at - seq.arrival)
         for seq in finished:
-            if self._files is not None:  # before the answer: a worker killed after it still has this turn
-                slot = self._slots.slot(seq.slot)
-                self._files.save(seq.session_key, slot.tokens, slot.history)
-            self._answer_result(seq)
+            self._finished(seq)
         done = {id(seq) for seq in finished}
         for seq in {id(r.seq): r.seq for r in plan.decode}.values():  # replies that grew and go on
             if id(seq) not in done and seq.handle is not None:
                 seq.handle.send_progress(seq.text, len(seq.generated))
 
+    def _finished(self, seq: Sequence) -> None:
+        """A reply that ended (stop, length, context full, or a job's bound): its turn saved, then answered."""
+        if self._files is not None and seq.slot is not None:  # before the answer: a worker killed after it
+            slot = self._slots.slot(seq.slot)                   # still has this turn
+            if slot.owner == seq.session_key:
+                self._files.save(seq.session_key, slot.tokens, slot.history)
+        self._answer_result(seq)
+
     def _answer_result(self, seq: Sequence) -> None:
-        slot = self._slots.slot(seq.slot)
-        self._answer(seq, GenerateResult(seq.text, len(seq.generated), seq.finish_reason.value, len(slot.tokens),
+        slot = self._slots.slot(seq.slot) if seq.slot is not None else None
+        context = len(slot.tokens) if slot is not None and slot.owner == seq.session_key else 0
+        self._answer(seq, GenerateResult(seq.text, len(seq.generated), seq.finish_reason.value, context,
                                          seq.context_lost, self._live_engine.version))
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> None:

@@ -22,13 +22,13 @@ from typing import Any, Callable
 
 from appliance.engine.sampling import request_seed
 from appliance.engine.sequence import Sequence
-from appliance.errors import (INVALID, OUT_OF_RANGE, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
-                              ResourceUnavailable)
+from appliance.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
 from appliance.engine.liveness import Liveness
 from appliance.engine.llm_engine import EngineLoop
 from appliance.engine.llm_loading import (LoadedEngine, compile_in_background, in_fresh_thread, load_engine,
                                           load_failure_reason)
-from appliance.engine.llm_settings import MAX_PROMPT_BYTES, MAX_TEMPERATURE, GenerativeSettings
+from appliance.call_checks import check_generate
+from appliance.engine.llm_settings import GenerativeSettings
 from appliance.engine.thread_reply import Reply
 from appliance.model_port import GenerateResult
 from appliance.engine.model_status import ModelStatus
@@ -147,12 +147,15 @@ class GenerativeModelService(ModelStatus):
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def generate(self, session_key: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float, on_progress=None) -> GenerateResult:
-        """on_progress(text, tokens), on the loop, after each engine step that added to the reply (jobs)."""
+                       deadline: float, on_progress=None, finish_by: float | None = None) -> GenerateResult:
+        """on_progress(text, tokens), on the loop, after each engine step that added to the reply (jobs).
+        finish_by (a job's bound, monotonic): the reply ends there with FinishReason `deadline` and what it has;
+        `deadline` then only guards against an engine that does not answer."""
         started = time.monotonic()
         self.request_count += 1
         try:
-            result = await self._generate(session_key, prompt, max_tokens, temperature, deadline, on_progress)
+            result = await self._generate(session_key, prompt, max_tokens, temperature, deadline, on_progress,
+                                          finish_by)
         except BaseException:  # a cancelled call (client gone) counts too: the model did not answer it
             self.error_count += 1
             raise
@@ -160,7 +163,7 @@ class GenerativeModelService(ModelStatus):
         return result
 
     async def _generate(self, session_key: str, prompt: str, max_tokens: int, temperature: float,
-                        deadline: float, on_progress=None) -> GenerateResult:
+                        deadline: float, on_progress=None, finish_by: float | None = None) -> GenerateResult:
         prompt = self._validate(prompt, max_tokens, temperature)
         self._require_ready()
         if self.queue_depth >= self.settings.max_queue_size:
@@ -168,12 +171,13 @@ class GenerativeModelService(ModelStatus):
         self._outstanding += 1
         self._publish_queue()
         try:
-            async with self._session_turn(session_key, deadline):
+            async with self._session_turn(session_key, deadline if finish_by is None else finish_by):
                 self._require_ready()
                 self._request_counter += 1
                 seq = Sequence(session_key=session_key, prompt=prompt, max_tokens=int(max_tokens),
                                temperature=float(temperature), top_p=self.settings.top_p,
-                               seed=request_seed(self.settings.seed, self._request_counter), deadline=deadline)
+                               seed=request_seed(self.settings.seed, self._request_counter), deadline=deadline,
+                               finish_at=math.inf if finish_by is None else finish_by)
                 loop = asyncio.get_running_loop()
                 seq.handle = Reply(loop, loop.create_future(), on_progress)
                 self._engine_loop.submit(seq)
@@ -188,6 +192,11 @@ class GenerativeModelService(ModelStatus):
                     seq.handle.future.cancel()
                     raise DeadlineExceeded("the request's deadline passed")
                 return seq.handle.future.result()
+        except DeadlineExceeded:
+            if finish_by is None or time.monotonic() < finish_by:
+                raise
+            # a job still waiting for an earlier turn of its conversation at its bound: it ends empty
+            return GenerateResult("", 0, "deadline", 0, False, self.version)
         finally:
             self._outstanding -= 1
             self._publish_queue()
@@ -206,27 +215,7 @@ class GenerativeModelService(ModelStatus):
     # ---- event-loop helpers --------------------------------------------------------------------------------
     def _validate(self, prompt: Any, max_tokens: Any, temperature: Any) -> str:
         """The prompt as it will be tokenized (NFKC, LF line ends), or InvalidArgument naming the argument."""
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidArgument("Prompt must be a non-empty string", 0, INVALID)
-        try:
-            size = len(prompt.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise InvalidArgument("Prompt is not valid UTF-8", 0, INVALID) from None
-        if size > MAX_PROMPT_BYTES:
-            raise InvalidArgument(f"Prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are allowed", 0,
-                                  OUT_OF_RANGE)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
-                or not 1 <= max_tokens <= self.settings.max_new_tokens:
-            raise InvalidArgument(f"MaxTokens must be between 1 and {self.settings.max_new_tokens}", 1,
-                                  OUT_OF_RANGE)
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
-                or math.isnan(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
-            raise InvalidArgument(f"Temperature must be between 0 and {MAX_TEMPERATURE:g}", 2, OUT_OF_RANGE)
-        from models.tokenizer import PromptRejected, normalize_prompt
-        try:
-            return normalize_prompt(prompt)
-        except PromptRejected as e:
-            raise InvalidArgument(str(e), 0, INVALID) from None
+        return check_generate(prompt, max_tokens, temperature, self.settings.max_new_tokens)
 
     def _require_ready(self) -> None:
         if self._stopped or self.state != "Ready" or self._engine is None:

@@ -59,6 +59,7 @@ class StepPlan:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[DecodeRow] = field(default_factory=list)
     failed: list[tuple[Sequence, ApplianceError]] = field(default_factory=list)  # answered without running
+    finished: list[Sequence] = field(default_factory=list)  # ended by their finish_at: answered as they are
     prefix_loads: list[PrefixCopy] = field(default_factory=list)  # before the forwards
     prefix_saves: list[PrefixCopy] = field(default_factory=list)  # after the prefill forward
     prefix_drops: list[Key] = field(default_factory=list)  # stored heads the index let go
@@ -107,6 +108,9 @@ class Scheduler:
         for seq in [s for s in self.running if now > s.deadline]:
             self.abort(seq)
             plan.failed.append((seq, DeadlineExceeded("the request's deadline passed")))
+        for seq in [s for s in [*self.waiting, *self.running] if now > s.finish_at]:
+            self._finish_at_bound(seq, now)
+            plan.finished.append(seq)
         self._admit(plan, now)
         budget = self.max_prefill_tokens
         for seq in self.running:
@@ -219,6 +223,16 @@ class Scheduler:
             finished.append(seq)
 
     # -- ending early ----------------------------------------------------------------------------------------
+    def _finish_at_bound(self, seq: Sequence, now: float) -> None:
+        """A job's run reached its bound: a reply being generated ends with what it has (its turn stays in the
+        conversation, as at MaxTokens); one still queued or prefilling ends empty, its turn rolled back."""
+        seq.finish_reason = FinishReason.DEADLINE
+        if seq.state is SeqState.DECODE:
+            self.policy.close(seq, self.slots.slot(seq.slot))
+            self._retire(seq, now)
+        else:
+            self.abort(seq)
+
     def abort(self, seq: Sequence) -> bool:
         """Cancel a sequence (deadline, client gone, engine failure): the slot rolls back to before this turn and
         stays with its session. False if it was no longer queued or running."""

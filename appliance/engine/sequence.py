@@ -21,6 +21,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # end-of-sequence token
     LENGTH = "length"  # MaxTokens, or the text would exceed max_text_chars
     CONTEXT_FULL = "context_full"  # the slot has no position left
+    DEADLINE = "deadline"  # a job's run reached jobs.timeout_s: the reply so far is its answer
 
 
 @dataclass(eq=False)  # identity: two requests with equal fields are still two requests
@@ -31,7 +32,8 @@ class Sequence:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    deadline: float = float("inf")  # time.monotonic() seconds
+    deadline: float = float("inf")  # time.monotonic() seconds: past it the request fails (DeadlineExceeded)
+    finish_at: float = float("inf")  # a job's bound: past it the reply ends as it is (FinishReason.DEADLINE)
     request_id: int = field(default_factory=lambda: next(_ids))
     state: SeqState = SeqState.WAITING
     slot: int | None = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ import numpy as np
 from appliance.engine.batcher import BatchPolicy, DynamicBatcher
 from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
 from appliance.engine.versioning import content_version
-from appliance.errors import OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, EngineFailure, InvalidArgument, NotReady
+from appliance.call_checks import check_samples
+from appliance.errors import ApplianceError, EngineFailure, NotReady
 from appliance.engine.liveness import Liveness
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
@@ -153,23 +153,7 @@ class TensorModelService(ModelStatus):
         loaded = self._loaded
         if self._stopped or self.state != "Ready" or loaded is None:
             raise NotReady(f"model {self.name} is not Ready")
-        try:
-            flat = np.asarray(flat, dtype=np.float32)  # Double[] is accepted and converted
-        except (TypeError, ValueError):
-            raise InvalidArgument("Input must be an array of Float or Double", 0, TYPE_MISMATCH) from None
-        if flat.ndim != 1:
-            raise InvalidArgument("Input must be a one-dimensional array", 0, OUT_OF_RANGE)
-        sample_len = math.prod(loaded.backend.input_shape)
-        if flat.size == 0 or flat.size % sample_len:
-            raise InvalidArgument(f"Input length {flat.size} is not a positive multiple of the sample length "
-                                  f"{sample_len}", 0, OUT_OF_RANGE)
-        k = flat.size // sample_len
-        if k > self.max_samples:
-            raise InvalidArgument(f"Input holds {k} samples; at most {self.max_samples} are allowed", 0,
-                                  OUT_OF_RANGE)
-        if not np.isfinite(flat).all():
-            raise InvalidArgument("Input holds NaN or Inf", 0, OUT_OF_RANGE)
-        return flat.reshape((k, *loaded.backend.input_shape))
+        return check_samples(flat, loaded.backend.input_shape, self.max_samples)
 
     def _execute(self, batch: np.ndarray) -> tuple[np.ndarray, str]:
         loaded = self._loaded  # read once per batch: a reload during the run does not touch this batch

@@ -57,6 +57,7 @@ class Generate(_Msg):
     temperature: float
     deadline: float
     progress: bool = False  # send GenerateProgress as the reply grows (jobs show partial text)
+    finish_by: float = 0.0  # a job's bound (monotonic; 0: none): the reply ends there as it is ("deadline")
 
 
 class Reset(_Msg):

@@ -86,18 +86,22 @@ class RemoteModel:
         return InferResult(np.frombuffer(reply.data, dtype=np.float32), reply.version)
 
     async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float, on_progress=None) -> GenerateResult:
-        """on_progress(text, tokens): the reply so far, as it grows (jobs)."""
+                       deadline: float, on_progress=None, finish_by: float | None = None) -> GenerateResult:
+        """on_progress(text, tokens): the reply so far, as it grows (jobs). finish_by: a job's bound, where the
+        reply ends as it is (FinishReason `deadline`); the call itself is then bounded by `deadline`."""
         if self.shedding and session not in self._sessions_with_state:
             self.request_count += 1
             self.error_count += 1
             raise ResourceUnavailable("the GPU watchdog is Critical: no new sessions until it recovers")
         message = p.Generate(id=0, model=self.name, session=session, prompt=prompt, max_tokens=int(max_tokens),
-                             temperature=float(temperature), deadline=deadline, progress=on_progress is not None)
+                             temperature=float(temperature), deadline=deadline, progress=on_progress is not None,
+                             finish_by=finish_by or 0.0)
+        # The session holds state in the worker from the moment its turn is sent: a session that closes while its
+        # first turn runs must still send Release (which cancels the turn and frees the slot).
+        self._sessions_with_state.add(session)
         reply = await self._counted(message, deadline, on_progress)
         lost = reply.context_lost or session in self._sessions_lost
         self._sessions_lost.discard(session)
-        self._sessions_with_state.add(session)
         return GenerateResult(reply.text, reply.token_count, reply.finish_reason, reply.context_tokens, lost,
                               reply.version)
 

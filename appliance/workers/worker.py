@@ -173,7 +173,7 @@ class WorkerHost:
             elif isinstance(message, p.Generate):
                 progress = self._progress_sender(message.id) if message.progress else None
                 r = await svc.generate(message.session, message.prompt, message.max_tokens, message.temperature,
-                                       message.deadline, progress)
+                                       message.deadline, progress, message.finish_by or None)
                 reply = p.GenerateDone(id=message.id, text=r.text, token_count=r.token_count,
                                        finish_reason=r.finish_reason, context_tokens=r.context_tokens,
                                        context_lost=bool(r.context_lost), version=r.model_version)

@@ -1,0 +1,60 @@
+"""The argument checks of Infer and Generate, in one place: the engine applies them to every request, and the UA
+layer applies them before it starts a job, so StartInfer / StartGenerate refuse exactly what Infer / Generate
+would, with the same status code and the same argument marked (torch-free).
+
+`first` is the index of the first checked argument in the method's own argument list (StartGenerate's Prompt is
+argument 1: ConversationId comes first).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from appliance.engine.llm_settings import MAX_PROMPT_BYTES, MAX_TEMPERATURE
+from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, InvalidArgument
+
+
+def check_samples(values, input_shape: Sequence[int], max_samples: int, first: int = 0) -> np.ndarray:
+    """k samples back to back (1 <= k <= max_samples, finite) as a (k, *input_shape) float32 array."""
+    try:
+        flat = np.asarray(values, dtype=np.float32)  # Double[] is accepted and converted
+    except (TypeError, ValueError):
+        raise InvalidArgument("Input must be an array of Float or Double", first, TYPE_MISMATCH) from None
+    if flat.ndim != 1:
+        raise InvalidArgument("Input must be a one-dimensional array", first, OUT_OF_RANGE)
+    sample_len = math.prod(input_shape)
+    if flat.size == 0 or flat.size % sample_len:
+        raise InvalidArgument(f"Input length {flat.size} is not a positive multiple of the sample length "
+                              f"{sample_len}", first, OUT_OF_RANGE)
+    k = flat.size // sample_len
+    if k > max_samples:
+        raise InvalidArgument(f"Input holds {k} samples; at most {max_samples} are allowed", first, OUT_OF_RANGE)
+    if not np.isfinite(flat).all():
+        raise InvalidArgument("Input holds NaN or Inf", first, OUT_OF_RANGE)
+    return flat.reshape((k, *input_shape))
+
+
+def check_generate(prompt, max_tokens, temperature, max_new_tokens: int, first: int = 0) -> str:
+    """The prompt as it will be tokenized (NFKC, LF line ends), or InvalidArgument naming the argument. Whether
+    the prompt fits the conversation's context is known only when its turn is admitted."""
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidArgument("Prompt must be a non-empty string", first, INVALID)
+    try:
+        size = len(prompt.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument("Prompt is not valid UTF-8", first, INVALID) from None
+    if size > MAX_PROMPT_BYTES:
+        raise InvalidArgument(f"Prompt is {size} bytes; at most {MAX_PROMPT_BYTES} are allowed", first,
+                              OUT_OF_RANGE)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_new_tokens:
+        raise InvalidArgument(f"MaxTokens must be between 1 and {max_new_tokens}", first + 1, OUT_OF_RANGE)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or math.isnan(temperature) or not 0.0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(f"Temperature must be between 0 and {MAX_TEMPERATURE:g}", first + 2, OUT_OF_RANGE)
+    from models.tokenizer import PromptRejected, normalize_prompt  # the tokenizer's own rule, one definition
+    try:
+        return normalize_prompt(prompt)
+    except PromptRejected as e:
+        raise InvalidArgument(str(e), first, INVALID) from None
