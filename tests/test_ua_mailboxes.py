@@ -288,3 +288,38 @@ def test_the_node_opcua_peer_runs_100_requests_through_a_mailbox(app):
     assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-2000:])
     result = json.loads(lines[-1])
     assert result["requests"] == 100 and result["whole"] == 100, result
+
+
+def test_a_failed_request_empties_the_older_result_in_the_same_publish(app):
+    """After a good result, a failed Request shows no field of the older result: Output, ModelVersion and the class
+    fields are emptied in the publish that shows its Response (Text for a generative mailbox)."""
+    async def go():
+        async with session(app, *app.operator) as c:
+            nodes = await box_nodes(c, "line3")
+            rec = await subscribe(c, nodes)
+            n = rec.state["Response"] + 1
+            assert await write(c, (nodes["Input"], ua.Variant([0.1, 0.2, 0.3, 0.4], V.Float)),
+                               (nodes["Request"], ua.Variant(n, V.UInt32))) == ["Good", "Good"]
+            s = await rec.until(lambda s: s.get("Response") == n and s.get("Busy") is False)
+            assert s["Done"] is True and len(s["Output"]) == 4 and s["ClassIndex"] >= 0 and s["Label"]
+            assert await write(c, (nodes["Input"], ua.Variant([1.0, 2.0, 3.0], V.Float)),  # 3 of 4 floats
+                               (nodes["Request"], ua.Variant(n + 1, V.UInt32))) == ["Good", "Good"]
+            await rec.until(lambda s: s.get("Response") == n + 1 and s.get("Busy") is False)
+            failed = next(g for g in rec.groups if g.get("Response") == n + 1)  # the publish that shows it
+            assert failed["Error"] is True and failed["ErrorCode"] == ua.StatusCodes.BadInvalidArgument
+            assert failed["Output"] == [] and failed["ModelVersion"] == ""
+            assert (failed["ClassIndex"], failed["Label"], failed["Confidence"]) == (-1, "", 0.0)
+
+            chat = await box_nodes(c, "chat")
+            rec = await subscribe(c, chat)
+            m = rec.state["Response"] + 1
+            assert await write(c, (chat["Prompt"], ua.Variant("Hello", V.String)),
+                               (chat["Request"], ua.Variant(m, V.UInt32))) == ["Good", "Good"]
+            s = await rec.until(lambda s: s.get("Response") == m and s.get("Busy") is False, 60)
+            assert s["Text"]
+            assert await write(c, (chat["Prompt"], ua.Variant("bell \x07", V.String)),  # a control character
+                               (chat["Request"], ua.Variant(m + 1, V.UInt32))) == ["Good", "Good"]
+            await rec.until(lambda s: s.get("Response") == m + 1 and s.get("Busy") is False, 60)
+            failed = next(g for g in rec.groups if g.get("Response") == m + 1)
+            assert failed["Error"] is True and failed["Text"] == "" and failed["ModelVersion"] == ""
+    run(go())

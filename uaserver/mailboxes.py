@@ -8,7 +8,8 @@
       Output Float[] | Text String   ModelVersion String   [ClassIndex Int32  Label String  Confidence Float]
 
 A new Request while Busy is refused: the write answers BadTooManyOperations, Error is true and ErrorCode says
-BadTooManyOperations, the running job goes on. A result's fields (Output/Text, ModelVersion, the class fields,
+BadTooManyOperations, the running job goes on. A failed request empties Output / Text, ModelVersion and the class
+fields (ClassIndex -1, Label "", Confidence 0): nothing shown belongs to an older Request than Response. A result's fields (Output/Text, ModelVersion, the class fields,
 Error, ErrorCode, Response, Done, Busy) are written in one server-side update, so a subscriber gets them in one
 publish and never sees a half result.
 
@@ -173,8 +174,11 @@ class Mailboxes:
                     c = answer.classified
                     fields.update(ClassIndex=c.class_index[-1], Label=c.label[-1], Confidence=c.confidence[-1])
                 fields.update(Error=False, ErrorCode=0, Response=number, Done=True, Busy=False)
-            else:
-                fields = dict(Error=True, ErrorCode=answer.StatusCode.value, Response=number, Done=False, Busy=False)
+            else:  # nothing shown may belong to an older Request than Response: the last result is emptied
+                fields = {"ModelVersion": "", ("Output" if box.kind == "tensor" else "Text"): _EMPTY[box.kind]}
+                if box.labels:
+                    fields.update(ClassIndex=-1, Label="", Confidence=0.0)
+                fields.update(Error=True, ErrorCode=answer.StatusCode.value, Response=number, Done=False, Busy=False)
             box.busy = False
             await self._set(box, **fields)
         except Exception:
@@ -200,6 +204,9 @@ class Mailboxes:
 _TYPES = {"Input": V.Float, "Prompt": V.String, "Request": V.UInt32, "Busy": V.Boolean, "Done": V.Boolean,
           "Error": V.Boolean, "ErrorCode": V.UInt32, "Response": V.UInt32, "Output": V.Float, "Text": V.String,
           "ModelVersion": V.String, "ClassIndex": V.Int32, "Label": V.String, "Confidence": V.Float}
+
+
+_EMPTY = {"tensor": [], "generative": ""}  # Output / Text of a failed request
 
 
 def _status(name: str) -> ua.StatusCode:
