@@ -76,5 +76,5 @@ def asyncua_private_names() -> set[str]:
 
 def test_the_internals_module_holds_what_it_says():
     for name in ("HardenedProcessor", "HardenedBinaryServer", "ApplianceSession", "AppServer", "install_nesting_limit",
-                 "write_together", "external_sessions", "add_bare_object", "configure_limits"):
+                 "write_together", "external_sessions", "instantiate_many", "subscription_of", "configure_limits"):
         assert hasattr(asyncua_internals, name), name

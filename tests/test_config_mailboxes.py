@@ -63,3 +63,37 @@ def test_mistakes_are_named_by_line_and_key():
 def test_mailboxes_must_be_a_mapping():
     [error] = errors_of(MODELS + "mailboxes: [a, b]\n")
     assert error.startswith("t.yaml:8: mailboxes: expected a mapping of mailbox names")
+
+
+def test_alarm_sources_name_mailboxes_of_the_model_or_identities():
+    cfg = load_config_text(MODELS.replace("    path: builtin:te-classifier\n",
+                                          "    path: builtin:te-classifier\n    labels: labels.txt\n"
+                                          "    alarm_classes: [1]\n    alarm_on_results: 5\n"
+                                          "    alarm_sources: {line3: box3, line4: 'user:s7-line4', line5: "
+                                          "'x509:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01'}\n")
+                           + "mailboxes:\n  box3: {model: te}\n")
+    te = cfg.models["te"]
+    assert (te.alarm_on_results, te.alarm_off_results) == (5, 3)
+    assert te.alarm_sources == {"line3": "box3", "line4": "user:s7-line4",
+                                "line5": "x509:abcdef0123456789abcdef0123456789abcdef01"}
+
+
+def test_alarm_source_mistakes_are_named_by_line_and_key():
+    errors = errors_of(MODELS.replace("    path: builtin:te-classifier\n",
+                                      "    path: builtin:te-classifier\n    labels: labels.txt\n"
+                                      "    alarm_classes: [1]\n    alarm_off_results: 0\n"  # 5-7
+                                      "    alarm_sources:\n"  # 8
+                                      "      default: box3\n"  # 9
+                                      "      Time: box3\n"  # 10
+                                      "      line3: ask\n"  # 11: a mailbox of another model
+                                      "      line4: 'user:a b'\n"  # 12
+                                      "      line5: nobox\n")  # 13
+                       + "mailboxes:\n  box3: {model: te}\n  ask: {model: chat}\n")
+    text = "\n".join(errors)
+    assert "t.yaml:7: models.te.alarm_off_results: expected an integer in [1, 1000], got 0" in text
+    assert "t.yaml:9: models.te.alarm_sources.default: a source name must start with a letter" in text
+    assert "t.yaml:10: models.te.alarm_sources.Time: a source name" in text
+    assert "t.yaml:11: models.te.alarm_sources.line3: expected a mailbox of model 'te' (box3)" in text
+    assert "t.yaml:12: models.te.alarm_sources.line4: expected a mailbox name or an identity" in text
+    assert "t.yaml:13: models.te.alarm_sources.line5: expected a mailbox of model 'te'" in text
+    assert len(errors) == 6, errors

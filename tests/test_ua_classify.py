@@ -52,13 +52,13 @@ def test_classify_equals_argmax_of_infer_and_sets_last(app):
 
 
 def test_an_alarm_class_raises_and_clears(app):
-    fault1 = windows(1, 1, 700)
-    normal = windows(0, 1, 50)
+    fault1 = windows(1, 3, 700)  # three results in a row: alarm_on_results (3, the default)
+    normal = windows(0, 3, 50)
 
     async def go():
         async with session(app, *app.operator) as c:
             r = await call(c, "te", "Classify", [floats(fault1.ravel())])
-            assert r.OutputArguments[0].Value == [1], "the held-out IDV(1) window is classified as fault 1"
+            assert r.OutputArguments[0].Value == [1, 1, 1], "held-out IDV(1) windows are classified as fault 1"
             assert await read(c, "Alarms", "IDV1 A-C feed ratio step") is True
             assert await read(c, "Alarms", "IDV2 B composition step") is False
             r = await call(c, "te", "Infer", [floats(normal.ravel())])  # Infer results drive alarms too

@@ -78,6 +78,8 @@ class ApplianceNodes:
     models: dict[str, ModelNodes] = field(default_factory=dict)
     alarms: dict[str, Node] = field(default_factory=dict)  # Alarms/<name> Booleans
     class_alarms: dict[tuple[str, int], Node] = field(default_factory=dict)  # (model, class) -> Alarms/<label>
+    # (model, source, class) -> Alarms/<source>/<label>
+    source_alarms: dict[tuple[str, str, int], Node] = field(default_factory=dict)
 
 
 class AddressSpaceBuilder:
@@ -95,8 +97,8 @@ class AddressSpaceBuilder:
 
     async def build(self, device: str, models: dict, callbacks: dict, alarms: tuple[str, ...] = (),
                     classifiers: dict | None = None, drift: tuple[str, ...] = ()) -> ApplianceNodes:
-        """classifiers: model name -> (labels, alarm class indices) for tensor models with labels; drift: the
-        models with drift detection."""
+        """classifiers: model name -> (labels, alarm class indices, sources) for tensor models with labels; drift:
+        the models with drift detection."""
         classifiers = classifiers or {}
         objects = self.server.nodes.objects
         root = await objects.add_object(self.nid("Appliance"), ua.QualifiedName("Appliance", self.ns))
@@ -132,9 +134,11 @@ class AddressSpaceBuilder:
                     await obj.add_method(self.nid(f"{path}/Classify"), ua.QualifiedName("Classify", self.ns),
                                          callbacks[(name, "Classify")], INFER_IN, CLASSIFY_OUT)
                     last = await obj.add_object(self.nid(f"{path}/Last"), ua.QualifiedName("Last", self.ns))
-                    for key, value, vtype in (("ClassIndex", -1, V.Int32), ("Label", "", V.String),
-                                              ("Confidence", 0.0, V.Float), ("Time", None, V.DateTime)):
-                        m.values[f"Last/{key}"] = await self.variable(last, f"{path}/Last", key, value, vtype)
+                    await self._last(last, f"{path}/Last", m, "Last")
+                    for source in classifiers[name][2]:  # Last/<source>: the latest result of each source
+                        own = await last.add_object(self.nid(f"{path}/Last/{source}"),
+                                                    ua.QualifiedName(source, self.ns))
+                        await self._last(own, f"{path}/Last/{source}", m, f"Last/{source}")
             else:
                 await obj.add_method(self.nid(f"{path}/Generate"), ua.QualifiedName("Generate", self.ns),
                                      callbacks[(name, "Generate")], GENERATE_IN, GENERATE_OUT)
@@ -161,17 +165,29 @@ class AddressSpaceBuilder:
             for name in drift:
                 nodes.alarms[f"Drift/{name}"] = await self.variable(drift_alarms, "Appliance/Alarms/Drift", name,
                                                                     False, V.Boolean)
-        for name, (labels, alarm_classes) in classifiers.items():
+        for name, (labels, alarm_classes, sources) in classifiers.items():
             for c in alarm_classes:  # BrowseName: the class label; NodeId: unique per model
                 nodes.class_alarms[(name, c)] = await alarms_obj.add_variable(
                     self.nid(f"Appliance/Alarms/{name}/{labels[c]}"), ua.QualifiedName(labels[c], self.ns),
                     ua.Variant(False, V.Boolean))
+            for source in sources:  # Alarms/<source>/<label>: each source's own debounced state
+                path = f"Appliance/AlarmSources/{name}/{source}"
+                own = await alarms_obj.add_object(self.nid(path), ua.QualifiedName(source, self.ns))
+                for c in alarm_classes:
+                    nodes.source_alarms[(name, source, c)] = await own.add_variable(
+                        self.nid(f"{path}/{labels[c]}"), ua.QualifiedName(labels[c], self.ns),
+                        ua.Variant(False, V.Boolean))
         admin = await root.add_object(self.nid("Appliance/Admin"), ua.QualifiedName("Admin", self.ns))
         await admin.add_method(self.nid("Appliance/Admin/ReloadModel"), ua.QualifiedName("ReloadModel", self.ns),
                                callbacks[("", "ReloadModel")], RELOAD_IN, RELOAD_OUT)
         await admin.add_method(self.nid("Appliance/Admin/PromoteVariant"), ua.QualifiedName("PromoteVariant", self.ns),
                                callbacks[("", "PromoteVariant")], PROMOTE_IN, [])
         return nodes
+
+    async def _last(self, parent: Node, path: str, m: ModelNodes, key: str) -> None:
+        for name, value, vtype in (("ClassIndex", -1, V.Int32), ("Label", "", V.String),
+                                   ("Confidence", 0.0, V.Float), ("Time", None, V.DateTime)):
+            m.values[f"{key}/{name}"] = await self.variable(parent, path, name, value, vtype)
 
 
 async def write(server: Server, node: Node, value, vtype: ua.VariantType) -> None:

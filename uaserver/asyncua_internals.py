@@ -16,7 +16,10 @@ What is here, and which asyncua internals it relies on:
 5. write_together: sets several Value attributes in the address space (AddressSpace._nodes, AttributeValue) before
    any data-change callback runs, so the changes land in one publish of every subscription.
 6. external_sessions: the server's registry of client sessions (InternalServer._external_sessions);
-   add_bare_object: AddNodes through the InternalServer's own session.
+   subscription_of: the subscription service's registry (SubscriptionService.subscriptions, .session_id);
+   instantiate_many: copies of an instantiated object from its NodeData (AddressSpace._nodes) through the
+   InternalServer's own session (AddNodes). A session outlives its connection until its timeout
+   (UaProcessor._should_close_session_on_transport_loss, close).
 """
 from __future__ import annotations
 
@@ -746,23 +749,88 @@ def external_sessions(server: Server) -> list:
     return list(server.iserver._external_sessions.values())
 
 
-async def add_bare_object(server: Server, nodeid: ua.NodeId, name: ua.QualifiedName, parent: ua.NodeId,
-                          type_definition: ua.NodeId) -> None:
-    """An Object of a type without instantiating the type's children (asyncua's add_object would copy the ~40
-    variables of an alarm type per condition; the appliance keeps a condition's state in its events)."""
+def subscription_of(server: Server, session_id: ua.NodeId, subscription_id: int) -> bool:
+    """True when the subscription exists and belongs to that session."""
+    sub = server.iserver.subscription_service.subscriptions.get(subscription_id)
+    return sub is not None and sub.session_id == session_id
+
+
+_CHILD_REFERENCES = (ua.ObjectIds.HasComponent, ua.ObjectIds.HasProperty)
+_ATTRIBUTES = {  # NodeClass -> (its AddNodes attributes type, the attributes copied)
+    ua.NodeClass.Variable: (ua.VariableAttributes, ("DisplayName", "Description", "Value", "DataType", "ValueRank",
+                                                    "ArrayDimensions", "AccessLevel", "UserAccessLevel",
+                                                    "MinimumSamplingInterval", "Historizing")),
+    ua.NodeClass.Method: (ua.MethodAttributes, ("DisplayName", "Description", "Executable", "UserExecutable")),
+    ua.NodeClass.Object: (ua.ObjectAttributes, ("DisplayName", "Description", "EventNotifier")),
+}
+
+
+async def instantiate_many(server: Server, parent: ua.NodeId, type_id: ua.NodeId,
+                           items: list[tuple[ua.NodeId, ua.QualifiedName]]) -> None:
+    """Objects of one type with the type's mandatory children, under `parent` (HasComponent), for many at once.
+
+    The first through asyncua's instantiate; the others as copies of its subtree (attributes, type definitions,
+    child NodeIds '<object>.<child>' as instantiate names them) added in one AddNodes call: instantiate browses the
+    type hierarchy anew for every object (30-80 ms per alarm condition here, a second or more of every start)."""
+    from asyncua.common.instantiate_util import instantiate
+    if not items:
+        return
+    (first_id, first_name), rest = items[0], items[1:]
+    await instantiate(server.get_node(parent), server.get_node(type_id), nodeid=first_id, bname=first_name,
+                      instantiate_optional=False)
+    nodes = server.iserver.aspace._nodes
+    prefix = first_id.Identifier
+    template = []  # (suffix, parent suffix, reference type, node data): parents before their children
+
+    def walk(nodeid: ua.NodeId, suffix: str) -> None:
+        for ref in nodes[nodeid].references:
+            if ref.IsForward and ref.ReferenceTypeId.Identifier in _CHILD_REFERENCES:
+                child = nodes[ref.NodeId]
+                child_suffix = ref.NodeId.Identifier[len(prefix):]
+                template.append((child_suffix, suffix, ref.ReferenceTypeId, child))
+                walk(ref.NodeId, child_suffix)
+    walk(first_id, "")
+    additions = []
+    for nodeid, name in rest:
+        additions.append(_add_item(nodeid, name, parent, ua.NodeId(ua.ObjectIds.HasComponent), type_id,
+                                   nodes[first_id]))
+        for suffix, parent_suffix, reference, data in template:
+            additions.append(_add_item(ua.NodeId(nodeid.Identifier + suffix, nodeid.NamespaceIndex), None,
+                                       ua.NodeId(nodeid.Identifier + parent_suffix, nodeid.NamespaceIndex),
+                                       reference, _type_definition(data), data))
+    for result in await server.iserver.isession.add_nodes(additions):
+        result.StatusCode.check()
+
+
+def _type_definition(data) -> ua.NodeId:
+    for ref in data.references:
+        if ref.IsForward and ref.ReferenceTypeId.Identifier == ua.ObjectIds.HasTypeDefinition:
+            return ref.NodeId
+    return ua.NodeId()
+
+
+def _add_item(nodeid: ua.NodeId, name: ua.QualifiedName | None, parent: ua.NodeId, reference: ua.NodeId,
+              type_definition: ua.NodeId, data) -> ua.AddNodesItem:
+    attributes = {a: v.value.Value.Value for a, v in data.attributes.items() if v.value is not None
+                  and v.value.Value is not None}
+    node_class = ua.NodeClass(attributes[ua.AttributeIds.NodeClass])
     item = ua.AddNodesItem()
     item.RequestedNewNodeId = nodeid
-    item.BrowseName = name
-    item.NodeClass = ua.NodeClass.Object
+    item.BrowseName = name or attributes[ua.AttributeIds.BrowseName]
+    item.NodeClass = node_class
     item.ParentNodeId = parent
-    item.ReferenceTypeId = ua.NodeId(ua.ObjectIds.HasComponent)
-    item.TypeDefinition = type_definition
-    attrs = ua.ObjectAttributes()
-    attrs.DisplayName = ua.LocalizedText(name.Name)
-    attrs.EventNotifier = 0
+    item.ReferenceTypeId = reference
+    item.TypeDefinition = type_definition if node_class != ua.NodeClass.Method else ua.NodeId()
+    kind, names = _ATTRIBUTES[node_class]
+    attrs = kind()
+    for attr in names:
+        value = attributes.get(getattr(ua.AttributeIds, attr))
+        if value is not None:
+            setattr(attrs, attr, value)
+    if name is not None:
+        attrs.DisplayName = ua.LocalizedText(name.Name)
     item.NodeAttributes = attrs
-    for result in await server.iserver.isession.add_nodes([item]):
-        result.StatusCode.check()
+    return item
 
 
 def listening_port(server: Server) -> int:

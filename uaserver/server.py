@@ -35,7 +35,7 @@ from .address_space import AddressSpaceBuilder, ApplianceNodes, write
 from .asyncua_internals import (AppServer, ApplianceSession, ChannelGuard, advertise_host, configure_limits,
                                 external_sessions, install_session_factory, listening_port)
 from .identity import ApplianceUserManager
-from .conditions import ACKNOWLEDGE, CONDITION_REFRESH, AlarmConditions, ConditionError
+from .conditions import CONDITION_REFRESH, METHODS as CONDITION_METHODS, AlarmConditions, ConditionError, ConditionSpec
 from .mailboxes import MailboxAnswer, Mailboxes
 from .methods import CallContext, MethodHandlers, MethodStatus, caller_identity, require_ready, require_type
 
@@ -93,7 +93,8 @@ class ApplianceUaServer:
         self.heartbeat = 0
         self.state = "Starting"
         limits = config.security.limits
-        self.classifiers = {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence)
+        self.classifiers = {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence,
+                                                  m.alarm_on_results, m.alarm_off_results, m.alarm_sources)
                             for name, m in config.models.items() if m.kind == "tensor" and m.labels}
         self.drift = {name: d for name, m in config.models.items() if m.kind == "tensor"
                       and (d := DriftDetector.for_model(m)) is not None}
@@ -169,7 +170,8 @@ class ApplianceUaServer:
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
         self.nodes = await builder.build(self.device, self.services, self._callbacks(), tuple(self.alarms()),
-                                         {n: (c.labels, c.alarms.alarm_classes) for n, c in self.classifiers.items()},
+                                         {n: (c.labels, c.alarm_classes, c.sources)
+                                          for n, c in self.classifiers.items()},
                                          tuple(self.drift))
         self.mailboxes = Mailboxes(server, self.ns, cfg.mailboxes,
                                    {name: svc.kind for name, svc in self.services.items()},
@@ -177,9 +179,13 @@ class ApplianceUaServer:
                                    self._mailbox_request(), self._mailbox_refused)
         await self.mailboxes.build(self.nodes.root)
         self.conditions = AlarmConditions(server, self.ns)
-        await self.conditions.build(self._alarm_severities())
-        server.link_method(server.get_node(ACKNOWLEDGE),
-                           self.handlers.wrap("Acknowledge", "", "engineer", 2, self._acknowledge))
+        await self.conditions.build(self._condition_specs())
+        condition_methods = {name: self.handlers.wrap(name, "", "engineer", n_args, self._condition_method(name))
+                             for name, _, n_args in CONDITION_METHODS}
+        for name, type_method, _ in CONDITION_METHODS:  # called on the type's method or on the condition's own
+            server.link_method(server.get_node(type_method), condition_methods[name])
+        for nodeid, name in self.conditions.instance_methods():
+            server.link_method(server.get_node(nodeid), condition_methods[name])
         server.link_method(server.get_node(CONDITION_REFRESH),
                            self.handlers.wrap("ConditionRefresh", "", "monitor", 1, self._condition_refresh))
         self._event_gen = await server.get_event_generator()
@@ -230,13 +236,6 @@ class ApplianceUaServer:
                 self._closed_with_jobs.add((model.name, session.key))
             else:
                 model.release(session.key)
-
-    def alarm_acknowledged(self, alarm: str, session: ApplianceSession | None, comment: str = "",
-                           status: str = "Good") -> None:
-        """The audit hook for acknowledging an alarm (engineer role). Nothing calls it yet: the Part 9 Acknowledge
-        method on the Server object's conditions is not built; whoever builds it calls this."""
-        self.handlers.event("alarm_acknowledged", action="Acknowledge", session=session, status=status,
-                            detail=f"{alarm}" + (f": {comment[:200]}" if comment else ""))
 
     # ---- events ----
 
@@ -387,14 +386,15 @@ class ApplianceUaServer:
             st = model.status()
             check_samples(samples, st.input_shape, st.max_samples)  # refused now, as Infer would refuse it
             deadline = self._job_bound()
+            classifier = self.classifiers.get(svc.name)
+            source = classifier.source_of(identity=ctx.session.identity) if classifier is not None else ""
 
             async def run(on_progress):
                 r = await model.infer(samples, deadline)
                 if svc.name in self.drift:
                     self._drift_update(svc.name, samples, r.output)
-                classifier = self.classifiers.get(svc.name)
                 if classifier is not None:
-                    await self._classified(svc.name, classifier, r.output)
+                    await self._classified(svc.name, classifier, r.output, source)
                 return r
             job = self.jobs.start(caller_identity(ctx.session), svc.name, "infer", run)
             return [ua.Variant(job.id, V.UInt32)]
@@ -523,16 +523,32 @@ class ApplianceUaServer:
     # ---- alarms: the Alarms/<name> Booleans and the same Part 9 conditions ----
 
     def _alarm_nodes(self) -> dict[str, object]:
+        """Every alarm's Boolean by alarm name: the appliance's, Drift/<model>, <model>/<label> (any source) and
+        <model>/<source>/<label>."""
         n = self.nodes
         nodes = dict(n.alarms)
         for (model, c), node in n.class_alarms.items():
             nodes[f"{model}/{self.classifiers[model].labels[c]}"] = node
+        for (model, source, c), node in n.source_alarms.items():
+            nodes[f"{model}/{source}/{self.classifiers[model].labels[c]}"] = node
         return nodes
 
-    def _alarm_severities(self) -> dict[str, int]:
+    def _condition_specs(self) -> list[ConditionSpec]:
+        """The Part 9 conditions: the appliance's alarms, drift, and each source's class alarms (the debounced state
+        a control room acts on; `Alarms/<label>`, any source, is a Boolean for PLCs only)."""
         fixed = {"EngineFault": 1000, "GpuCritical": 900, "ModelFailed": 800, "WorkerRestarting": 600,
                  "GpuWarning": 600}
-        return {name: fixed.get(name, 500 if name.startswith("Drift/") else 700) for name in self._alarm_nodes()}
+        n, specs = self.nodes, []
+        for name, node in n.alarms.items():
+            if name.startswith("Drift/"):
+                model = name.removeprefix("Drift/")
+                specs.append(ConditionSpec(name, 500, n.models[model].obj.nodeid, model, node.nodeid))
+            else:
+                specs.append(ConditionSpec(name, fixed.get(name, 700), n.root.nodeid, "Appliance", node.nodeid))
+        for (model, source, c), node in n.source_alarms.items():
+            specs.append(ConditionSpec(f"{model}/{source}/{self.classifiers[model].labels[c]}", 700,
+                                       n.models[model].obj.nodeid, model, node.nodeid))
+        return specs
 
     async def set_alarm(self, name: str, active: bool, message: str = "") -> None:
         """The one place an alarm is raised or cleared: its Boolean and its condition change together."""
@@ -549,21 +565,40 @@ class ApplianceUaServer:
             except Exception:
                 log.exception("alarm condition %s failed", name)
 
-    async def _acknowledge(self, ctx: CallContext, args):
-        event_id = require_type(args[0], 0, (V.ByteString,), array=False)
-        comment = require_type(args[1], 1, (V.LocalizedText,), array=False)
-        text = (comment.Text or "") if comment is not None else ""
-        try:
-            c = self.conditions.condition_of(ctx.parent)
-            ctx.detail = f"condition {c.name}" + (f": {text[:200]}" if text else "")
-            await self.conditions.acknowledge(ctx.parent, event_id, text[:512], ctx.session.identity)
-        except ConditionError as e:
-            raise MethodStatus(e.status) from None
-        return []
+    def _condition_method(self, method: str):
+        """Acknowledge / AddComment (EventId, Comment), Enable / Disable () on a condition (the call's object),
+        audited as alarm_acknowledged, alarm_commented, alarm_enabled, alarm_disabled."""
+        event = {"Acknowledge": "alarm_acknowledged", "AddComment": "alarm_commented", "Enable": "alarm_enabled",
+                 "Disable": "alarm_disabled"}[method]
+
+        async def body(ctx: CallContext, args):
+            ctx.event = event
+            text, event_id = "", None
+            if method in ("Acknowledge", "AddComment"):
+                event_id = require_type(args[0], 0, (V.ByteString,), array=False)
+                comment = require_type(args[1], 1, (V.LocalizedText,), array=False)
+                text = (comment.Text or "")[:512] if comment is not None else ""
+            try:
+                c = self.conditions.condition_of(ctx.parent)
+                ctx.detail = f"condition {c.name}" + (f": {text[:200]}" if text else "")
+                if method == "Acknowledge":
+                    await self.conditions.acknowledge(ctx.parent, event_id, text, ctx.session.identity)
+                elif method == "AddComment":
+                    await self.conditions.add_comment(ctx.parent, event_id, text, ctx.session.identity)
+                else:
+                    await self.conditions.enable(ctx.parent, method == "Enable")
+            except ConditionError as e:
+                raise MethodStatus(e.status) from None
+            return []
+        return body
 
     async def _condition_refresh(self, ctx: CallContext, args):
-        require_type(args[0], 0, (V.UInt32,), array=False)  # SubscriptionId: every subscription gets the events
-        await self.conditions.refresh()
+        subscription_id = require_type(args[0], 0, (V.UInt32,), array=False)
+        try:
+            self.conditions.check_refresh(ctx.session.session_id, subscription_id)
+        except ConditionError as e:
+            raise MethodStatus(e.status) from None
+        await self.conditions.refresh(subscription_id)  # that subscription only
         return []
 
     # ---- mailboxes ----
@@ -575,7 +610,7 @@ class ApplianceUaServer:
         callbacks = {}
         for name, box in self.config.mailboxes.items():
             svc = self.services[box.model]
-            body = self._mailbox_infer_body(svc) if svc.kind == "tensor" else self._mailbox_generate_body(svc, box)
+            body = self._mailbox_infer_body(svc, box) if svc.kind == "tensor" else self._mailbox_generate_body(svc, box)
             callbacks[name] = self.handlers.wrap("Mailbox", box.model, "operator", 3, body)
 
         async def request(box, session, value: ua.Variant, number: int):
@@ -588,13 +623,14 @@ class ApplianceUaServer:
                           detail=f"mailbox {box.name} Request {number}")
         self.handlers._account(ctx, status)
 
-    def _mailbox_infer_body(self, svc):
+    def _mailbox_infer_body(self, svc, box):
         classifier = self.classifiers.get(svc.name)
+        source = classifier.source_of(mailbox=box.name) if classifier is not None else ""
 
         async def body(ctx: CallContext, args):
             ctx.detail = f"mailbox {args[1].Value} Request {args[2].Value}"
             r = await self._infer(svc, ctx, args[0])
-            classified = await self._classified(svc.name, classifier, r.output) if classifier else None
+            classified = await self._classified(svc.name, classifier, r.output, source) if classifier else None
             return MailboxAnswer(r.model_version, output=r.output.tolist(), classified=classified)
         return body
 
@@ -729,30 +765,39 @@ class ApplianceUaServer:
             r = await self._infer(svc, ctx, args[0])
             if classifier is None:
                 return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
-            result = await self._classified(svc.name, classifier, r.output)
+            result = await self._classified(svc.name, classifier, r.output,
+                                            classifier.source_of(identity=ctx.session.identity))
             if not classify:
                 return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
             return [ua.Variant(result.class_index, V.Int32), ua.Variant(result.label, V.String),
                     ua.Variant(result.confidence, V.Float), ua.Variant(r.model_version, V.String)]
         return body
 
-    async def _classified(self, model: str, classifier: "ClassifierState", output):
-        """Last and the class alarms follow every Classify and Infer result of a labelled model."""
-        result, raised, cleared = classifier.update(output)
-        s, m = self.server, self.nodes.models[model]
-        await write(s, m.values["Last/ClassIndex"], result.class_index[-1], V.Int32)
-        await write(s, m.values["Last/Label"], result.label[-1], V.String)
-        await write(s, m.values["Last/Confidence"], result.confidence[-1], V.Float)
-        await write(s, m.values["Last/Time"], datetime.now(timezone.utc), V.DateTime)
-        for c in raised | cleared:
-            active = c in raised
-            label = classifier.labels[c]
-            await self.set_alarm(f"{model}/{label}", active, f"Alarm {label} of model {model}")
-            if self.metrics is not None:
-                self.metrics.alarm_active.labels(f"{model}/{label}").set(1 if active else 0)
-            self.emit_event(f"Alarm {label} of model {model} " + ("raised" if active else "cleared"),
+    async def _classified(self, model: str, classifier: ClassifierState, output, source: str):
+        """Last, Last/<source> and the class alarms follow every Classify and Infer result of a labelled model;
+        returns the classification."""
+        u = classifier.update(output, source)
+        result, s, m = u.result, self.server, self.nodes.models[model]
+        now = datetime.now(timezone.utc)
+        for last in ("Last", f"Last/{source}"):
+            await write(s, m.values[f"{last}/ClassIndex"], result.class_index[-1], V.Int32)
+            await write(s, m.values[f"{last}/Label"], result.label[-1], V.String)
+            await write(s, m.values[f"{last}/Confidence"], result.confidence[-1], V.Float)
+            await write(s, m.values[f"{last}/Time"], now, V.DateTime)
+        for c in u.raised | u.cleared:
+            active, label = c in u.raised, classifier.labels[c]
+            await self._class_alarm(f"{model}/{source}/{label}", active,
+                                    f"Alarm {label} of model {model} from {source}")
+            self.emit_event(f"Alarm {label} of model {model} from {source} " + ("raised" if active else "cleared"),
                             severity=700 if active else 300)
+        for c in u.any_raised | u.any_cleared:
+            await self._class_alarm(f"{model}/{classifier.labels[c]}", c in u.any_raised)
         return result
+
+    async def _class_alarm(self, name: str, active: bool, message: str = "") -> None:
+        await self.set_alarm(name, active, message)
+        if self.metrics is not None:
+            self.metrics.alarm_active.labels(name).set(1 if active else 0)
 
     def _generate_args(self, args, first: int) -> tuple[str, int, float]:
         return (self.handlers.text(args[first], first), self.handlers.uint32(args[first + 1], first + 1),

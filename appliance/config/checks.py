@@ -278,3 +278,17 @@ def _check_mailboxes(cfg: ApplianceConfig, ctx: _Context) -> None:
             ctx.error(ctx.nodes.get(f"{path}.max_tokens") or ctx.nodes.get(path), f"{path}.max_tokens",
                       f"expected an integer <= engine.max_new_tokens ({cfg.engine.max_new_tokens}), got "
                       f"{box.effective_max_tokens}")
+
+
+def _check_alarm_sources(cfg: ApplianceConfig, ctx: _Context) -> None:
+    """A source that names a mailbox names one of this model's mailboxes."""
+    for name, model in cfg.models.items():
+        for source, value in model.alarm_sources.items():
+            if value.startswith(("user:", "x509:")):
+                continue
+            box = cfg.mailboxes.get(value)
+            if box is None or box.model != name:
+                key = f"models.{name}.alarm_sources.{source}"
+                mine = [b for b, c in cfg.mailboxes.items() if c.model == name]
+                ctx.error(ctx.nodes.get(key), key, f"expected a mailbox of model '{name}' ({', '.join(mine) or 'none'})"
+                          f" or an identity ('user:NAME', 'x509:THUMBPRINT'), got {_shown(value)}")

@@ -265,8 +265,56 @@ class VariantsRule:
         return out
 
 
+@dataclass(frozen=True)
+class AlarmSourcesRule:
+    """`alarm_sources`: source name -> the mailbox (its name) or the caller identity ('user:NAME',
+    'x509:SHA1-THUMBPRINT') whose results it holds; every other caller is source 'default'. Whether a mailbox
+    is one of this model's is checked once the mailboxes are read (checks._check_alarm_sources)."""
+
+    expect: str = "a mapping of source names to a mailbox name or an identity ('user:NAME', 'x509:THUMBPRINT')"
+
+    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+            return {}
+        mapping = _as_mapping(node, ctx, path, self.expect)
+        if mapping is None:
+            return INVALID
+        out: dict[str, str] = {}
+        first_line: dict[str, int] = {}
+        for name, key_node, value_node in _items(mapping, ctx, path, "source name"):
+            where = _key_path(path, name)
+            if not _MODEL_NAME.fullmatch(name) or name in RESERVED_SOURCE_NAMES:
+                ctx.error(key_node, where, "a source name must start with a letter and hold at most 64 characters "
+                          f"A-Z a-z 0-9 _ - (and not be {', '.join(RESERVED_SOURCE_NAMES)}: 'default' is every "
+                          f"other caller, the others are Last's own variables), got {_shown(name)}")
+                continue
+            value = _SOURCE.parse(value_node, ctx, where)
+            if value is INVALID:
+                continue
+            if value in first_line:
+                ctx.error(value_node, where, f"{_shown(value)} is already a source (line {first_line[value]})")
+                continue
+            first_line[value] = value_node.start_mark.line + 1
+            ctx.nodes[where] = value_node  # the mailbox it names is checked once the mailboxes are read
+            out[name] = value
+        return out
+
+
+def _source_check(v: Any, expect: str) -> str | None:
+    if isinstance(v, str) and v.startswith(("user:", "x509:")):
+        return _writer_check(v, expect)
+    if isinstance(v, str) and _MODEL_NAME.fullmatch(v):
+        return None  # a mailbox's name
+    return f"expected {expect}, got {_shown(v)}"
+
+
+_SOURCE = Scalar("a mailbox name or an identity ('user:NAME', 'x509:SHA1-THUMBPRINT')", _source_check,
+                 lambda v, ctx: _writer_convert(v, ctx))
+DEFAULT_ALARM_SOURCE = "default"
+RESERVED_SOURCE_NAMES = (DEFAULT_ALARM_SOURCE, "ClassIndex", "Label", "Confidence", "Time")
 MAIN_VARIANT = "main"  # the model's own path in an A/B split
-TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "drift")
+TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "alarm_on_results",
+               "alarm_off_results", "alarm_sources", "drift")
 GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p")
 
 
@@ -293,6 +341,12 @@ class ModelConfig:
     alarm_classes: list[str | int] = setting([], ListOf(Scalar("a class label or index", _class_check),
                                                         "class labels or indices"))
     alarm_confidence: float = setting(0.5, number(0, 1, lo_open=True))
+    # debounce: a class alarm turns on after this many consecutive results of its class (per source) ...
+    alarm_on_results: int = setting(3, integer(1, 1000))
+    # ... and off after this many consecutive results without it
+    alarm_off_results: int = setting(3, integer(1, 1000))
+    # who a result comes from, for class alarms and Last kept per source: name -> mailbox or identity
+    alarm_sources: dict[str, str] = setting({}, AlarmSourcesRule())
     drift: DriftConfig | None = setting(None, Section(DriftConfig, nullable=True))
     # versions kept under state_dir/models/<name>/ by `appliance models deploy` (the serving and previous included)
     keep_versions: int = setting(5, integer(2, 1000))
