@@ -41,22 +41,33 @@ def start_appliance(folder: Path, extra: dict | None = None, **model_options) ->
 
 
 def status_of(exc: BaseException | None) -> str:
-    """The OPC UA status name an exception carries, else its type name ("" for no exception)."""
+    """The OPC UA status name a refusal carries; "ConnectionClosed" when the server closed the channel; "" for no
+    refusal."""
     if exc is None:
         return ""
     code = getattr(exc, "code", None)
     if isinstance(code, int):
         return ua.StatusCode(code).name
+    if isinstance(exc, (ConnectionError, asyncio.IncompleteReadError, EOFError)):
+        return "ConnectionClosed"
     return type(exc).__name__
 
 
-async def refusal(coro, timeout: float = 15.0) -> BaseException | None:
-    """Run coro; return the exception it raised (None if it succeeded)."""
+REFUSAL_WITHIN_S = 15.0  # a refusal arrives within this; no answer by then is a hang, never a refusal
+
+
+async def refusal(coro, timeout: float = REFUSAL_WITHIN_S) -> BaseException | None:
+    """Run coro: None if it succeeded, else the refusal it met within `timeout` seconds: an OPC UA status code (a
+    service fault, a method or ErrorMessage status) or the server closing the connection. Anything else fails the
+    test: a client-side timeout means the server did not answer (a hang is not a refusal), and an unexpected error
+    of the client is not the server's refusal either."""
     try:
         await asyncio.wait_for(coro, timeout)
-    except BaseException as exc:  # noqa: BLE001 - the point is that it fails
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
+    except (asyncio.TimeoutError, TimeoutError) as exc:
+        raise AssertionError(f"no answer within {timeout:g} s: the server hung instead of refusing") from exc
+    except ua.UaStatusCodeError as exc:
+        return exc
+    except (ConnectionError, asyncio.IncompleteReadError, EOFError) as exc:  # the server closed the channel
         return exc
     return None
 
