@@ -6,10 +6,10 @@ decode tokens/s at 1, 8 and 32 slots and decode attention's achieved bandwidth a
 Models (random weights, built offline by transformers): "smollm2" has SmolLM2-135M's shape (576 hidden, 30 layers,
 9/3 heads, 49152 vocab), "llama1b" about 1.1B parameters (2048 hidden, 16 layers, 32/8 heads, 8192 inter., 32000
 vocab). Paths, all bf16 for speed, one decode step per generated token, 64 steps after a 32-token context:
-  torch eager   models.llama.LlamaModel.forward (the engine's current path)
-  twins         kernels.reference_forward.KernelLlama with backend "torch"
-  triton        KernelLlama with the Triton kernels, eager launches
-  triton+graphs the same step captured per batch bucket (appliance.engine.cuda_graphs.DecodeGraphs)
+  torch eager   models.llama.LlamaModel.forward with torch's ops (the one forward, models/forward.py)
+  twins         LlamaModel.decode_kernels with the kernels' torch twins (KernelOps backend "torch")
+  triton        LlamaModel.decode_kernels with the Triton kernels, eager launches
+  triton+graphs the same step captured per batch bucket (LlamaModel.decode_graphs, models/cuda_graphs.py)
   HF generate   LlamaForCausalLM.generate(); decode time = t(65 new tokens) - t(1 new token)
 Goals of issue 12: at 8 slots triton+graphs >= 3x HF; decode attention >= 50% of peak bandwidth.
 """
@@ -25,9 +25,8 @@ torch = require_cuda("decode")
 
 import transformers  # noqa: E402
 
-from appliance.engine.cuda_graphs import DecodeGraphs, InputSpec  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
-from kernels.reference_forward import KernelLlama  # noqa: E402
+from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 
 SHAPES = {
@@ -55,7 +54,6 @@ def hf_model(shape: dict, dtype):
 
 
 def engine_model(hf, dtype, kernels: str = "auto"):
-    from models.llama import LlamaModel
     cfg = LlamaConfig.from_hf_dict(hf.config.to_dict())
     return LlamaModel(cfg, dict(hf.state_dict()), dtype=dtype, device=DEVICE, kernels=kernels)
 
@@ -68,7 +66,6 @@ def greedy_runner(model, prompts, new_tokens) -> list[list[int]]:
     from appliance.engine.sequence import Sequence
     from appliance.engine.slots import SlotManager
     from appliance.engine.token_turns import TokenTurns, run_to_end
-    from models.llama import KVCache
 
     b = len(prompts)
     sched = Scheduler(SlotManager(b, MAX_SEQ), TokenTurns({str(i): p for i, p in enumerate(prompts)}),
@@ -81,39 +78,33 @@ def greedy_runner(model, prompts, new_tokens) -> list[list[int]]:
     return [s.generated for s in seqs]
 
 
-def kernel_model(hf, dtype, backend):
-    cfg = LlamaConfig.from_hf_dict(hf.config.to_dict())
-    return KernelLlama(cfg, dict(hf.state_dict()), dtype=dtype, device=DEVICE, backend=backend)
+def kernel_step(model: LlamaModel, cache: KVCache, backend: str, graphs: bool):
+    """(token_ids, slot_ids, positions) -> logits through the one forward's kernel ops: the Triton kernels or their
+    torch twins, eager or captured per batch bucket (graphs)."""
+    if graphs:
+        runner = model.decode_graphs(cache)
+        cache.kv.zero_()  # capture-time runs of the pad rows touched only scratch cells
+        return lambda t, s, p: runner.run(token_ids=t, slot_ids=s, positions=p, lengths=p + 1)
+    ops = model.kernel_ops(cache, backend)
+    return lambda t, s, p: model.decode_kernels(cache, t, s, p, ops=ops)
 
 
-def greedy_kernel(model: KernelLlama, prompts, new_tokens, graphs: bool) -> list[list[int]]:
+def greedy_kernel(model: LlamaModel, prompts, new_tokens, backend: str, graphs: bool) -> list[list[int]]:
     """All prompts the same length here: prompt fed token by token, then greedy, every step one token per row."""
     b = len(prompts)
-    kv = model.new_cache(b, MAX_SEQ)
+    step = kernel_step(model, KVCache(model.config, b, MAX_SEQ, model.dtype, DEVICE), backend, graphs)
     slot_ids = torch.arange(b, device=DEVICE)
-    step = model.decode_step
-    if graphs:
-        runner = DecodeGraphs(lambda **kw: model.decode_step(kv, **kw), _specs(), max_batch=b, device=DEVICE)
-        kv.zero_()
-        step = lambda _kv, token_ids, slot_ids, positions: runner.run(  # noqa: E731
-            token_ids=token_ids, slot_ids=slot_ids, positions=positions, lengths=positions + 1)
     seqs = [list(p) for p in prompts]
     for pos in range(len(prompts[0]) + new_tokens - 1):
         tokens = torch.tensor([s[pos] for s in seqs], device=DEVICE)
-        logits = step(kv, token_ids=tokens, slot_ids=slot_ids, positions=torch.full((b,), pos, device=DEVICE))
+        logits = step(tokens, slot_ids, torch.full((b,), pos, device=DEVICE))
         if pos >= len(prompts[0]) - 1:
             for s, t in zip(seqs, logits.argmax(-1).tolist()):
                 s.append(t)
     return [s[len(prompts[0]):] for s in seqs]
 
 
-def _specs():
-    return {"token_ids": InputSpec((), torch.long, 0), "slot_ids": InputSpec((), torch.long, 0),
-            "positions": InputSpec((), torch.long, MAX_SEQ), "lengths": InputSpec((), torch.long, 1)}
-
-
 def greedy_engine(model, prompts, new_tokens) -> list[list[int]]:
-    from models.llama import KVCache
     b, n = len(prompts), len(prompts[0])
     cache = KVCache(model.config, b, MAX_SEQ, model.dtype, DEVICE)
     slots = torch.arange(b, device=DEVICE)
@@ -150,7 +141,7 @@ def check_tokens(res: Results, name: str, quick: bool):
     res.check(greedy_runner(engine_model(hf, torch.float32, "triton"), prompts, n) == want,
               f"{name} fp32 engine runner (kernels + CUDA graphs) == HF")
     for backend, graphs in (("torch", False), ("triton", False), ("triton", True)):
-        got = greedy_kernel(kernel_model(hf, torch.float32, backend), prompts, n, graphs)
+        got = greedy_kernel(engine_model(hf, torch.float32, "triton"), prompts, n, backend, graphs)
         agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
         res.check(got == want, f"{name} fp32 kernels[{backend}{'+graphs' if graphs else ''}] == HF greedy",
                   f"{agree}/{len(prompts) * n} tokens agree")
@@ -178,25 +169,19 @@ def throughput(res: Results, name: str, batches):
         rates = {}
         try:
             eng = engine_model(hf, torch.bfloat16)
-            from models.llama import KVCache
             cache = KVCache(eng.config, batch, MAX_SEQ, torch.bfloat16, DEVICE)
             rates["torch eager"] = decode_rate(lambda t, s, p: eng.forward(
                 cache, t.view(-1, 1), s, p, torch.ones_like(p)), batch)
             del eng, cache
         except Exception as exc:  # noqa: BLE001 - the engine's API may move; the other paths still count
             res.check(False, f"{name} torch eager path", repr(exc)[:200])
-        for label, backend in (("twins", "torch"), ("triton", "triton")):
-            km = kernel_model(hf, torch.bfloat16, backend)
-            kv = km.new_cache(batch, MAX_SEQ)
-            rates[label] = decode_rate(lambda t, s, p: km.decode_step(kv, t, s, p), batch)
-            if backend == "triton":
-                graphs = DecodeGraphs(lambda **kw: km.decode_step(kv, **kw), _specs(), max_batch=batch,
-                                      device=DEVICE)
-                rates["triton+graphs"] = decode_rate(lambda t, s, p: graphs.run(
-                    token_ids=t, slot_ids=s, positions=p, lengths=p + 1), batch)
-                del graphs
-            del km, kv
+        km = engine_model(hf, torch.bfloat16, "triton")
+        for label, backend, graphs in (("twins", "torch", False), ("triton", "triton", False),
+                                       ("triton+graphs", "triton", True)):
+            rates[label] = decode_rate(kernel_step(km, KVCache(km.config, batch, MAX_SEQ, torch.bfloat16, DEVICE),
+                                                   backend, graphs), batch)
             free_memory()
+        del km
         ids = torch.tensor(prompts_for(batch, SHAPES[name]["vocab_size"], prompt_len), device=DEVICE)
         gen = lambda n: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,  # noqa: E731
                                     min_new_tokens=n, do_sample=False, pad_token_id=0)

@@ -13,6 +13,7 @@ torch = require_cuda("kernels vs twins")
 
 import kernels  # noqa: E402
 from kernels.decode_attention import decode_attention  # noqa: E402
+from models import quant  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -57,8 +58,12 @@ def ops(shape, c, backend, fresh: bool = True):
     copy = (lambda t: t.clone()) if fresh else (lambda t: t)
     s = shape
     cos, sin = kernels.rotary_tables(s["hd"], 4096, 10000.0, DEVICE)
-    q8 = kernels.quantize_weight(c["wmat"], 8).to(DEVICE)
-    q4 = kernels.quantize_weight(c["wmat"], 4).to(DEVICE)
+    # models/quant.py's formats (what the engine keeps), in the layout the Triton kernel reads
+    k = c["wmat"].shape[1]
+    m8, m4 = quant.quantize(c["wmat"].cpu(), "int8"), quant.quantize(c["wmat"].cpu(), "int4")
+    q8 = dict(q=m8.q.to(DEVICE), scale=m8.scale.reshape(-1, 1).to(DEVICE), zero=None, bits=8, group=k)
+    q4 = dict(q=kernels.pack_int4(m4.q).to(DEVICE), scale=m4.scale.to(DEVICE), zero=m4.zero.to(DEVICE), bits=4,
+              group=quant.GROUP)
     kc, vc = c["kv"][0, 0], c["kv"][1, 0]
     h = s["heads"]
 
@@ -84,8 +89,8 @@ def ops(shape, c, backend, fresh: bool = True):
         "write_kv": kv_write,
         "decode_attention": lambda: decode_attention(c["qkv"][:, :h], kc, vc, c["slot_ids"], c["lengths"],
                                                      backend=backend),
-        "dequant_matmul_int8": lambda: kernels.dequant_matmul(c["x"], q8, backend=backend),
-        "dequant_matmul_int4": lambda: kernels.dequant_matmul(c["x"], q4, backend=backend),
+        "dequant_matmul_int8": lambda: kernels.group_matmul(c["x"], **q8, backend=backend),
+        "dequant_matmul_int4": lambda: kernels.group_matmul(c["x"], **q4, backend=backend),
     }
 
 

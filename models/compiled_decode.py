@@ -1,7 +1,8 @@
 """The decode step compiled by torch.compile (Inductor, CPU): one token per row, each row at its own position.
 
-The eager forward (models/llama.py) stays the reference and the fallback: prefill always runs there, and decode does
-until `compile()` has succeeded. What compiling buys is the ~600 small ops of a step between the matmuls (norms,
+What is compiled is the one forward (models/forward.py) with torch's ops and every matmul in a form a graph can
+hold; run eagerly, the same function is the reference and the fallback: prefill always runs eagerly, and decode
+does until `compile()` has succeeded. What compiling buys is the ~600 small ops of a step between the matmuls (norms,
 rotary, cache writes, attention, SiLU-gate) fused into a few generated C++ loops with no Python in between.
 
 Shapes: `dynamic=True`, so one graph serves every batch of two rows or more and every attention length; torch
@@ -21,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from models import quant
-from models.llama import ATTENTION_ROUND, KVCache, Linear, LlamaModel, RefinedHead
+from models.forward import forward
+from models.forward_ops import ATTENTION_ROUND, attention_length
+from models.llama import CastLinear, KVCache, Linear, LlamaModel, RefinedHead, RowStack
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,14 @@ def _(x, panels, scale, out_features, library):
 
 
 def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x (rows, in) fp32 -> (rows, out) through ops a graph can hold, for each kind of linear layer the model has."""
+    """x (rows, in) -> (rows, out) through ops a graph can hold, for each kind of matmul the model has: a weight's
+    own `traceable()` where it offers one (the weight interface of models/forward.py), composite
+    weights mapped part by part, oneDNN's packed weights and our CPU kernels as custom ops, torch's ops as they
+    are."""
+    if hasattr(linear, "traceable"):
+        return linear.traceable()
+    if isinstance(linear, (RowStack, CastLinear, RefinedHead)):
+        return linear.map(traceable)
     if isinstance(linear, Linear):
         if linear.packed is None:
             return lambda x: F.linear(x, linear.plain)
@@ -99,53 +110,22 @@ class CompiledDecode:
         if model.device.type != "cpu":
             raise CompileUnavailable("the compiled decode step is for CPUs (CUDA decodes through CUDA graphs)")
         self.model, self.cache, self.cache_dir = model, cache, cache_dir
-        layers = model.layers
-        self._qkv = [traceable(lw.qkv) for lw in layers]
-        self._o = [traceable(lw.o) for lw in layers]
-        self._gate_up = [traceable(lw.gate_up) for lw in layers]
-        self._down = [traceable(lw.down) for lw in layers]
-        head = model.lm_head
-        self._head_approx = traceable(head.approx_linear) if isinstance(head, RefinedHead) else traceable(head)
-        self._cos, self._sin = model.rope_tables(cache.max_seq_len + 1)  # + the scratch cell warm-up rows use
+        w = model.weights
+        # The model's weights with every matmul in its traceable form (the tensors are the model's own).
+        self.weights = replace(w, layers=[replace(lw, qkv=traceable(lw.qkv), o=traceable(lw.o),
+                                                  gate_up=traceable(lw.gate_up), down=traceable(lw.down))
+                                          for lw in w.layers], head=traceable(w.head))
+        self._cos, self._sin = model.rope_tables(cache)  # positions 0..max_seq_len: the scratch cell warm-up rows use
         self._compiled = None
         self.compile_seconds: float | None = None
 
     def _decode(self, token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         """The graph: token_ids, slot_ids, positions (B,) long; mask (B, 1, 1, T) bool -> fp32 logits (B, vocab)."""
-        m, cfg, cache = self.model, self.model.config, self.cache
-        b, t_len = token_ids.shape[0], mask.shape[-1]
-        n_h, n_kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        group, half, eps, hidden = n_h // n_kv, hd // 2, cfg.rms_norm_eps, cfg.hidden_size
-        cos = self._cos[positions].view(b, 1, hd)
-        sin = self._sin[positions].view(b, 1, hd)
-        heads = torch.arange(n_kv, device=token_ids.device).view(1, n_kv)
-        rows, cols = slot_ids.view(b, 1), positions.view(b, 1)
-        h = m.embed(token_ids)
-        for li, lw in enumerate(m.layers):
-            x = F.rms_norm(h, (hidden,), lw.attn_norm, eps)
-            qkv = self._qkv[li](x)
-            if lw.qkv_bias is not None:
-                qkv = qkv + lw.qkv_bias
-            qkv = qkv.view(b, n_h + 2 * n_kv, hd)
-            qk = qkv[:, :n_h + n_kv]
-            qk = torch.addcmul(qk * cos, qk.unflatten(-1, (2, half)).flip(-2).flatten(-2), sin)
-            k_cache, v_cache = cache.k_layers[li], cache.v_layers[li]
-            k_cache.index_put_((rows, heads, cols), qk[:, n_h:].to(k_cache.dtype))
-            v_cache.index_put_((rows, heads, cols), qkv[:, n_h + n_kv:].to(v_cache.dtype))
-            keys = k_cache[slot_ids, :, :t_len].to(h.dtype)
-            values = v_cache[slot_ids, :, :t_len].to(h.dtype)
-            attn = F.scaled_dot_product_attention(qk[:, :n_h].reshape(b, n_kv, group, hd), keys, values,
-                                                  attn_mask=mask)
-            h = h + self._o[li](attn.reshape(b, n_h * hd))
-            x = F.rms_norm(h, (hidden,), lw.mlp_norm, eps)
-            gate, up = self._gate_up[li](x).chunk(2, dim=-1)
-            h = h + self._down[li](F.silu(gate) * up)
-        h = F.rms_norm(h, (hidden,), m.norm, eps)
-        head = m.lm_head
-        if not isinstance(head, RefinedHead):
-            return self._head_approx(h).float()
-        return head.refine(h.float(), self._head_approx(h.float()))
+        ops = self.model.torch_ops
+        rows = ops.graph_decode_rows(token_ids, slot_ids, positions, mask, self._cos, self._sin)
+        x = forward(self.weights, ops, self.cache.k_layers, self.cache.v_layers, [rows])
+        return self.weights.head(x).float()
 
     def compile(self) -> None:
         """Build the graphs now (a batch of one, and of several; each over any attention length): raises
@@ -183,7 +163,6 @@ class CompiledDecode:
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """fp32 logits (B, vocab) of one new token per row at positions (B,), its K/V written into slot_ids."""
-        longest = int(positions.max()) + 1
-        t_len = min(-(-longest // ATTENTION_ROUND) * ATTENTION_ROUND, self.cache.max_seq_len)
+        t_len = attention_length(int(positions.max()) + 1, self.cache.max_seq_len)
         mask = (torch.arange(t_len) <= positions.unsqueeze(-1)).view(-1, 1, 1, t_len)
         return self._compiled(token_ids, slot_ids, positions, mask)

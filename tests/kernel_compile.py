@@ -61,8 +61,9 @@ def cases(dt: str):
         {"po_ptr": "*fp32", "pl_ptr": "*fp32", "out_ptr": p}, {"BLOCK_S": 16, "BLOCK_D": 128}, ()
     for bits, wtype in ((8, "*i8"), (4, "*u8")):
         yield f"dequant_matmul int{bits}", dequant_matmul_kernel, \
-            {"x_ptr": p, "w_ptr": wtype, "s_ptr": "*fp16", "y_ptr": p}, \
-            {"BITS": bits, "GROUP": 32, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_FP32": dot32}, ()
+            {"x_ptr": p, "w_ptr": wtype, "s_ptr": "*fp32", "z_ptr": "*fp32", "y_ptr": p}, \
+            {"BITS": bits, "GROUP": 32, "HAS_ZERO": bits == 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
+             "DOT_FP32": dot32}, ()
 
 
 def main(sms: list[int]) -> int:

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.cuda_graphs import DecodeGraphs, InputSpec, batch_buckets, bucket_for
+from models.cuda_graphs import DecodeGraphs, InputSpec, batch_buckets, bucket_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,28 +54,32 @@ def test_bad_inputs_are_named():
 
 
 def test_kernel_decode_step_through_the_graph_runner_matches_direct_calls(tmp_path):
-    """The reference forward behind DecodeGraphs (eager on CPU, Triton interpreter): same logits as calling it
-    directly, and pad rows write only the scratch cell."""
-    from kernels.reference_forward import KernelLlama
+    """The model's decode step through the fused kernels behind DecodeGraphs (eager on CPU, Triton interpreter):
+    same logits as calling it directly, and pad rows write only the scratch cell."""
+    from models.llama import KVCache, LlamaModel
+    from models.weights import load_weights
     from tiny_llm import make_model_dir
     make_model_dir(tmp_path, seed=1)
-    model = KernelLlama.from_hf_dir(tmp_path, backend="triton")
+    w = load_weights(tmp_path, torch.float32)
+    model = LlamaModel(w.config, w.tensors, kernels="triton")
     max_seq = 16
-    kv_graph, kv_direct = model.new_cache(3, max_seq), model.new_cache(3, max_seq)
-    specs = {"token_ids": InputSpec((), torch.long, 0), "slot_ids": InputSpec((), torch.long, 0),
-             "positions": InputSpec((), torch.long, max_seq), "lengths": InputSpec((), torch.long, 1)}
-    graphs = DecodeGraphs(lambda **kw: model.decode_step(kv_graph, **kw), specs, max_batch=4, device="cpu")
-    kv_graph.zero_()  # capture-time runs of the pad rows touched only scratch cells; start clean
+    cache_graph, cache_direct = KVCache(w.config, 3, max_seq, torch.float32), KVCache(w.config, 3, max_seq, torch.float32)
+    graphs = model.decode_graphs(cache_graph)
+    assert graphs.buckets == [1, 2, 3]
+    cache_graph.kv.zero_()  # capture-time runs of the pad rows touched only scratch cells; start clean
     for step in range(2):
         args = dict(token_ids=torch.tensor([5 + step, 9, 11]), slot_ids=torch.tensor([2, 0, 1]),
                     positions=torch.tensor([step] * 3))
         got = graphs.run(**args, lengths=args["positions"] + 1)
-        want = model.decode_step(kv_direct, **args)
+        want = model.decode_kernels(cache_direct, args["token_ids"], args["slot_ids"], args["positions"])
         torch.testing.assert_close(got, want)
-    torch.testing.assert_close(kv_graph[..., :max_seq, :], kv_direct[..., :max_seq, :])
+    torch.testing.assert_close(cache_graph.kv[..., :max_seq, :], cache_direct.kv[..., :max_seq, :])
+    two = graphs.run(token_ids=torch.tensor([1, 2]), slot_ids=torch.tensor([0, 1]), positions=torch.tensor([2, 2]),
+                     lengths=torch.tensor([3, 3]))  # bucket 2: no pad rows
+    assert two.shape == (2, w.config.vocab_size)
 
 
 def test_import_does_not_initialise_cuda():
-    code = "import torch, appliance.engine.cuda_graphs; print(torch.cuda.is_initialized())"
+    code = "import torch, models.cuda_graphs, models.llama; print(torch.cuda.is_initialized())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

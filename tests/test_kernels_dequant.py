@@ -1,48 +1,78 @@
-"""Weight-only int8 / int4 (group 32) matmul: format round trip, Triton (interpreter) against the torch twin."""
+"""The Triton side of the quantized formats (kernels/dequant_matmul.py): int4 nibbles in GGUF's order, int8, one
+scale (and a zero) per group; the kernel (interpreter) against its torch twin and against the formats' own
+numbers: models/quant.py's Int4Groups / Int8Rows and gguf's dequantization of Q4_0 / Q4_1 / Q8_0 blocks."""
+import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dequant_matmul, quantize_weight
+from kernels import group_matmul, pack_int4
+from kernels.dequant_matmul import dequantize, unpack_int4
 from kernel_cases import assert_close, dtypes
+from models import quant
+from models.gpu_linear import gpu_linear
 
 
-@pytest.mark.parametrize("bits,worst", [(8, 0.5 / 127), (4, 0.5 / 7)])
-def test_quantize_round_trip_error_is_half_a_step(bits, worst):
-    w = torch.randn(48, 128)
-    qw = quantize_weight(w, bits)
-    assert qw.scales.shape == (48, 4) and qw.scales.dtype == torch.float16
-    assert qw.qweight.shape == ((48, 128) if bits == 8 else (48, 64))
-    group_max = w.abs().reshape(48, 4, 32).amax(-1, keepdim=True)
-    err = (qw.dequantize() - w).abs().reshape(48, 4, 32) / group_max
-    assert err.max() <= worst * 1.01  # fp16 scales add a little
+def test_nibble_order_is_ggufs():
+    q = torch.arange(32, dtype=torch.uint8).view(1, 32) % 16
+    packed = pack_int4(q)
+    assert packed.shape == (1, 16)
+    assert int(packed[0, 0]) == 0 | (0 << 4) and int(packed[0, 1]) == 1 | (1 << 4)
+    q[0, 16] = 9
+    assert int(pack_int4(q)[0, 0]) == 0 | (9 << 4)  # byte 0: input 0 low, input 16 high
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
 
 
-def test_int4_nibble_order_low_is_even_input():
-    w = torch.zeros(1, 32)
-    w[0, 0], w[0, 1] = 7.0, -7.0  # scale 1: nibbles 15 (input 0) and 1 (input 1)
-    qw = quantize_weight(w, 4)
-    assert int(qw.qweight[0, 0]) == 15 | (1 << 4)
+def _random_int4(out_f, in_f, group, g):
+    q = torch.randint(0, 16, (out_f, in_f), generator=g, dtype=torch.uint8)
+    scale = torch.rand(out_f, in_f // group, generator=g) * 0.1 + 0.01
+    zero = torch.randn(out_f, in_f // group, generator=g) * 0.1
+    return pack_int4(q), scale, zero
 
 
 @dtypes
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows,out_f,in_f", [(1, 64, 128), (8, 96, 192), (17, 40, 64)])
-def test_kernel_matches_twin(dtype, bits, rows, out_f, in_f):
+@pytest.mark.parametrize("rows,out_f,in_f,group", [(1, 64, 128, 32), (8, 96, 192, 64), (17, 40, 64, 64),
+                                                   (3, 24, 96, 32)])
+def test_kernel_matches_twin(dtype, bits, rows, out_f, in_f, group):
     g = torch.Generator().manual_seed(rows * out_f + bits)
-    qw = quantize_weight(torch.randn(out_f, in_f, generator=g), bits)
+    if bits == 4:
+        q, scale, zero = _random_int4(out_f, in_f, group, g)
+    else:
+        q = torch.randint(-127, 128, (out_f, in_f), generator=g, dtype=torch.int8)
+        scale, zero = torch.rand(out_f, in_f // group, generator=g) * 0.01, None
     x = torch.randn(rows, in_f, generator=g).to(dtype)
-    got = dequant_matmul(x, qw, backend="triton")
+    got = group_matmul(x, q, scale, zero, bits=bits, group=group, backend="triton")
     assert got.dtype == dtype and got.shape == (rows, out_f)
-    assert_close(got, dequant_matmul(x, qw, backend="torch"), dtype)
-    assert_close(got, F.linear(x.float(), qw.dequantize()), dtype, "against fp32")
+    assert_close(got, group_matmul(x, q, scale, zero, bits=bits, group=group, backend="torch"), dtype)
+    assert_close(got, F.linear(x.float(), dequantize(q, scale, zero, bits, group)), dtype, "against fp32")
 
 
-def test_leading_dims_and_bad_width():
-    qw = quantize_weight(torch.randn(32, 64), 8)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_through_the_gpu_linear_equal_gguf_dequantize(qtype):
+    """A GGUF matrix read into quant's format and laid out for the GPU multiplies as gguf's own dequantization."""
+    from models.gguf_loader import _dequantize_blocks
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((40, 96)) * rng.uniform(0.1, 2.0, size=(40, 1))).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32))
+    m = quant.from_gguf_blocks(raw, qtype, w.shape, "int4" if qtype.startswith("Q4") else "int8", _dequantize_blocks)
+    lin = gpu_linear(m, torch.device("cpu"), torch.float32)
+    x = torch.randn(5, 96)
+    want = F.linear(x, quant.dequantize(m))
+    torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
+    if qtype != "Q8_0":  # Q4 blocks are taken as they are: gguf's own numbers (Q8_0 is requantized per row today)
+        torch.testing.assert_close(lin(x), F.linear(x, ref), rtol=1e-4, atol=1e-4)
+
+
+def test_leading_dims_and_bad_shapes():
+    q, scale, zero = _random_int4(32, 64, 32, torch.Generator().manual_seed(0))
     x = torch.randn(2, 3, 64)
-    assert dequant_matmul(x, qw, backend="triton").shape == (2, 3, 32)
+    assert group_matmul(x, q, scale, zero, bits=4, group=32, backend="triton").shape == (2, 3, 32)
     with pytest.raises(ValueError, match="64"):
-        dequant_matmul(torch.randn(2, 48), qw)
-    with pytest.raises(ValueError, match="group size"):
-        quantize_weight(torch.randn(4, 48), 4)
+        group_matmul(torch.randn(2, 48), q, scale, zero, bits=4, group=32)
+    with pytest.raises(ValueError, match="group"):
+        group_matmul(x, q, scale, zero, bits=4, group=48)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_int4(torch.zeros(4, 48, dtype=torch.uint8))

@@ -23,7 +23,7 @@ kernels.add_rms_norm(x, r, torch.ones(64), 1e-5)
 kernels.silu_mul(torch.randn(2, 8))
 kc = torch.zeros(2, 1, 8, 64)
 kernels.decode_attention(torch.randn(1, 2, 64), kc, kc, torch.tensor([1]), torch.tensor([3]))
-kernels.dequant_matmul(x, kernels.quantize_weight(torch.randn(4, 64), 4))
+kernels.group_matmul(x, kernels.pack_int4(torch.zeros(4, 64, dtype=torch.uint8)), torch.ones(4, 2), bits=4, group=32)
 print("triton" in sys.modules, torch.cuda.is_initialized())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

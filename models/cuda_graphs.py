@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps, one per batch-size bucket; prefill stays eager.
+"""CUDA graphs for decode steps, one per batch-size bucket; prefill stays eager (models/llama.py decode_graphs).
 
 A decode step of a small model is dozens of short kernel launches whose CPU-side cost dominates at small batches;
 a captured graph replays them with one launch. Graphs have fixed shapes, so each bucket (1, 2, 4, 8, ... up to the

@@ -1,0 +1,164 @@
+"""The non-matmul ops of models/forward.py, in two sets with the same methods, and the rows each set reads:
+
+- TorchOps: plain torch. Eager prefill, decode and mixed steps on any device; traced by torch.compile for the
+  compiled decode step (models/compiled_decode.py), whose rows come from `graph_decode_rows` (no host syncs).
+- KernelOps: the fused Triton kernels of kernels/ (add+RMSNorm updating the residual in place, rotary in place,
+  cache writes and decode attention that read each row's slot through its index and length, SiLU-gate): decode
+  rows only, capturable as CUDA graphs (models/cuda_graphs.py). On a CPU only under the Triton interpreter (tests).
+
+    add_norm(h, delta, weight) -> (h + delta, RMSNorm(h + delta) * weight)   delta None: (h, RMSNorm(h) * weight)
+    rotary(qk, rows) -> qk rotated        qk (N, n_heads + n_kv_heads, head_dim)
+    write_kv(k_cache, v_cache, k, v, rows)
+    attend(q, k_cache, v_cache, rows) -> (N, n_heads * head_dim)
+    silu_mul(gate_up) -> silu(gate) * up
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.forward import Rows
+
+ATTENTION_ROUND = 64  # attend over the longest row rounded up to this, never over all of max_seq_len
+
+
+@dataclass
+class AttentionMeta:
+    """What every layer's attention over one part shares (built once per forward)."""
+    t_len: int  # cache positions to look at: the longest row, rounded up (symbolic in the compiled step)
+    first_slot: int | None  # rows are slots first..first+B-1: attend over a view of the cache, no gather
+    mask: torch.Tensor  # (B, 1, S, t_len) bool, True where a query may look
+
+
+def attention_length(longest: int, max_seq_len: int) -> int:
+    return min(-(-longest // ATTENTION_ROUND) * ATTENTION_ROUND, max_seq_len)
+
+
+class TorchOps:
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    # -- rows ---------------------------------------------------------------------------------------------------
+    @staticmethod
+    def ragged_rows(token_ids: torch.Tensor, slot_ids: torch.Tensor, start_pos: torch.Tensor,
+                    seq_lens: torch.Tensor, max_seq_len: int, cos_t: torch.Tensor, sin_t: torch.Tensor) -> Rows:
+        """B ragged rows: row b holds seq_lens[b] >= 1 valid tokens at positions start_pos[b] + arange(S). Padded
+        tokens write to the scratch cell; their queries see a harmless prefix (length >= 1, so no NaN)."""
+        dev = token_ids.device
+        b, s = token_ids.shape
+        offsets = torch.arange(s, device=dev)
+        positions = start_pos.unsqueeze(1) + offsets  # (B, S)
+        valid = offsets.unsqueeze(0) < seq_lens.unsqueeze(1)
+        write_pos = torch.where(valid, positions, max_seq_len)
+        query_pos = torch.minimum(positions, (start_pos + seq_lens - 1).unsqueeze(1))
+        t_len = attention_length(int((start_pos + seq_lens).max()), max_seq_len)
+        first = int(slot_ids[0])
+        consecutive = bool(torch.equal(slot_ids, torch.arange(first, first + b, device=dev)))
+        mask = (torch.arange(t_len, device=dev) <= query_pos.unsqueeze(-1)).unsqueeze(1)  # (B, 1, S, T)
+        flat = query_pos.reshape(-1)
+        return Rows(b, s, token_ids, slot_ids, slot_ids.repeat_interleave(s), flat, write_pos.reshape(-1),
+                    cos=cos_t[flat].unsqueeze(1), sin=sin_t[flat].unsqueeze(1),
+                    meta=AttentionMeta(t_len, first if consecutive else None, mask))
+
+    @staticmethod
+    def graph_decode_rows(token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                          mask: torch.Tensor, cos_t: torch.Tensor, sin_t: torch.Tensor) -> Rows:
+        """One token per row at positions (B,), attending where mask (B, 1, 1, T) says: built inside the compiled
+        graph, so nothing here reads a tensor's value on the host (the caller chose T)."""
+        b = token_ids.shape[0]
+        return Rows(b, 1, token_ids.view(b, 1), slot_ids, slot_ids, positions, positions,
+                    cos=cos_t[positions].unsqueeze(1), sin=sin_t[positions].unsqueeze(1),
+                    meta=AttentionMeta(mask.shape[-1], None, mask))
+
+    # -- ops ----------------------------------------------------------------------------------------------------
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        if delta is not None:
+            h = h + delta
+        return h, F.rms_norm(h, (h.shape[-1],), weight, self.eps)
+
+    @staticmethod
+    def rotary(qk: torch.Tensor, rows: Rows) -> torch.Tensor:
+        # sin's first half is negated: rotate_half(x) * sin == swap_halves(x) * sin
+        swapped = qk.unflatten(-1, (2, qk.shape[-1] // 2)).flip(-2).flatten(-2)
+        return torch.addcmul(qk * rows.cos, swapped, rows.sin)
+
+    @staticmethod
+    def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
+        heads = torch.arange(k_cache.shape[1], device=k.device).view(1, -1)
+        index = (rows.slot_rows.view(-1, 1), heads, rows.write_pos.view(-1, 1))
+        k_cache.index_put_(index, k.to(k_cache.dtype))
+        v_cache.index_put_(index, v.to(v_cache.dtype))
+
+    @staticmethod
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Attention of the rows' queries over their slots (this step's keys and values already written).
+        GQA by folding the query heads of a group into the query rows, (B, n_kv, group * S, head_dim), instead of
+        repeating keys and values; for decode (S == 1) that is a free view."""
+        b, s, meta = rows.b, rows.s, rows.meta
+        n_heads, hd = q.shape[1], q.shape[2]
+        n_kv = k_cache.shape[1]
+        group, t = n_heads // n_kv, meta.t_len
+        if meta.first_slot is not None:
+            keys = k_cache[meta.first_slot:meta.first_slot + b, :, :t]
+            values = v_cache[meta.first_slot:meta.first_slot + b, :, :t]
+        else:
+            keys = k_cache[rows.slot_ids, :, :t]
+            values = v_cache[rows.slot_ids, :, :t]
+        if keys.dtype != q.dtype:  # a narrower cache (engine.kv_dtype): widened for this step's rows only
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if s == 1:
+            out = F.scaled_dot_product_attention(q.view(b, n_kv, group, hd), keys, values, attn_mask=meta.mask)
+            return out.reshape(b, n_heads * hd)
+        qg = q.view(b, s, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(b, n_kv, group * s, hd)
+        mask = meta.mask.expand(b, group, s, t).reshape(b, 1, group * s, t)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
+        return out.view(b, n_kv, group, s, hd).permute(0, 3, 1, 2, 4).reshape(b * s, n_heads * hd)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class KernelOps:
+    """The fused Triton kernels; rows of one token each (decode)."""
+
+    def __init__(self, eps: float, n_heads: int, cos_half: torch.Tensor, sin_half: torch.Tensor,
+                 backend: str = "triton"):
+        self.eps, self.n_heads, self.backend = eps, n_heads, backend
+        self.cos, self.sin = cos_half, sin_half  # (positions, head_dim // 2) fp32, from models.rope.angle_tables
+
+    @staticmethod
+    def decode_rows(token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                    lengths: torch.Tensor) -> Rows:
+        """One token per row at positions (B,); lengths: cache positions each row attends over (positions + 1;
+        a padded row of a CUDA graph writes the scratch cell max_seq_len and attends over 1). No host syncs."""
+        b = token_ids.shape[0]
+        return Rows(b, 1, token_ids.view(b, 1), slot_ids, slot_ids, positions, positions, lengths=lengths)
+
+    def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        from kernels import add_rms_norm
+        if delta is None:
+            return h, add_rms_norm(h, None, weight, self.eps, backend=self.backend)
+        return h, add_rms_norm(delta, h, weight, self.eps, backend=self.backend)  # h += delta, in place
+
+    def rotary(self, qk: torch.Tensor, rows: Rows) -> torch.Tensor:
+        from kernels import apply_rotary_
+        apply_rotary_(qk[:, :self.n_heads], qk[:, self.n_heads:], rows.positions, self.cos, self.sin,
+                      backend=self.backend)
+        return qk
+
+    def write_kv(self, k_cache, v_cache, k, v, rows: Rows) -> None:
+        from kernels import write_kv_
+        write_kv_(k_cache, v_cache, k, v, rows.slot_ids, rows.write_pos, backend=self.backend)
+
+    def attend(self, q, k_cache, v_cache, rows: Rows) -> torch.Tensor:
+        from kernels import decode_attention
+        out = decode_attention(q, k_cache, v_cache, rows.slot_ids, rows.lengths, backend=self.backend)
+        return out.reshape(rows.b, -1)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from kernels import silu_mul
+        return silu_mul(gate_up, backend=self.backend)
