@@ -23,9 +23,6 @@ from models.tokenizer import ChatTokenizer
 log = logging.getLogger(__name__)
 
 FINGERPRINT_EDGE_BYTES = 1 << 20
-_LAYER_PARTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")
-
 
 @dataclass
 class LoadedWeights:
@@ -116,9 +113,7 @@ def _load_safetensors_dir(directory: Path, dtype: torch.dtype, quantized: str | 
     hf = _read_json(directory / "config.json")
     if hf is None:
         raise ValueError("model directory has no config.json")
-    if hf.get("model_type", "llama") != "llama":
-        raise ValueError(f"model_type {hf.get('model_type')!r} is not supported (only 'llama')")
-    config = LlamaConfig.from_hf_dict(hf)
+    config = LlamaConfig.from_hf_dict(hf)  # ValueError for a model_type or option it cannot run
     generation = _read_json(directory / "generation_config.json") or {}
     eos_ids = set(config.eos_token_ids) | set(_id_list(generation.get("eos_token_id")))
     if not (directory / "tokenizer.json").exists():
@@ -170,17 +165,8 @@ def _safetensors_files(directory: Path) -> list[Path]:
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama model of `config` has, with its shape."""
-    h, kv = config.hidden_size, config.num_key_value_heads * config.head_dim
-    q, ffn = config.num_attention_heads * config.head_dim, config.intermediate_size
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    per_layer = dict(zip(_LAYER_PARTS, [(q, h), (kv, h), (kv, h), (h, q), (ffn, h), (ffn, h), (h, ffn), (h,), (h,)]))
-    for i in range(config.num_hidden_layers):
-        for part, shape in per_layer.items():
-            shapes[f"model.layers.{i}.{part}.weight"] = shape
-    return shapes
+    """Every tensor a model of `config` has, with its shape (per architecture: models/llama_config.py)."""
+    return config.tensor_shapes()
 
 
 def _check_tensors(config: LlamaConfig, tensors: dict[str, torch.Tensor]) -> None:
