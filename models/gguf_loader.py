@@ -1,12 +1,17 @@
-"""Llama weights from a GGUF file: dequantised to torch tensors under HF checkpoint names.
+"""Llama-family weights from a GGUF file (architectures llama, qwen2, qwen3, phi3: models/llama_config.py):
+dequantised to torch tensors under HF checkpoint names, or kept quantized (models/quant.py).
 
 The `gguf` package memory-maps the file; F32 tensors asked for in float32 stay views of that (copy-on-write)
 mapping. Q8_0, Q4_0, Q4_1, F16 and BF16 are dequantised here, vectorised in numpy; any other type goes through
-`gguf.quants.dequantize` (numpy). llama.cpp's converter permutes the rows of q_proj and k_proj so that its rotary
-pairs adjacent elements; we undo that so HF-style rotary (rotate_half over the two halves of a head) applies.
+`gguf.quants.dequantize` (numpy). llama.cpp's converter permutes the rows of q_proj and k_proj of `llama` models
+so that its rotary pairs adjacent elements; we undo that so HF-style rotary (rotate_half over the two halves of a
+head) applies (qwen2, qwen3 and phi3 are converted unpermuted: llama.cpp runs them with NEOX-style rotary).
+Rotary scaling stored as tensors (a Llama 3 file's `rope_freqs`, Phi-3's `rope_factors_long/short`) is read with
+the header into the config, not into the model's tensors.
 """
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from pathlib import Path
@@ -15,31 +20,38 @@ from typing import Any
 import numpy as np
 import torch
 
-from models.llama_config import LlamaConfig
+from models.llama_config import ARCHITECTURES, LlamaConfig
 from models.tokenizer import ChatTokenizer
 
-# blk.N.<GGUF part>.weight -> model.layers.N.<HF part>.weight
+# blk.N.<GGUF part>.<weight|bias> -> model.layers.N.<HF part>.<weight|bias>
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+_FUSED_LAYER_NAMES = {"ffn_up": "mlp.gate_up_proj"}  # phi3: ffn_up holds gate and up, in HF's order
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Rotary scaling stored as tensors: read with the header (key in the header metadata we keep), not model weights.
+ROPE_TENSORS = {"rope_freqs.weight": "appliance.rope_freqs", "rope_factors_long.weight": "appliance.rope_long",
+                "rope_factors_short.weight": "appliance.rope_short"}
 
 # bytes per block and weights per block of the types dequantised here
 _BLOCK = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32)}
 
 
-def hf_name(gguf_name: str) -> str:
-    """The HF checkpoint name of a GGUF tensor name; ValueError for tensors a Llama model does not have."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The HF checkpoint name of a GGUF tensor name; ValueError for tensors the model does not have (the loader
+    then checks every name against the architecture's list: models/llama_config.py tensor_shapes)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported Llama model")
+        part = _FUSED_LAYER_NAMES.get(m.group(2)) if architecture == "phi3" else None
+        return f"model.layers.{m.group(1)}.{part or _LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported {architecture} model")
 
 
 def permute_rotary_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -107,38 +119,77 @@ def read_metadata(reader) -> dict[str, Any]:
 
 
 def config_from_gguf_metadata(meta: dict[str, Any], has_output_tensor: bool) -> LlamaConfig:
-    """LlamaConfig from `llama.*` and `tokenizer.ggml.*` metadata; tied embeddings when there is no `output`."""
+    """LlamaConfig from `<arch>.*` and `tokenizer.ggml.*` metadata (and the rotary tensors header_metadata read);
+    tied embeddings when there is no `output` tensor."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    scaling = meta.get("llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
-    head_dim = int(meta.get("llama.attention.key_length") or hidden // heads)
-    rot = meta.get("llama.rope.dimension_count")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    head_dim = int(key("attention.key_length") or hidden // heads)
+    rot = key("rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
         raise ValueError("GGUF partial rotary (rope.dimension_count != head dim) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = len(tokens) if tokens is not None else int(meta["llama.vocab_size"])
+    vocab = len(tokens) if tokens is not None else int(key("vocab_size"))
     eos = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    context = int(key("context_length", 2048))
+    sliding = key("attention.sliding_window") if arch == "phi3" else None
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_hidden_layers=int(meta["llama.block_count"]),
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=int(key("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(meta.get("llama.attention.head_count_kv") or heads),
+        num_key_value_heads=int(key("attention.head_count_kv") or heads),
         head_dim=head_dim,
-        rms_norm_eps=_decimal(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_decimal(meta.get("llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+        rms_norm_eps=_decimal(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_decimal(key("rope.freq_base", 10000.0)),
+        # a sliding window the context never exceeds changes nothing (see LlamaConfig.from_hf_dict)
+        max_position_embeddings=min(context, int(sliding)) if sliding else context,
         tie_word_embeddings=not has_output_tensor,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=list(dict.fromkeys(eos)),
+        architecture=arch,
+        rope_scaling=_gguf_rope_scaling(meta, arch, head_dim, context),
     )
+
+
+def _gguf_rope_scaling(meta: dict[str, Any], arch: str, head_dim: int, context: int) -> dict[str, Any] | None:
+    """Rotary scaling as llama.cpp's converter writes it: `<arch>.rope.scaling.*` keys, a Llama 3 file's
+    per-frequency divisors (rope_freqs), Phi-3's longrope factors (rope_factors_long / _short)."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    freqs = meta.get(ROPE_TENSORS["rope_freqs.weight"])
+    long, short = meta.get(ROPE_TENSORS["rope_factors_long.weight"]), meta.get(ROPE_TENSORS["rope_factors_short.weight"])
+    for name, values in (("rope_freqs", freqs), ("rope_factors_long", long), ("rope_factors_short", short)):
+        if values is not None and len(values) != head_dim // 2:
+            raise ValueError(f"GGUF tensor {name}.weight has {len(values)} values; a head of {head_dim} needs "
+                             f"{head_dim // 2}")
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported")
+    if kind == "linear":
+        if freqs is not None or long is not None:
+            raise ValueError("GGUF rope scaling: linear together with rope factor tensors is not supported")
+        return {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    if freqs is not None:
+        return {"rope_type": "freq_factors", "freq_factors": [float(x) for x in freqs]}
+    if long is not None or short is not None:
+        if long is None or short is None:
+            raise ValueError("GGUF rope scaling: rope_factors_long and rope_factors_short come together")
+        original = int(meta.get(f"{arch}.rope.scaling.original_context_length") or context)
+        attention_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+        if attention_factor is None:  # what the converter writes (and transformers computes) for longrope
+            scale = context / original
+            attention_factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        return {"rope_type": "longrope", "long_factor": [float(x) for x in long],
+                "short_factor": [float(x) for x in short], "original_max_position_embeddings": original,
+                "attention_factor": _decimal(attention_factor)}
+    return None
 
 
 def _decimal(value: float) -> float:
@@ -177,6 +228,9 @@ def header_metadata(reader) -> dict[str, Any]:
     strings and merges), so the weight cache keeps a copy."""
     meta = read_metadata(reader)
     meta["appliance.has_output_tensor"] = any(t.name == "output.weight" for t in reader.tensors)
+    for t in reader.tensors:  # rotary scaling factors: a few floats each, part of the config
+        if t.name in ROPE_TENSORS:
+            meta[ROPE_TENSORS[t.name]] = dequantize(t.data, t.tensor_type.name, (int(t.n_elements),)).tolist()
     return meta
 
 
@@ -198,22 +252,26 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: str | N
     config, tokenizer = header_from_metadata(meta)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in ROPE_TENSORS:  # read into the config with the header
+            continue
+        name = hf_name(t.name, config.architecture)
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
         if quantized and len(shape) == 2:
             tensors[name] = _quantized_matrix(t.data, t.tensor_type.name, shape, quantized, name, config)
             continue
         w = dequantize(t.data, t.tensor_type.name, shape)
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rotary_rows(w, config.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rotary_rows(w, config.num_key_value_heads)
+        order = _rotary_row_order(name, config)
+        if order is not None:
+            w = w[order]
         tensors[name] = w if w.dtype == dtype else w.to(dtype)
     return config, tensors, tokenizer, meta
 
 
 def _rotary_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
-    """Row index that undoes llama.cpp's q/k permutation (None for other matrices)."""
+    """Row index that undoes llama.cpp's q/k permutation (None for other matrices, and for architectures the
+    converter does not permute)."""
+    if config.architecture != "llama" or not name.endswith(".weight"):
+        return None
     heads = (config.num_attention_heads if name.endswith("q_proj.weight")
              else config.num_key_value_heads if name.endswith("k_proj.weight") else None)
     if heads is None:

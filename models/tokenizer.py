@@ -1,7 +1,8 @@
 """The language model's tokenizer plus its chat template: text <-> token ids, and the tokens of one chat turn.
 
 Built from a HF `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`) or from GGUF metadata
-(`tokenizer.ggml.*`, byte-level BPE only). The chat template is rendered the way HF does: a sandboxed jinja2
+(`tokenizer.ggml.*`): byte-level BPE ("gpt2": Llama 3, SmolLM2, Qwen) or a SentencePiece vocabulary with scores
+("llama": Llama 2, Phi-3), built as transformers builds them from a GGUF (integrations/gguf), offline. The chat template is rendered the way HF does: a sandboxed jinja2
 environment with trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now` and a `tojson` that keeps unicode.
 
 The template comes from a model file, so it is untrusted: it renders in jinja2's ImmutableSandboxedEnvironment (no
@@ -26,7 +27,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 GGUF_TOKEN_TYPE_CONTROL = 3
 GGUF_TOKEN_TYPE_USER_DEFINED = 4
@@ -36,9 +37,15 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_SPLIT_BY_GGUF_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_BY_GGUF_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                      "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 # Stands in for the user's text to find where a template puts it (private-use characters: in no real prompt).
 _CONTENT_MARKER = "\ue000content\ue001"
+_REPLY_MARKER = "\ue002reply\ue003"
 
 RENDER_TIMEOUT_S = 1.0  # a chat template renders in well under 10 ms; a template that runs 1 s is hostile or broken
 MAX_RENDER_CHARS = 1 << 20  # longest rendering: a whole conversation of max_seq_len tokens is ~10-50k characters
@@ -94,6 +101,8 @@ class ChatTokenizer:
         self._literal.encode_special_tokens = True
         self._template = _compile_template(self.chat_template) if self.chat_template else None
         self.render_timeout_s = RENDER_TIMEOUT_S
+        self._reply_end_cache: tuple[tuple[int, ...], str] | None = None
+        self._special_cache: set[int] | None = None
 
     # ---- construction ----------------------------------------------------------------------------------------
     @classmethod
@@ -118,12 +127,19 @@ class ChatTokenizer:
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "ChatTokenizer":
         """From a GGUF file's metadata (values as `ReaderField.contents()` gives them)."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2')")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        tokenizer = build_byte_level_bpe(tokens, merges, types, meta.get("tokenizer.ggml.pre"))
+        if kind == "gpt2":
+            tokenizer = build_byte_level_bpe(tokens, merges, types, meta.get("tokenizer.ggml.pre"))
+        elif kind == "llama":
+            scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+            tokenizer = build_sentencepiece_bpe(
+                tokens, scores, types, merges or None, phi3=meta.get("general.architecture") == "phi3",
+                prefix_space=bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (supported: byte-level BPE 'gpt2', "
+                             "SentencePiece 'llama')")
 
         def token_at(key: str) -> tuple[int | None, str | None]:
             idx = meta.get(f"tokenizer.ggml.{key}")
@@ -161,23 +177,40 @@ class ChatTokenizer:
 
     def turn_tokens_and_head(self, history: list[dict], user_text: str, system_prompt: str | None
                              ) -> tuple[list[int], int]:
-        """turn_tokens, and how many of its leading tokens come before the user's text and are tokenized on
-        their own (the same for every prompt: a shared prefix), 0 when the template altered the text."""
-        """Tokens to append to a slot holding the rendering of `history` so that it then holds the rendering of
-        history + this user turn + the generation prompt. Empty history: the whole prompt (the template's default
-        system prompt included, or `system_prompt` when given).
+        """Tokens to append to a slot holding `history` (its replies as generated, each followed by
+        `assistant_suffix_tokens()`) so that it then holds history + this user turn + the generation prompt, and
+        how many of its leading tokens come before the user's text and are tokenized on their own (the same for
+        every prompt: a shared prefix; 0 when the template altered the text). Empty history: the whole prompt (the
+        template's default system prompt included, or `system_prompt` when given).
 
-        Assumes a prefix-stable template (rendering more messages only appends text), true of Llama/SmolLM2/ChatML
-        templates; an AssertionError says a template breaks it. What the user typed is tokenized as plain text:
-        "<|im_end|>" inside a prompt is not the control token, so a prompt cannot forge turns.
+        The new turn is what the template writes after the last reply, found with a marker in that reply's place:
+        a template may render earlier replies differently once the conversation goes on (Qwen3 drops their
+        reasoning) or end a finished conversation with an eos (Phi-3); the slot keeps the replies as they were
+        generated and gets only the new turn. What the user typed is tokenized as plain text: "<|im_end|>" inside
+        a prompt is not the control token, so a prompt cannot forge turns. ChatTemplateError where a template
+        cannot be continued this way.
         """
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + list(history)
-        before = self.render(messages, add_generation_prompt=False) if history else ""
+        if history and history[-1].get("role") == "assistant":
+            shown = messages[:-1] + [{**messages[-1], "content": _REPLY_MARKER}]
+            reply_end = self._reply_end()[1]
 
-        def suffix_with(content: str) -> str:
-            after = self.render(messages + [{"role": "user", "content": content}], add_generation_prompt=True)
-            assert after.startswith(before), "chat template is not prefix-stable"
-            return after[len(before):]
+            def suffix_with(content: str) -> str:
+                after = self.render(shown + [{"role": "user", "content": content}], add_generation_prompt=True)
+                if after.count(_REPLY_MARKER) != 1:
+                    raise ChatTemplateError("chat template: the last reply does not appear once in the rendering")
+                rest = after[after.index(_REPLY_MARKER) + len(_REPLY_MARKER):]
+                if not rest.startswith(reply_end):
+                    raise ChatTemplateError("chat template: what follows a reply depends on the next turn")
+                return rest[len(reply_end):]
+        else:
+            before = self.render(messages, add_generation_prompt=False) if history else ""
+
+            def suffix_with(content: str) -> str:
+                after = self.render(messages + [{"role": "user", "content": content}], add_generation_prompt=True)
+                if not after.startswith(before):
+                    raise ChatTemplateError("chat template is not prefix-stable")
+                return after[len(before):]
 
         suffix = suffix_with(user_text)
         # Where the template put the user's text: render once more with a marker in its place.
@@ -185,21 +218,59 @@ class ChatTokenizer:
         if marked.count(_CONTENT_MARKER) == 1:
             head, tail = marked.split(_CONTENT_MARKER)
             if head + user_text + tail == suffix:  # inserted verbatim
-                head_ids = self.encode(head)
-                return (head_ids + self._literal.encode(user_text, add_special_tokens=False).ids
-                        + self.encode(tail)), len(head_ids)
+                return self._encode_turn(head, user_text, tail)
         return self.encode(suffix), 0  # the template altered the text (e.g. trimmed it): tokenize it whole
 
+    def _encode_turn(self, head: str, user_text: str, tail: str) -> tuple[list[int], int]:
+        """The turn tokenized whole, as transformers tokenizes a rendered chat (a SentencePiece vocabulary marks
+        the start of every piece of text it is given, so pieces tokenized apart would differ), unless the user's
+        text then holds a special token: it is tokenized apart, as plain text. And the count of leading tokens
+        that lie within the template's head."""
+        start, end = len(head), len(head) + len(user_text)
+        whole = self.tokenizer.encode(head + user_text + tail, add_special_tokens=False)
+        special = self._special_ids()
+        if not any(i in special and a < end and b > start for i, (a, b) in zip(whole.ids, whole.offsets)):
+            return whole.ids, sum(1 for _a, b in whole.offsets if b <= start)
+        head_ids = self.encode(head)
+        return (head_ids + self._literal.encode(user_text, add_special_tokens=False).ids
+                + self.encode(tail)), len(head_ids)
+
+    def _special_ids(self) -> set[int]:
+        if self._special_cache is None:
+            self._special_cache = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        return self._special_cache
+
     def assistant_suffix_tokens(self) -> list[int]:
-        """What the template writes after an assistant reply's text, e.g. the ids of "<|im_end|>\\n". When the
-        template ends replies with an eos token, this starts with that token (a slot whose generation stopped on
-        it needs only the rest). Empty without a template."""
+        """What the template writes after an assistant reply's text when the conversation goes on, e.g. the ids of
+        "<|im_end|>\n" (Phi-3: "<|end|>\n", not the "<|endoftext|>" it writes at the end of a whole
+        conversation). When the template ends replies with an end-of-turn token, this starts with it (a slot whose
+        generation stopped on it needs only the rest). Empty without a template."""
+        return list(self._reply_end()[0])
+
+    def end_of_turn_ids(self) -> set[int]:
+        """The special token the template closes a reply with (e.g. <|im_end|>, Phi-3's <|end|>), which ends a
+        generated reply as the eos tokens do; empty when replies end otherwise."""
+        suffix = self.assistant_suffix_tokens()
+        return {suffix[0]} if suffix and suffix[0] in self._special_ids() else set()
+
+    def _reply_end(self) -> tuple[tuple[int, ...], str]:
+        """(ids, text) of what follows a reply when another user turn comes: the tokens that rendering shares
+        with a conversation ending after the reply (found token by token, so an eos that only ends a whole
+        conversation is left out without cutting a token in two)."""
         if self._template is None:
-            return []
-        marker = "\x00reply\x00"
-        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
-                           add_generation_prompt=False)
-        return self.encode(text[text.rindex(marker) + len(marker):])
+            return (), ""
+        if self._reply_end_cache is None:
+            first = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _REPLY_MARKER}]
+            ended = self.render(first, add_generation_prompt=False)
+            going_on = self.render(first + [{"role": "user", "content": "and then?"}], add_generation_prompt=True)
+            ended, going_on = (t[t.rindex(_REPLY_MARKER) + len(_REPLY_MARKER):] for t in (ended, going_on))
+            a = self.tokenizer.encode(ended, add_special_tokens=False)
+            b = self.tokenizer.encode(going_on, add_special_tokens=False)
+            n = 0
+            while n < min(len(a.ids), len(b.ids)) and a.ids[n] == b.ids[n]:
+                n += 1
+            self._reply_end_cache = (tuple(b.ids[:n]), going_on[:b.offsets[n - 1][1]] if n else "")
+        return self._reply_end_cache
 
 
 def build_byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], token_types: list[int],
@@ -231,6 +302,49 @@ def build_byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], token
     if user:
         tok.add_tokens(user)
     return tok
+
+
+def build_sentencepiece_bpe(tokens: list[str], scores: list[float], token_types: list[int],
+                            merges: list[tuple[str, str]] | None, phi3: bool = False,
+                            prefix_space: bool = True) -> Tokenizer:
+    """A SentencePiece BPE vocabulary as GGUF stores it ("▁" for spaces, <0xXX> byte tokens, a score per token)
+    as transformers builds it from a GGUF: BPE with byte fallback, merges recovered from the scores when the file
+    has none, a "▁" prefix (Metaspace for Llama; for Phi-3 a normalizer, as transformers' phi3_tokenizer: the
+    two differ only on text that starts with spaces), CONTROL tokens special, USER_DEFINED ones added."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges is None:
+        merges = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    if phi3:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                     prepend_scheme="first" if prefix_space else "never",
+                                                     split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix_space or phi3 else []))
+    special = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, token_types)
+               if ty == GGUF_TOKEN_TYPE_CONTROL]
+    if special:
+        tok.add_special_tokens(special)
+    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types)
+            if ty == GGUF_TOKEN_TYPE_USER_DEFINED]
+    if user:
+        tok.add_tokens(user)
+    return tok
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens of the vocabulary is a merge, ranked by the merged token's score
+    (best first), ties by the pieces' lengths: transformers' generate_merges, which a GGUF's SentencePiece
+    vocabulary (no merges stored) goes through."""
+    merges = []
+    for merged, score in scores.items():
+        local = [(merged[:i], merged[i:], score) for i in range(1, len(merged))
+                 if merged[:i] in vocab and merged[i:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
 
 
 @lru_cache(maxsize=1)

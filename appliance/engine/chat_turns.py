@@ -19,7 +19,8 @@ class ChatTurns:
         self.system_prompt = system_prompt
         self.max_text_chars = max_text_chars
         self.max_seq_len = max_seq_len
-        self.eos_ids = set(tokenizer.eos_token_ids)
+        # The template's end-of-turn token ends a reply too (Phi-3's <|end|> is not the file's eos <|endoftext|>).
+        self.eos_ids = set(tokenizer.eos_token_ids) | tokenizer.end_of_turn_ids()
         self.suffix = list(tokenizer.assistant_suffix_tokens())
 
     def prepare(self, seq: Sequence, slot: Slot, acquired: Acquired) -> None:
