@@ -331,3 +331,52 @@ def test_phi3_gguf_served_end_to_end_gives_transformers_reply(written, tmp_path)
     cut = next((i for i, t in enumerate(want) if t in stops), len(want))
     assert first.text == tok.decode(want[:cut])
     assert second.token_count >= 1 and not second.context_lost
+
+
+# ---- weights kept quantized -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_weights_of_each_architecture_compute_with_their_own_numbers(written, variant, fmt):
+    """Kept quantized (models/quant.py), biases, per-head norms and phi3's fused matrices included: the greedy
+    tokens of a dense model holding the same numbers (dequantised)."""
+    from models import quant
+    _, path = written[variant]
+    w = load_weights(path, torch.float32, fmt)
+    fused = "model.layers.0.self_attn.qkv_proj.weight" if variant == "phi3" else "model.layers.0.mlp.up_proj.weight"
+    assert isinstance(w.tensors[fused], quant.QuantizedMatrix)
+    dense = {k: quant.dequantize(v) if isinstance(v, quant.QuantizedMatrix) else v.float()
+             for k, v in w.tensors.items()}
+    prompts = [prompt(n, seed=n, vocab=w.config.vocab_size) for n in (6, 13)]
+    assert engine_greedy(LlamaModel(w.config, w.tensors), prompts, 8) == \
+        engine_greedy(LlamaModel(w.config, dense), prompts, 8)
+
+
+def test_matrices_of_different_formats_in_one_layer_multiply_apart(written, tmp_path):
+    """q/k/v or gate/up kept in different formats (a Q4_K_M file mixes Q4_K and Q6_K in one layer) cannot be fused
+    into one matrix: each multiplies on its own (RowStack), eagerly and in the compiled step, with the fused
+    layer's numbers."""
+    from models import quant
+    from models.compiled_decode import CompiledDecode
+    from models.llama import RowStack
+    _, path = written["qwen2"]
+    w = load_weights(path, torch.float32)
+    mixed = dict(w.tensors)
+    for i in range(w.config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        mixed[p + "self_attn.q_proj.weight"] = quant.quantize(w.tensors[p + "self_attn.q_proj.weight"], "int4")
+        for name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                     "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            mixed[p + name] = quant.quantize(w.tensors[p + name], "int8")
+    model = LlamaModel(w.config, mixed)
+    assert isinstance(model.layers[0].qkv, RowStack) and not isinstance(model.layers[0].gate_up, RowStack)
+    # the same numbers, dense: a quantized model keeps its embeddings (and head) in bfloat16 (quant.HEAD_NAMES)
+    dense = LlamaModel(w.config, {k: quant.dequantize(v) if isinstance(v, quant.QuantizedMatrix)
+                                  else v.to(torch.bfloat16).float() if k in quant.HEAD_NAMES else v
+                                  for k, v in mixed.items()})
+    prompts = [prompt(n, seed=n, vocab=w.config.vocab_size) for n in (6, 13)]
+    want = engine_greedy(dense, prompts, 8)
+    assert engine_greedy(model, prompts, 8) == want
+    cache = KVCache(w.config, 2, 96, torch.float32)
+    compiled = CompiledDecode(model, cache, tmp_path / "inductor")
+    compiled.compile()
+    assert engine_greedy(model, prompts, 8, compiled=compiled, cache=cache) == want
