@@ -52,3 +52,22 @@ def test_without_triton_installed(monkeypatch):
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="'cuda'.*auto, triton, torch"):
         kernels.silu_mul(torch.randn(2, 8), backend="cuda")
+
+
+def test_layering_models_and_kernels_import_nothing_from_appliance_and_kernels_nothing_from_models():
+    """kernels/ <- models/ <- appliance/: the engine's layers, checked on every import statement (ast). (The
+    scripts under models/te_classifier/ that train and evaluate the classifier are not engine modules.)"""
+    import ast
+
+    def imported(path: Path) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module.split(".")[0])
+        return names
+
+    for package, forbidden in (("models", {"appliance", "uaserver"}), ("kernels", {"appliance", "uaserver", "models"})):
+        for path in sorted((ROOT / package).glob("*.py")):
+            assert not imported(path) & forbidden, f"{path.relative_to(ROOT)} imports {imported(path) & forbidden}"
