@@ -27,10 +27,18 @@ from typing import Any
 
 from asyncua import Node, Server, ua
 
+from typing import TYPE_CHECKING
+
+from appliance.audit import digest
 from appliance.config import MailboxConfig
 
 from .asyncua_internals import ApplianceSession, write_together
+from .methods import CallContext, require_ready
 from .session import current_session
+
+if TYPE_CHECKING:
+    from .inference import Inference
+    from .methods import MethodHandlers
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -77,6 +85,29 @@ class Mailboxes:
         self._request = request
         self._refused = refused
         self._by_node: dict[ua.NodeId, tuple[Mailbox, str]] = {}
+
+    @classmethod
+    def serving(cls, server: Server, ns: int, configs: dict[str, MailboxConfig], inference: "Inference",
+                handlers: "MethodHandlers") -> "Mailboxes":
+        """Mailboxes whose requests run through the method handlers like a call (role, rate limit, argument checks,
+        fallback, status codes, audit and metrics as method `Mailbox`): the answer is a MailboxAnswer, or the
+        CallMethodResult carrying the status code the call would have answered."""
+        services = inference.services
+        callbacks = {}
+        for name, box in configs.items():
+            svc = services[box.model]
+            body = _infer_body(inference, svc, box) if svc.kind == "tensor" else _generate_body(inference, svc, box)
+            callbacks[name] = handlers.wrap("Mailbox", box.model, "operator", 3, body)
+
+        async def request(box: MailboxConfig, session, value: ua.Variant, number: int):
+            return await callbacks[box.name](ua.NodeId(f"Appliance/Mailboxes/{box.name}", ns), value,
+                                             ua.Variant(box.name, V.String), ua.Variant(number, V.UInt32))
+
+        def refused(box: MailboxConfig, session, status: str, number: int) -> None:
+            handlers.account(CallContext(session=session, method="Mailbox", model=box.model,
+                                         detail=f"mailbox {box.name} Request {number}"), status)
+        return cls(server, ns, configs, {name: svc.kind for name, svc in services.items()},
+                   {name: c.labels for name, c in inference.alarms.classifiers.items()}, request, refused)
 
     async def build(self, root: Node) -> None:
         """Objects/Appliance/Mailboxes/<name> and its variables (only when the YAML names mailboxes)."""
@@ -207,6 +238,38 @@ _TYPES = {"Input": V.Float, "Prompt": V.String, "Request": V.UInt32, "Busy": V.B
 
 
 _EMPTY = {"tensor": [], "generative": ""}  # Output / Text of a failed request
+
+
+def _infer_body(inference: "Inference", svc, box: MailboxConfig):
+    classifier = inference.alarms.classifiers.get(svc.name)
+    source = classifier.source_of(mailbox=box.name) if classifier is not None else ""
+
+    async def body(ctx: CallContext, args):
+        ctx.detail = f"mailbox {box.name} Request {args[2].Value}"
+        r = await inference.infer(svc, ctx, args[0])
+        classified = await inference.alarms.classified(svc.name, r.output, source) if classifier else None
+        return MailboxAnswer(r.model_version, output=r.output.tolist(), classified=classified)
+    return body
+
+
+def _generate_body(inference: "Inference", svc, box: MailboxConfig):
+    key = f"mailbox:{box.name}"  # one turn per request: the slot is given back after each
+
+    async def body(ctx: CallContext, args):
+        ctx.detail = f"mailbox {box.name} Request {args[2].Value}"
+        prompt = inference.handlers.text(args[0], 0)
+        ctx.input_digest = digest(prompt)
+        model = inference.governance.answering(svc, ctx)
+        require_ready(model)
+        try:
+            r = await model.generate(key, prompt, box.effective_max_tokens, box.effective_temperature,
+                                     inference.handlers.deadline())
+        finally:
+            model.release(key)
+        ctx.version = r.model_version
+        ctx.output_digest = digest(r.text)
+        return MailboxAnswer(r.model_version, text=r.text)
+    return body
 
 
 def _status(name: str) -> ua.StatusCode:

@@ -254,7 +254,7 @@ class MethodHandlers:
                 return status_result(status)
             finally:
                 self.in_flight -= 1
-                self._account(ctx, status)
+                self.account(ctx, status)
                 correlation_id.reset(cid)
         return callback
 
@@ -266,7 +266,8 @@ class MethodHandlers:
             self.metrics.rate_limited.labels(role).inc()
         return False
 
-    def _account(self, ctx: CallContext, status: str) -> None:
+    def account(self, ctx: CallContext, status: str) -> None:
+        """Count, time and audit one call (or a mailbox request refused before it ran)."""
         elapsed = time.perf_counter() - ctx.started
         if self.metrics is not None:
             self.metrics.count_request(ctx.model, ctx.method, status, ctx.variant)

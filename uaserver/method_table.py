@@ -1,0 +1,81 @@
+"""Methods declared once: each feature module lists its methods as MethodSpecs (where, name, arguments, role, body);
+the server registers every table the same way (the arguments become the method's Input/OutputArguments, the body is
+wrapped by MethodHandlers.wrap: role, rate limit, argument count, status codes, audit and metrics).
+
+The argument lists of the contract's methods live here too, since several modules share them.
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncua import ua
+
+V = ua.VariantType
+ADMIN = ""  # MethodSpec.owner of the Appliance/Admin methods
+
+
+def argument(name: str, vtype: ua.VariantType, array: bool = False, description: str = "") -> ua.Argument:
+    arg = ua.Argument()
+    arg.Name = name
+    arg.DataType = ua.NodeId(vtype.value)
+    if array:  # asyncua needs ValueRank and ArrayDimensions spelled out for arrays
+        arg.ValueRank = 1
+        arg.ArrayDimensions = [0]
+    else:
+        arg.ValueRank = -1
+        arg.ArrayDimensions = []
+    arg.Description = ua.LocalizedText(description)
+    return arg
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    owner: str  # the model whose object offers it; ADMIN for Appliance/Admin
+    name: str  # BrowseName (and the audit record's action)
+    inputs: list[ua.Argument]
+    outputs: list[ua.Argument]
+    role: str  # the least role that may call it: monitor | operator | engineer
+    body: Callable[[Any, tuple], Awaitable[Any]]  # (CallContext, the input Variants) -> the output Variants
+
+
+INFER_IN = [argument("Input", V.Float, True, "k samples back to back, 1 <= k <= MaxSamples")]
+INFER_OUT = [argument("Output", V.Float, True, "k results back to back"),
+             argument("ModelVersion", V.String, description="version of the weights that computed Output")]
+GENERATE_IN = [argument("Prompt", V.String, description="non-empty UTF-8, at most 16 KiB"),
+               argument("MaxTokens", V.UInt32, description="1 .. engine.max_new_tokens"),
+               argument("Temperature", V.Float, description="0 (greedy) .. 2")]
+GENERATE_OUT = [argument("Text", V.String), argument("TokenCount", V.UInt32), argument("FinishReason", V.String),
+                argument("ContextTokens", V.UInt32), argument("ContextLost", V.Boolean),
+                argument("ModelVersion", V.String)]
+CLASSIFY_OUT = [argument("ClassIndex", V.Int32, True, "arg-max class per sample"),
+                argument("Label", V.String, True, "its label"),
+                argument("Confidence", V.Float, True, "its probability"),
+                argument("ModelVersion", V.String, description="version of the weights that computed the result")]
+CONVERSATION_ID = argument("ConversationId", V.String, description="1-64 printable ASCII; yours alone")
+CONVERSE_IN = [CONVERSATION_ID, *GENERATE_IN]
+JOB_ID = argument("JobId", V.UInt32, description="a job of the calling identity (certificate + user)")
+WAIT_MS = argument("WaitMs", V.UInt32, description="wait at most this long for the result (0: answer at once)")
+DONE = argument("Done", V.Boolean, description="false: the job still runs (Text holds what is there so far)")
+START_GENERATE_IN = [argument("ConversationId", V.String, description="empty: the calling session's conversation"),
+                     *GENERATE_IN]
+GET_RESULT_IN = [JOB_ID, WAIT_MS]
+GET_INFER_RESULT_OUT = [DONE, *INFER_OUT]
+GET_GENERATE_RESULT_OUT = [DONE, *GENERATE_OUT]
+RELOAD_IN = [argument("Name", V.String, description="the model's name")]
+RELOAD_OUT = [argument("Version", V.String)]
+PROMOTE_IN = [argument("Model", V.String, description="the model's name"),
+              argument("Variant", V.String, description="one of the model's YAML variants, 'main' for its own path, "
+                       "or empty to restore the configured split")]
+
+
+def generate_outputs(r) -> list[ua.Variant]:
+    """A GenerateResult as Generate's output arguments (Converse and GetGenerateResult answer the same)."""
+    return [ua.Variant(r.text, V.String), ua.Variant(r.token_count, V.UInt32),
+            ua.Variant(r.finish_reason, V.String), ua.Variant(r.context_tokens, V.UInt32),
+            ua.Variant(bool(r.context_lost), V.Boolean), ua.Variant(r.model_version, V.String)]
+
+
+def infer_outputs(r) -> list[ua.Variant]:
+    return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
