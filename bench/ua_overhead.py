@@ -5,12 +5,17 @@ method on a bare asyncua server with the same security policy (Basic256Sha256, S
 1 and 16 concurrent clients (one outstanding call each). Each server runs in its own process; the clients share this
 one. Prints the ratios: appliance/bare at 1 client (goal >= 0.7) and appliance 16 clients / 1 client (goal >= 3).
 
+Each run also gives the server process's CPU time per call (from /proc, robust to other load on the machine)
+and, for the appliance, its model worker's. `--profile DIR` records the serve process with py-spy (GIL-holding
+samples only: the Python work per call) and prints the top functions.
+
 Then, with 1 client, the paths for PLCs that must not block, each beside a synchronous `Infer` in the same run:
 `StartInfer` + `GetInferResult(WaitMs=2000)` (two calls; the second returns as soon as the job is done), and a
 mailbox request-to-Done (one Write of Input and Request, then the subscription's publish of Response/Done) at each
 `--publishing-ms` interval. Prints p50/p99 and the ratios to Infer (goal: the mailbox within 2x of Infer at p50).
 
     .venv/bin/python bench/ua_overhead.py [--seconds 5] [--clients 1 16] [--publishing-ms 1 10] [--recovery 5]
+                                          [--profile DIR]
 """
 from __future__ import annotations
 
@@ -295,6 +300,42 @@ def measure_recovery(app: subprocess.Popen, cert, key, sample, port: int, times:
               f"{[round(x, 2) for x in seconds]} (goal <= {goal} s)", flush=True)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds the process has used (its threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def profile_start(pid: int, folder: Path, clients: int, seconds: float) -> subprocess.Popen:
+    """py-spy sampling the serve process (its Python threads) for the length of one run, after the warm-up."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(seconds) - 1)),
+                             "--rate", "500", "--gil", "--format", "raw", "--output", str(folder / f"serve-{clients}.txt"),
+                             "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
+    """Print the functions with the most samples of their own (self) and in total, from py-spy's collapsed stacks."""
+    spy.wait(60)
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in stack.split(";")]
+        n = int(count)
+        samples += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            total[frame] = total.get(frame, 0) + n
+    print(f"serve profile ({path}): {samples} samples")
+    for title, table in (("self", own), ("total", total)):
+        print(f"  top by {title}:")
+        for frame, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"    {100 * n / samples:5.1f} %  {frame}")
+
+
 def summary(rate: float, lat: list[float]) -> str:
     q = np.percentile(np.array(lat) * 1000, [50, 99])
     return f"{rate:8.0f} calls/s   p50 {q[0]:6.2f} ms   p99 {q[1]:6.2f} ms   ({len(lat)} calls)"
@@ -312,6 +353,9 @@ def main() -> int:
                     help="publishing intervals of the mailbox client's subscription (none: skip the async paths)")
     ap.add_argument("--queue-delay-ms", type=float, default=None,
                     help="engine.max_queue_delay_ms for the appliance (default: the configuration default)")
+    ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                    help="record the serve process with py-spy (pip install py-spy) while the appliance's calls run: "
+                         "DIR/serve-<clients>.txt, collapsed stacks, and the top functions printed")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="ua-bench-"))
@@ -345,7 +389,7 @@ def main() -> int:
         wait_port(app_port, app)
         wait_port(bare_port, bare)
         wait_ready(cfg["metrics"]["listen"])
-        results, p99s = {}, {}
+        results, p99s, cpus = {}, {}, {}
         for n in args.clients:
             for name, cls, port in (("bare asyncua Echo", BareCaller, bare_port),
                                     ("appliance Infer", ApplianceCaller, app_port)):
@@ -353,16 +397,27 @@ def main() -> int:
 
                 async def make(cls=cls, endpoint=endpoint):
                     return await cls(endpoint, cert, key, sample).open()
+                spy = profile_start(app.pid, args.profile, n, args.seconds) if args.profile and port == app_port \
+                    else None
+                pids = [bare.pid] if port == bare_port else [app.pid, *worker_pids(app.pid).values()]
+                cpu0 = [cpu_seconds(pid) for pid in pids]
                 rate, lat = asyncio.run(drive(make, n, args.seconds))
+                cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0)]
+                if spy is not None:
+                    profile_report(spy, args.profile / f"serve-{n}.txt")
                 results[(name, n)] = rate
                 p99s[(name, n)] = float(np.percentile(lat, 99))
-                print(f"{name:20s} {n:3d} clients: {summary(rate, lat)}", flush=True)
+                cpus[(name, n)] = cpu[0] / len(lat) * 1e6
+                workers = f" + worker {sum(cpu[1:]) / len(lat) * 1e6:.0f} us" if len(cpu) > 1 else ""
+                print(f"{name:20s} {n:3d} clients: {summary(rate, lat)}   server CPU per call "
+                      f"{cpus[(name, n)]:.0f} us{workers}", flush=True)
         for n in args.clients:
             rate = results[("appliance Infer", n)] / results[("bare asyncua Echo", n)]
             p99 = p99s[("appliance Infer", n)] / p99s[("bare asyncua Echo", n)]
             goal = "goal >= 0.7" if n == 1 else "goal >= 0.6"
             print(f"{n:3d} clients: appliance/bare calls/s {rate:.2f} ({goal}); p99 appliance/bare {p99:.2f}"
-                  + ("  (goal <= 2)" if n > 1 else ""))
+                  + ("  (goal <= 2)" if n > 1 else "")
+                  + f"; serve CPU per call / bare's {cpus[('appliance Infer', n)] / cpus[('bare asyncua Echo', n)]:.2f}")
         if args.publishing_ms:
             async_paths(f"opc.tcp://127.0.0.1:{app_port}", cert, key, sample, args.seconds, args.publishing_ms)
         if args.recovery:

@@ -67,6 +67,7 @@ from asyncua.server.uaprocessor import UaProcessor  # noqa: E402
 from asyncua.ua import ua_binary  # noqa: E402
 from asyncua.ua.ua_binary import nodeid_from_binary, struct_from_binary, uatcp_to_binary  # noqa: E402
 from asyncua.ua.uaerrors import BadDecodingError  # noqa: E402
+import numpy as np  # noqa: E402
 from cryptography.exceptions import InvalidSignature  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 
@@ -564,7 +565,7 @@ class HardenedProcessor(UaProcessor):
         assert isinstance(session, ApplianceSession)
         if session.outstanding_calls >= self.guard.max_requests_per_session:
             raise ServiceError(ua.StatusCodes.BadTooManyOperations)
-        params = struct_from_binary(ua.CallParameters, body)
+        params = call_parameters_from_binary(body)
         session.touch()
         session.outstanding_calls += 1
         token = current_session.set(session)
@@ -596,6 +597,38 @@ class HardenedProcessor(UaProcessor):
             self.send_response(requesthdr.RequestHandle, seqhdr, response)
         except Exception:
             log.info("call answered after its connection closed")
+
+
+_ARRAY, _DIMENSIONS = 0x80, 0x40  # a Variant's encoding mask: an array; with dimensions
+_NUMPY_ARRAYS = {ua.VariantType.Float.value: "<f4", ua.VariantType.Double.value: "<f8"}
+
+
+def call_parameters_from_binary(body) -> ua.CallParameters:
+    """A Call request's parameters, decoded as asyncua decodes them, except that a one-dimensional Float or Double
+    array argument becomes a numpy array straight from the bytes: asyncua makes a list of Python floats (23 us for
+    a TE sample of 1040) that the handler then turns into an array (22 us more), per call."""
+    params = ua.CallParameters()
+    for _ in range(ua_binary.Primitives.Int32.unpack(body)):
+        item = ua.CallMethodRequest()
+        item.ObjectId = nodeid_from_binary(body)
+        item.MethodId = nodeid_from_binary(body)
+        item.InputArguments = [_argument_from_binary(body)
+                               for _ in range(ua_binary.Primitives.Int32.unpack(body))]
+        params.MethodsToCall.append(item)
+    return params
+
+
+def _argument_from_binary(body) -> ua.Variant:
+    encoding = body.copy(1).read(1)[0]  # peeked: asyncua's decoder reads it again when it takes over
+    dtype = _NUMPY_ARRAYS.get(encoding & 0x3F)
+    if dtype is None or not encoding & _ARRAY or encoding & _DIMENSIONS:
+        return ua_binary.variant_from_binary(body)
+    body.read(1)
+    length = ua_binary.Primitives.Int32.unpack(body)
+    if length < 0:
+        return ua.Variant(None, ua.VariantType(encoding & 0x3F), is_array=True)
+    values = np.frombuffer(body.read(length * int(dtype[-1])), dtype=dtype).copy()
+    return ua.Variant(values, ua.VariantType(encoding & 0x3F), is_array=True)
 
 
 class HardenedProtocol(OPCUAProtocol):

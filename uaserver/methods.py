@@ -9,8 +9,6 @@ import asyncio
 import logging
 import math
 import time
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +19,7 @@ from asyncua import ua
 from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
 
 from .asyncua_internals import ApplianceSession
+from .audit_writer import AuditWriter
 from .session import correlation_id, current_audit_entry_id, current_session, new_correlation_id
 from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
@@ -100,64 +99,6 @@ def require_role(session: ApplianceSession | None, needed: str) -> None:
         raise AccessDenied()
 
 
-class _AuditWriter:
-    """Writes audit records in call order on one thread, off the event loop. The records of one loop turn go over
-    in one batch: a queue hand-over per record woke the thread (and fought the loop for the GIL) once per call,
-    a fifth of the serve process's CPU at 16 clients (py-spy). At most `max_pending` records wait: beyond, a record
-    is dropped and counted as a write failure (`full` is true until the thread catches up)."""
-
-    def __init__(self, audit, max_pending: int = 10000, metrics=None):
-        self._audit = audit
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._batch: list[dict] = []
-        self._pending = 0  # records put and not yet written; on the loop += , in the thread -= (under the lock)
-        self._lock = threading.Lock()
-        self.max_pending = max_pending
-        self.dropped = 0
-        self._metrics = metrics
-        self._thread = threading.Thread(target=self._run, name="audit", daemon=True)
-        self._thread.start()
-
-    @property
-    def full(self) -> bool:
-        return self._pending >= self.max_pending
-
-    def put(self, fields: dict) -> bool:
-        """On the event loop. False when the queue is full (the record is dropped)."""
-        with self._lock:
-            if self._pending >= self.max_pending:
-                self.dropped += 1
-                if self._metrics is not None:
-                    self._metrics.audit_errors.inc()
-                return False
-            self._pending += 1
-        if not self._batch:
-            asyncio.get_running_loop().call_soon(self._hand_over)
-        self._batch.append(fields)
-        return True
-
-    def _hand_over(self) -> None:
-        batch, self._batch = self._batch, []
-        self._queue.put(batch)
-
-    def close(self) -> None:
-        """Write what is queued, then stop."""
-        if self._batch:
-            self._hand_over()
-        self._queue.put(None)
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        while True:
-            batch = self._queue.get()
-            if batch is None:
-                return
-            for fields in batch:
-                self._audit.record(**fields)
-                with self._lock:
-                    self._pending -= 1
-
-
 class MethodHandlers:
     """One instance per server; `wrap` turns an async body into an asyncua method callback."""
 
@@ -174,7 +115,7 @@ class MethodHandlers:
         self.draining = False  # shutting down: new calls answer BadInvalidState
         # Audit records are written in order by one thread: hashing, JSON and the periodic fsync stay off the
         # event loop (at 1 call in flight they overlap the client's round trip instead of adding to it).
-        self._audit_writer = _AuditWriter(audit, audit_queue_size, metrics) if audit is not None else None
+        self._audit_writer = AuditWriter(audit, audit_queue_size, metrics) if audit is not None else None
         self.audit_on_failure = audit_on_failure
 
     def audit_failing(self) -> bool:

@@ -184,6 +184,11 @@ def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
     if threads > 0:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+    # ONNX Runtime's pool threads spin after each run, waiting for the next: between one PLC's calls that burnt
+    # 1.2 ms of CPU per call here (bench/ua_overhead.py, 1 client), taken from the serve process and the language
+    # model on a box of a few cores. They sleep instead.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
     providers = onnx_providers(device, available_onnx_providers())
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
