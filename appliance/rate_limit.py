@@ -41,10 +41,6 @@ class TokenBucket:
             self.tokens = min(float(self.burst), self.tokens + (now - self.updated) * self.rate)
         self.updated = max(self.updated, now)  # a clock that steps back never adds tokens
 
-    def is_full(self, now: float) -> bool:
-        self.refill(now)
-        return self.tokens >= self.burst
-
 
 class RateLimiter:
     """`allow(role, client)` -> True when the call may go on (and its tokens are taken)."""

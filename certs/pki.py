@@ -24,7 +24,6 @@ from .rolemap import RoleMap, check_role
 from .store import CRL_REVOKED, StoredCert, load_snapshot
 from .x509io import (
     CertificateFormatError,
-    looks_like_thumbprint,
     normalize_thumbprint,
     parse_certificates,
     parse_crl,
@@ -100,10 +99,6 @@ class PKI:
     @property
     def crl_dir(self) -> Path:
         return self.layout.crl
-
-    @property
-    def role_map_path(self) -> Path:
-        return self.role_map.path
 
     # -- creation ----------------------------------------------------------------------------------------------
     def exists(self) -> bool:
@@ -326,8 +321,7 @@ class PKI:
         """Put a certificate issued by the appliance CA on its CRL (re-signed at once) and drop it from
         trusted/ and the role map. A certificate of another issuer is only dropped from both."""
         key = name_or_thumbprint.strip()
-        if looks_like_thumbprint(key):
-            key = normalize_thumbprint(key)
+        key = normalize_thumbprint(key) or key
         mapped = self.role_map.find(key)
         stored = self._find_trusted(key) or (self._find_trusted(mapped[0]) if mapped else None)
         if stored is None and mapped is None:
@@ -474,7 +468,7 @@ class PKI:
         """A trusted certificate by path, file name, file stem or thumbprint (or the thumbprint of a file)."""
         stored = self._stored(self.trusted_dir)
         path = Path(key)
-        thumbs = {normalize_thumbprint(key)} if looks_like_thumbprint(key) else set()
+        thumbs = {t} if (t := normalize_thumbprint(key)) else set()
         if path.is_file():
             try:
                 thumbs |= {thumbprint(der) for der, _ in read_certificate_file(path)}

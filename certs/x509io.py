@@ -20,17 +20,16 @@ class CertificateFormatError(ValueError):
     """Bytes that are not a certificate (or a chain of them)."""
 
 
-def thumbprint(cert_der: bytes) -> str:
-    """OPC UA's certificate thumbprint: SHA-1 of the DER, lower-case hex."""
-    return hashlib.sha1(cert_der).hexdigest()
+def thumbprint(cert_der: bytes | None) -> str:
+    """OPC UA's certificate thumbprint: SHA-1 of the DER, 40 lower-case hex digits ("" for no certificate)."""
+    return hashlib.sha1(cert_der).hexdigest() if cert_der else ""
 
 
-def normalize_thumbprint(text: str) -> str:
-    return re.sub(r"[\s:]", "", text).lower()
-
-
-def looks_like_thumbprint(text: str) -> bool:
-    return re.fullmatch(r"[0-9a-f]{40}", normalize_thumbprint(text)) is not None
+def normalize_thumbprint(text: str) -> str | None:
+    """A thumbprint as written by a person (colons, spaces, either case) as 40 lower-case hex digits, or None if
+    `text` is not one."""
+    hex_digits = re.sub(r"[\s:]", "", text).lower()
+    return hex_digits if re.fullmatch(r"[0-9a-f]{40}", hex_digits) else None
 
 
 def split_der_chain(data: bytes) -> list[bytes]:

@@ -19,7 +19,7 @@ from attack_tools import (
     SAMPLE, close, infer_once, legit_infer, new_client, open_channel, refusal, run_node_client, start_appliance,
     status_of, tamper_create_session,
 )
-from certs.testing import make_test_certificate
+from certificates import make_test_certificate
 from uaclient import call, floats, run, status_name
 
 V = ua.VariantType

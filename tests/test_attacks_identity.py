@@ -19,7 +19,7 @@ from attack_tools import (
     close, infer_once, legit_infer, load_ca, load_user_certificate, new_client, percentile, refusal, report,
     run_node_client, start_appliance, status_of,
 )
-from certs.testing import make_test_certificate
+from certificates import make_test_certificate
 from uaclient import call, run, status_name
 
 V = ua.VariantType

@@ -21,7 +21,7 @@ from asyncua import ua
 from appliance.audit import AuditLog, verify_report
 from appliance.client import connect
 from attack_tools import SAMPLE, close, refusal, start_appliance, status_of
-from certs.testing import make_test_certificate
+from certificates import make_test_certificate
 from uaclient import call, floats, read, run, status_name
 
 ROOT = Path(__file__).resolve().parent.parent

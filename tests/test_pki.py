@@ -17,7 +17,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from certs import PKI, PKIError, TrustList
 from certs import validate as validate_mod
 from certs.builder import new_rsa_key
-from certs.testing import make_test_certificate, make_test_crl
+from certificates import make_test_certificate, make_test_crl
 
 URI = "urn:plant-box:appliance"
 HOST = "plant-box"

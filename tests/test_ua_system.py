@@ -156,7 +156,7 @@ def test_readyz_503_names_the_model_that_is_not_ready(tmp_path):
 
 
 def test_default_security_refuses_anonymous_user_names_and_untrusted_certificates(app, tmp_path):
-    from certs.testing import make_test_certificate
+    from certificates import make_test_certificate
 
     async def refused(**kw):
         try:

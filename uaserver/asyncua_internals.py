@@ -71,10 +71,12 @@ import numpy as np  # noqa: E402
 from cryptography.exceptions import InvalidSignature  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 
+from certs.x509io import thumbprint  # noqa: E402
+
 from .identity import LoginVerdict, login_verdict  # noqa: E402
 from .session import (  # noqa: E402
     ActivationContext, ApplianceUser, activation_context, clean_audit_entry_id, current_audit_entry_id,
-    current_session, random_node_id, thumbprint)
+    current_session, random_node_id)
 
 log = logging.getLogger(__name__)
 
@@ -159,14 +161,6 @@ def install_nesting_limit(depth: int, max_array_length: int | None = None) -> No
                         ua_binary._create_list_deserializer):
             creator.cache_clear()
         _installed = True
-
-
-def nested_variant(depth: int, leaf: ua.Variant | None = None) -> ua.Variant:
-    """A Variant nesting `depth` Variants (a one-element Variant array per level); for tests and documentation."""
-    v = leaf if leaf is not None else ua.Variant(1.0, ua.VariantType.Float)
-    for _ in range(depth - 1):
-        v = ua.Variant([v], ua.VariantType.Variant)
-    return v
 
 
 # ==============================================================================================================

@@ -11,7 +11,6 @@ contextvar reaches here); get_user falls back to checking on the spot only when 
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import hmac
 import logging
 from collections.abc import Callable
@@ -20,6 +19,8 @@ from dataclasses import dataclass
 from asyncua.crypto.permission_rules import UserRole
 from asyncua.server.user_managers import UserManager
 from cryptography import x509
+
+from certs.x509io import thumbprint
 
 from .session import ApplianceUser, activation_context, anonymous_user
 
@@ -85,7 +86,7 @@ class ApplianceUserManager(UserManager):
             if role not in ROLES:
                 log.warning("X509 user certificate has no role mapping")
                 return None
-            thumb = hashlib.sha1(certificate).hexdigest()
+            thumb = thumbprint(certificate)
             return ApplianceUser(role=UserRole.User, name=thumb, appliance_role=role, identity=f"x509:{thumb}")
         return None
 
@@ -98,4 +99,4 @@ class ApplianceUserManager(UserManager):
             subject = x509.load_der_x509_certificate(der).subject.rfc4514_string()
         except ValueError:
             return None
-        return self.configured_role(hashlib.sha1(der).hexdigest(), subject) or self.role_for_certificate(der)
+        return self.configured_role(thumbprint(der), subject) or self.role_for_certificate(der)

@@ -5,7 +5,6 @@ channel's certificate, close hooks, writes) is ApplianceSession in asyncua_inter
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -49,10 +48,6 @@ class ActivationContext:
 # asyncua's user manager is called without the session; ActivateSession sets this around the call.
 activation_context: contextvars.ContextVar[ActivationContext | None] = contextvars.ContextVar(
     "activation_context", default=None)
-
-
-def thumbprint(der: bytes | None) -> str:
-    return hashlib.sha1(der).hexdigest() if der else ""
 
 
 @dataclass(eq=False)

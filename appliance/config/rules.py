@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
+from certs.x509io import normalize_thumbprint
+
 from ..users import is_password_hash
 from .yaml_walk import (
     INVALID, _as_mapping, _Context, _did_you_mean, _items, _key_path, _node_kind, _parse_fields, _shown,
@@ -43,12 +45,6 @@ def _is_host(v: str) -> bool:
         return True
     except ValueError:
         return bool(_DNS_NAME.fullmatch(v))
-
-
-def normalize_thumbprint(text: str) -> str | None:
-    """A SHA-1 certificate thumbprint as 40 lowercase hex digits, or None if `text` is not one."""
-    hex_digits = re.sub(r"[\s:]", "", text).lower()
-    return hex_digits if re.fullmatch(r"[0-9a-f]{40}", hex_digits) else None
 
 
 def subject_key(subject: str) -> frozenset[str]:

@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .builder import APPLICATION_KEY_USAGE, CA_KEY_USAGE, new_rsa_key, private_key_pem
-from .x509io import write_atomic
+from certs.builder import APPLICATION_KEY_USAGE, CA_KEY_USAGE, new_rsa_key, private_key_pem
+from certs.x509io import write_atomic
 
 DEFAULT = object()  # "the usual value for this kind of certificate"; None means "leave the extension out"
 CLIENT_EKU = [ExtendedKeyUsageOID.CLIENT_AUTH, ExtendedKeyUsageOID.SERVER_AUTH]
