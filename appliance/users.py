@@ -217,8 +217,8 @@ class UserStore:
                 os.fsync(fh.fileno())
             os.chmod(tmp, 0o600)
             os.replace(tmp, self.path)  # atomic: a running server never reads half a file
-        except BaseException:
-            with contextlib.suppress(OSError):
+        except BaseException:  # re-raised: whatever stopped the write (interrupt included), no temporary file stays
+            with contextlib.suppress(OSError):  # the original error is the one to report
                 os.unlink(tmp)
             raise
 
@@ -241,7 +241,8 @@ class UserStore:
             os.close(lock_fd)
         self._reload_if_changed()
 
-    def _refuse_configured(self, name: str) -> None:
+    def refuse_configured(self, name: str) -> None:
+        """UserError when `name` is defined in the YAML (`users:`): only the file changes those, never the CLI."""
         if name in self._configured:
             raise UserError(f"user {name!r} is defined in the configuration file (users: section); "
                             "edit that file to change or remove it")
@@ -252,7 +253,7 @@ class UserStore:
         _check_name(name)
         _check_role(role)
         _check_password(password)
-        self._refuse_configured(name)
+        self.refuse_configured(name)
         with self._editing() as accounts:
             if name in accounts:
                 raise UserError(f"user {name!r} already exists (use `appliance users passwd {name}`)")
@@ -260,14 +261,14 @@ class UserStore:
 
     def passwd(self, name: str, password: str) -> None:
         _check_password(password)
-        self._refuse_configured(name)
+        self.refuse_configured(name)
         with self._editing() as accounts:
             if name not in accounts:
                 raise UserError(f"no user {name!r}")
             accounts[name] = Account(name, accounts[name].role, hash_password(password), "cli")
 
     def remove(self, name: str) -> None:
-        self._refuse_configured(name)
+        self.refuse_configured(name)
         with self._editing() as accounts:
             if accounts.pop(name, None) is None:
                 raise UserError(f"no user {name!r}")
@@ -386,11 +387,11 @@ def cmd_users(state_dir: Path, configured: Iterable[tuple[str, str, str]], actio
                 raise UserError(f"`users add` needs --role ({', '.join(ROLES)})")
             _check_name(name)
             _check_role(role)
-            store._refuse_configured(name)
+            store.refuse_configured(name)
             store.add(name, role, _read_new_password(prompt))
             print(f"user {name!r} added with role {role}")
         elif action == "passwd":
-            store._refuse_configured(name)
+            store.refuse_configured(name)
             if store.role_of(name) is None:
                 raise UserError(f"no user {name!r}")
             store.passwd(name, _read_new_password(prompt))
