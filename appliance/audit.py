@@ -41,6 +41,10 @@ EVENTS = ("call", "role_denied", "rate_limited", "audit_refused", "login", "logi
           "commissioning_certificate", "model_event", "admin", "audit_resume")
 
 
+class AuditLogClosed(RuntimeError):
+    """A record after close(): counted as a write failure like any other."""
+
+
 def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
@@ -148,10 +152,9 @@ class AuditLog:
                 self.torn = torn_note
                 self._write_locked({**dict.fromkeys(_FIELDS, ""), "event": "audit_resume", "action": "audit_resume",
                                     "user": "system", "status": "TornLine", "latency_ms": 0.0, "detail": torn_note})
-                if self._on_torn is not None:
-                    self._on_torn(torn_note)
+                _call_hook("torn-line", self._on_torn, torn_note)
             return True
-        except Exception as exc:  # noqa: BLE001 - the audit log must never take the server down
+        except OSError as exc:  # no directory, no room, no permission: failing until a later record reopens it
             self._fail(f"cannot open audit log: {exc}")
             self._fh = None
             return False
@@ -197,12 +200,14 @@ class AuditLog:
             fields["latency_ms"] = latency if math.isfinite(latency) else -1.0
             with self._lock:
                 if self._closed:
-                    raise RuntimeError("audit log closed")
+                    raise AuditLogClosed("audit log closed")
                 if self._fh is None and not self._open_locked():
                     return False
                 self._write_locked(fields)
-        except Exception as exc:  # noqa: BLE001 - never into the caller
-            self._fail(f"cannot write audit record ({action}): {exc}")
+        except Exception as exc:  # noqa: BLE001 - never into the caller (the audit writer thread must go on)
+            # A full disk or a closed log is expected; anything else is a bug here, logged with its traceback.
+            self._fail(f"cannot write audit record ({action}): {exc}",
+                       traceback=not isinstance(exc, (OSError, AuditLogClosed)))
             with self._lock:
                 self._drop_handle_locked()
             return False
@@ -217,11 +222,7 @@ class AuditLog:
             log.error("the audit log cannot be written: %s", reason)
         else:
             log.warning("the audit log is written again")
-        if self._on_state is not None:
-            try:
-                self._on_state(failing, reason)
-            except Exception:  # noqa: BLE001
-                log.exception("audit state hook failed")
+        _call_hook("state", self._on_state, failing, reason)
 
     def _write_locked(self, fields: dict) -> None:
         rec = {"seq": self._seq + 1, "time": _utc_now(), **fields, "prev": self._prev}
@@ -254,7 +255,7 @@ class AuditLog:
                 if self._fh is not None:
                     os.fsync(self._fh.fileno())
                     self._last_fsync = time.monotonic()
-        except Exception as exc:  # noqa: BLE001
+        except OSError as exc:  # the next record's write or fsync reports it again if it lasts
             self._fail(f"cannot sync audit log: {exc}")
 
     def _rotate_locked(self) -> None:
@@ -284,12 +285,12 @@ class AuditLog:
         if self._fh is not None:
             try:
                 self._fh.close()
-            except Exception:  # noqa: BLE001
-                pass
+            except OSError as exc:  # the handle is dropped either way; the next record opens a new one
+                log.warning("closing the audit log file failed: %s", exc)
             self._fh = None
 
-    def _fail(self, message: str) -> None:
-        log.error("%s", message)
+    def _fail(self, message: str, traceback: bool = False) -> None:
+        log.error("%s", message, exc_info=traceback)
         if self._metrics is not None:
             self._metrics.audit_errors.inc()
         if "incomplete last line" not in message:
@@ -317,9 +318,20 @@ class AuditLog:
                 try:
                     self._fh.flush()
                     os.fsync(self._fh.fileno())
-                except Exception as exc:  # noqa: BLE001
+                except OSError as exc:
                     self._fail(f"cannot sync audit log on close: {exc}")
                 self._drop_handle_locked()
+
+
+def _call_hook(what: str, hook, *args) -> None:
+    """The owner's callbacks (on_state, on_torn) run on the writing thread: their failure is theirs, logged, and
+    never stops the log."""
+    if hook is None:
+        return
+    try:
+        hook(*args)
+    except Exception:  # noqa: BLE001 - a hook's bug must not break writing the audit log: logged with its traceback
+        log.exception("audit %s hook failed", what)
 
 
 def verify(path: Path) -> tuple[bool, list[str]]:

@@ -220,6 +220,24 @@ def test_a_failing_write_reports_the_state_and_recovers(tmp_path):
     assert [json.loads(line)["seq"] for line in lines_of(path)] == [1, 2]
 
 
+def test_a_failing_hook_is_logged_and_the_log_goes_on(tmp_path, caplog):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 2)
+    log.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"seq":3,"ti')  # torn: the next start calls on_torn
+
+    def broken(*args):
+        raise KeyError("the owner's bug")
+    log = AuditLog(path, on_torn=broken, on_state=broken)
+    assert log.torn and not log.failing  # opened and resumed although the hook raised
+    assert log.record(action="Infer", status="Good")
+    log.close()
+    assert verify(path) == (True, [])
+    assert any(r.message == "audit torn-line hook failed" and r.exc_info for r in caplog.records)
+
+
 def test_record_never_raises_and_counts_errors(tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("x")
