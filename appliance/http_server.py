@@ -51,6 +51,8 @@ class MonitoringServer:
     async def stop(self) -> None:
         if self._sampler is not None:
             self._sampler.cancel()
+            await asyncio.gather(self._sampler, return_exceptions=True)
+            self._sampler = None
         if self._server is None:
             return
         self._server.close()
@@ -77,7 +79,7 @@ class MonitoringServer:
         finally:
             self._handlers.discard(task)
             writer.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(OSError):  # reset, broken pipe or 1 s gone by: closed on our side either way
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -114,7 +116,7 @@ class MonitoringServer:
             try:
                 snap = self._status()
                 self._history.add(snap["calls"], snap["latency_buckets"])
-            except Exception:  # noqa: BLE001 - the page shows less history; the endpoint goes on
+            except Exception:  # noqa: BLE001 - the daemon's snapshot: logged; the page shows less history
                 log.exception("status sample failed")
             await asyncio.sleep(SAMPLE_S)
 
@@ -122,7 +124,7 @@ class MonitoringServer:
         if path == "/":
             try:
                 return 200, render(self._status(), self._history).encode(), "text/html; charset=utf-8"
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - the daemon's snapshot: a failure is logged and answers 500, never a hang
                 log.exception("status page failed")
                 return 500, b"status unavailable\n", _TEXT
         if path == "/healthz":
@@ -130,7 +132,7 @@ class MonitoringServer:
         if path == "/readyz":
             try:
                 ready, reasons = self._readiness()
-            except Exception:  # noqa: BLE001 - the reason is logged, never shown
+            except Exception:  # noqa: BLE001 - the daemon's check: any failure means not ready; logged, never shown
                 log.exception("readiness check failed")
                 ready, reasons = False, ["readiness check failed"]
             if ready:
@@ -138,7 +140,7 @@ class MonitoringServer:
             return 503, json.dumps({"ready": False, "reasons": [str(r) for r in reasons]}).encode(), _JSON
         try:
             body, content_type = self._metrics.render(accept)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the registry's collectors: a failure is logged and answers 500
             log.exception("metrics rendering failed")
             return 500, b"metrics unavailable\n", _TEXT
         return 200, body, content_type
