@@ -81,7 +81,7 @@ class NvmlBackend:
                 raise WatchdogUnavailable("NVML reports no GPU")
             self._handles = {i: pynvml.nvmlDeviceGetHandleByIndex(i) for i in self._indices}
             self._names = {i: self._text(pynvml.nvmlDeviceGetName(h)) for i, h in self._handles.items()}
-        except BaseException:
+        except BaseException:  # re-raised: NVML is shut down again whatever stopped the set-up
             pynvml.nvmlShutdown()
             raise
 
@@ -122,8 +122,8 @@ class NvmlBackend:
     def close(self) -> None:
         try:
             self._nvml.nvmlShutdown()
-        except self._nvml.NVMLError:
-            pass
+        except self._nvml.NVMLError as exc:  # closing: nothing is left to release, the reason is only worth a line
+            log.info("NVML shutdown: %s", exc)
 
 
 class FakeGpuBackend:
@@ -228,7 +228,7 @@ class Watchdog:
             return self._apply(None, None)
         try:
             return self._apply(self.backend.sample(), None)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any backend failure is the Critical state, its message names it
             return self._apply(None, exc)
 
     def _apply(self, samples: list[GpuSample] | None, error: BaseException | None) -> str:
@@ -250,7 +250,8 @@ class Watchdog:
             else:
                 self._failures_in_a_row = 0
                 state, message, fault = self._evaluate(samples)
-        except Exception as exc:  # noqa: BLE001 - a malformed sample must not stop the watchdog
+        except Exception as exc:  # noqa: BLE001 - a malformed sample must not stop the watchdog: Critical, logged
+            log.exception("GPU sample could not be evaluated")
             state, message = CRITICAL, f"GPU sample unreadable: {exc}"
         if self.fault is not None:  # latched: only a restart clears a lost GPU or an ECC fault
             state = CRITICAL
@@ -275,7 +276,7 @@ class Watchdog:
             return
         try:
             callback(*args)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the daemon's callback: its failure is logged, the watchdog goes on
             log.exception("watchdog callback failed")
 
     def _temperature_finding(self, s: GpuSample, label: str) -> tuple[int, str] | None:
@@ -371,7 +372,7 @@ class Watchdog:
                     self._apply(samples, None)
                 except asyncio.TimeoutError:
                     self._apply(None, TimeoutError(f"no answer within {self.sample_timeout_s:g} s"))
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - the sample thread's failure, as in poll(): Critical
                     self._apply(None, exc)
             await asyncio.sleep(interval_s)
 
@@ -379,7 +380,7 @@ class Watchdog:
         try:
             result = self.backend.sample()
             outcome = (done.set_result, result)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - handed to the loop, where it becomes the Critical state
             outcome = (done.set_exception, exc)
 
         def deliver():
