@@ -51,9 +51,10 @@ class Method:
 def onnx_shapes(path: Path) -> tuple[list[int], list[int]]:
     """(InputShape, OutputShape) of one sample: the first input's and output's dimensions after the batch one."""
     import onnx
+    from google.protobuf.message import DecodeError
     try:
         graph = onnx.load(str(path), load_external_data=False).graph
-    except Exception as e:  # protobuf raises DecodeError and others for a file that is not ONNX
+    except (OSError, DecodeError, ValueError) as e:  # unreadable; not a protobuf ModelProto; too large for one
         raise PlcTypesError(f"{path}: cannot read the ONNX model ({type(e).__name__})") from None
     initializers = {i.name for i in graph.initializer}
     inputs = [i for i in graph.input if i.name not in initializers]

@@ -47,6 +47,15 @@ def test_a_label_count_that_differs_from_the_models_output_width_is_refused_on_t
                      "label per output")
 
 
+@pytest.mark.parametrize("content", [b"not a model", b""], ids=["not-protobuf", "empty-graph"])
+def test_a_model_file_that_cannot_be_read_is_left_to_the_engine(tmp_path, content):
+    """Labels and max_samples need the file's shapes: a file that is no ONNX model skips those checks (the engine
+    reports the model Failed with the reason when it loads it) instead of failing the configuration."""
+    (tmp_path / "m.onnx").write_bytes(content)
+    model = load(te("    labels: [normal, fault]\n", path="m.onnx"), base_dir=tmp_path).models["te"]
+    assert model.labels == ["normal", "fault"]
+
+
 @pytest.mark.parametrize("content, why", [
     ("", "it holds no label"),
     ("a\nb\na\n", "'a' is listed twice"),

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from yaml.nodes import Node, SequenceNode
 
 from .builtin import BUILTIN_MODELS, resolve_builtin
@@ -80,6 +81,12 @@ def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
     return resolved if ok else None
 
 
+# What reading an ONNX file's header can raise: the file unreadable, not a ModelProto (protobuf's DecodeError), too
+# large for protobuf (ValueError), a graph without inputs or outputs (IndexError). The engine reports such a model
+# clearly when it loads it; the configuration checks then skip what needs the file.
+UNREADABLE_MODEL = (OSError, DecodeError, ValueError, IndexError)
+
+
 def onnx_output_width(model_path: Path) -> int | None:
     """The last output dimension of an ONNX model's first output, or None when it is not a fixed number."""
     dims = onnx_model(model_path).graph.output[0].type.tensor_type.shape.dim
@@ -136,7 +143,7 @@ def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Pa
     if labels and model_path.suffix == ".onnx" and model_path.is_file():
         try:
             width = onnx_output_width(model_path)
-        except Exception:  # an unreadable model is the engine's to report at load
+        except UNREADABLE_MODEL:  # the engine's to report at load
             width = None
         if width is not None and width != len(labels):
             ctx.error(nodes["labels"], f"{path}.labels", f"{len(labels)} labels, but the model answers {width} "
@@ -201,7 +208,7 @@ def onnx_sample_floats(model_path: Path) -> int | None:
     """Floats in one sample of an ONNX model's first input (its dimensions after the batch), or None if unknown."""
     try:
         dims = onnx_model(model_path).graph.input[0].type.tensor_type.shape.dim[1:]
-    except Exception:  # noqa: BLE001 - the engine reports an unreadable model when it loads it
+    except UNREADABLE_MODEL:  # the engine reports an unreadable model when it loads it
         return None
     if not dims or not all(d.HasField("dim_value") and d.dim_value > 0 for d in dims):
         return None
