@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.serialization import pkcs12
 
@@ -491,5 +492,5 @@ def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
     try:
         cert.verify_directly_issued_by(issuer)
         return True
-    except Exception:
+    except (ValueError, TypeError, InvalidSignature):  # names differ, unsupported key or algorithm, bad signature
         return False

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 
 from .layout import PkiLayout
 from .x509io import CertificateFormatError, parse_crl, read_certificate_file, thumbprint
@@ -67,7 +68,7 @@ class StoreSnapshot:
         if key not in self._crl_checks:
             try:
                 ok = entry.crl.is_signature_valid(issuer.cert.public_key())
-            except Exception:  # unsupported key or algorithm: treat as not verifiable
+            except (TypeError, ValueError, UnsupportedAlgorithm):  # unsupported key or algorithm: not verifiable
                 ok = False
             if not ok:
                 log.warning("CRL %s does not verify with the key of %s: ignored", entry.path.name,

@@ -21,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from .layout import PkiLayout
 from .store import CRL_REVOKED, CRL_UNKNOWN, CachedStore, StoredCert, StoreSnapshot
 from .x509io import (
+    MALFORMED,
     MAX_CERT_BYTES,
     CertificateFormatError,
     common_name,
@@ -114,7 +115,7 @@ class TrustList:
             return ValidationResult(True, GOOD, "trusted", thumb, subject)
         except _Refused as refused:
             return ValidationResult(False, refused.status, refused.reason, thumb, subject)
-        except Exception:  # a validator must never take the server down with it
+        except Exception:  # noqa: BLE001 - a validator must never take the server down: refused, logged with the cause
             log.exception("certificate validation failed unexpectedly")
             return ValidationResult(False, SECURITY_CHECKS_FAILED, "internal validation error", thumb, subject)
 
@@ -157,7 +158,7 @@ def _parse(cert_der: bytes) -> list[StoredCert]:
         try:
             cert.extensions  # malformed or duplicate extensions raise here
             cert.not_valid_after_utc
-        except Exception:
+        except MALFORMED:
             raise _Refused(INVALID, "malformed certificate extensions") from None
         out.append(StoredCert(der, cert, Path("<peer>")))
     return out

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 
@@ -17,7 +18,15 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 class CertificateFormatError(ValueError):
-    """Bytes that are not a certificate (or a chain of them)."""
+    """Bytes that are not a certificate (or a chain of them), or not a CRL."""
+
+
+# What cryptography raises for malformed input (found by mutating certificates and CRLs byte by byte): ValueError
+# for most, InvalidVersion from the loaders, DuplicateExtension and UnsupportedGeneralNameType when a certificate's
+# extensions are read (they are parsed lazily, so a certificate that loads may still raise later),
+# UnsupportedAlgorithm for a key or signature algorithm it does not know, TypeError for input that is not bytes.
+MALFORMED = (ValueError, TypeError, x509.InvalidVersion, x509.DuplicateExtension, x509.UnsupportedGeneralNameType,
+             UnsupportedAlgorithm)
 
 
 def thumbprint(cert_der: bytes | None) -> str:
@@ -69,7 +78,7 @@ def parse_certificates(data: bytes) -> list[tuple[bytes, x509.Certificate]]:
         return [(der, x509.load_der_x509_certificate(der)) for der in split_der_chain(data)]
     except CertificateFormatError:
         raise
-    except Exception as exc:  # cryptography raises ValueError and friends for malformed input
+    except MALFORMED as exc:
         raise CertificateFormatError(str(exc) or type(exc).__name__) from exc
 
 
@@ -78,9 +87,13 @@ def read_certificate_file(path: Path) -> list[tuple[bytes, x509.Certificate]]:
 
 
 def parse_crl(data: bytes) -> x509.CertificateRevocationList:
-    if data.lstrip().startswith(PEM_MARK):
-        return x509.load_pem_x509_crl(data)
-    return x509.load_der_x509_crl(data)
+    """PEM or DER; CertificateFormatError (a ValueError) for anything else, whatever cryptography raised."""
+    try:
+        if data.lstrip().startswith(PEM_MARK):
+            return x509.load_pem_x509_crl(data)
+        return x509.load_der_x509_crl(data)
+    except MALFORMED as exc:
+        raise CertificateFormatError(f"not a CRL: {str(exc) or type(exc).__name__}") from exc
 
 
 def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -95,10 +108,10 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # re-raised: whatever stopped the write (interrupt included), no temporary file stays
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except FileNotFoundError:  # renamed already: nothing left to remove
             pass
         raise
 

@@ -502,6 +502,19 @@ def test_forged_crl_is_ignored_and_leaves_revocation_unknown(pki, plant_ca, ca2_
     assert tl.validate_application_certificate(leaf.cert_der, None).status == "BadCertificateRevoked"
 
 
+def test_a_crl_file_that_does_not_parse_is_ignored(pki, plant_ca):
+    """Whatever cryptography raises for a damaged CRL (here InvalidVersion: not a ValueError) leaves that one file
+    out, never every validation with it."""
+    root, inter, leaf = plant_ca
+    _trust_file(pki, root.cert_der, "plant-root")
+    _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
+    genuine = make_test_crl(inter, [])
+    (pki.crl_dir / "plant-issuing.crl").write_bytes(genuine)
+    at = genuine.find(b"\x02\x01\x01")  # TBSCertList's version: v2
+    (pki.crl_dir / "damaged.crl").write_bytes(genuine[:at] + b"\x02\x01\x05" + genuine[at + 3:])
+    assert TrustList(pki.pki_dir).validate_application_certificate(leaf.cert_der, None).ok
+
+
 def test_revoked_intermediate_is_issuer_revoked(pki, plant_ca):
     root, inter, leaf = plant_ca
     _trust_file(pki, root.cert_der, "plant-root")
