@@ -128,6 +128,7 @@ class Appliance:
         self.audit = None
         self.metrics: Metrics | None = None
         self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # short tasks (a prompt publish, a GPU worker's stop), kept
         self._supervision_task: asyncio.Task | None = None
         self._stopping = False
         self.gpu_fault: str | None = None  # the watchdog stopped the GPU workers: State Fault
@@ -154,6 +155,7 @@ class Appliance:
                                             fallback=None, worker=None)
                 spec = model_spec(clone, eng, device.split(" ")[0], Path(self.config.server.state_dir))
                 sup = WorkerSupervisor(clone.name, [spec], policy, on_event=self._model_event, metrics=self.metrics)
+                sup.on_change.append(self._publish_soon)
                 self.supervisors.append(sup)
                 self.variant_services.setdefault(m.name, {})[variant] = RemoteModel(
                     clone.name, m.kind, sup, max_samples=m.max_samples,
@@ -162,6 +164,7 @@ class Appliance:
             specs = [model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir)) for m in members]
             sup = WorkerSupervisor(group, specs, policy,
                                    on_event=self._model_event, metrics=self.metrics)
+            sup.on_change.append(self._publish_soon)
             self.supervisors.append(sup)
             for m in members:
                 services[m.name] = RemoteModel(m.name, m.kind, sup, max_samples=m.max_samples,
@@ -180,6 +183,22 @@ class Appliance:
         if self.ua is not None:
             self.ua.emit_event(f"Model {name}: {kind}: {message}", severity=800)
 
+    def _publish_soon(self) -> None:
+        """A worker's restart began or ended: the address space (State, WorkerRestarting and its condition) shows it
+        now, not at the next 0.25 s tick, so a control room sees the alarm clear as the model turns Ready."""
+        if self.ua is not None and self.ua.server is not None and not self._stopping:
+            self._keep(self.ua.publish_values())
+
+    def _keep(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
     def _audit_state(self, failing: bool, reason: str) -> None:
         """From the audit writer's thread: the log cannot be written (disk full, ...) or is written again."""
         if self.ua is None:
@@ -197,7 +216,7 @@ class Appliance:
                 reasons.append(f"model {name} is {st.state}" + (f": {st.failure_reason}" if st.failure_reason
                                                                  else " (its worker is restarting)"
                                                                  if st.restarting else ""))
-            elif not model.supervisor.healthy():
+            elif not model.supervisor.answering():
                 reasons.append(f"model {name}: its worker does not answer liveness checks")
         if self.ua is None or self.ua.server is None:
             reasons.append("OPC UA server is not running")
@@ -296,7 +315,10 @@ class Appliance:
 
         self.services = self.build_services(device)
         for sup in self.supervisors:  # workers start loading while the server comes up
-            await sup.start()
+            if self._stopping:
+                sup.begin_stop()  # SIGTERM came while starting: start no worker
+            else:
+                await sup.start()
         self._last_supervision_tick = time.monotonic()
         self._supervision_task = asyncio.create_task(self._supervision_loop())
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
@@ -334,8 +356,7 @@ class Appliance:
             self.ua.emit_event(f"Watchdog fault: {message}; models on the GPU stopped", severity=1000)
         for sup in self.supervisors:
             if any(_on_gpu(spec) for spec in sup.specs):
-                sup.failed, sup.death_reason = True, f"stopped by the GPU watchdog: {message}"  # Failed, with why
-                asyncio.ensure_future(sup.stop())
+                self._keep(sup.give_up(f"stopped by the GPU watchdog: {message}"))  # Failed, with why
 
     def _watchdog_event(self, state: str, previous: str, message: str) -> None:
         log.warning("watchdog %s -> %s: %s", previous, state, message)
@@ -462,8 +483,15 @@ class Appliance:
             while self.ua.handlers.in_flight and loop.time() < end:  # the answers go out
                 await asyncio.sleep(0.01)
 
-    async def stop(self) -> None:
+    def begin_stop(self) -> None:
+        """SIGTERM (systemctl stop, a reboot): from now on a worker that ends is no crash, and none is started.
+        Called in the signal's own loop turn, before anything could take a worker's end for a death."""
         self._stopping = True
+        for sup in self.supervisors:
+            sup.begin_stop()
+
+    async def stop(self) -> None:
+        self.begin_stop()
         await self.drain()
         if self.ua is not None:
             await self.ua.stop()  # closes sessions first: their slots are freed; flushes the audit records
@@ -473,9 +501,9 @@ class Appliance:
         if self._supervision_task is not None:
             self._supervision_task.cancel()
             await asyncio.gather(self._supervision_task, return_exceptions=True)
-        for task in self._tasks:
+        for task in [*self._tasks, *self._background]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
         if self.watchdog is not None and getattr(self.watchdog, "backend", None) is not None:
             try:
                 self.watchdog.backend.close()
@@ -534,9 +562,13 @@ async def serve(config: ApplianceConfig) -> int:
     notifier = Notifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_stop_signal() -> None:
+        app.begin_stop()
+        stop.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_stop_signal)
         except (NotImplementedError, RuntimeError):
             pass
     try:

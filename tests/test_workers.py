@@ -92,7 +92,7 @@ def test_hung_forward_pass_is_answered_and_the_worker_replaced(app):
             answered = time.monotonic() - started
             assert status_name(r) == "BadInternalError"
             # killed once its forward pass ran longer than worker_timeout_s; the caller hears at once
-            assert TIMEOUT_S - 0.5 <= answered <= TIMEOUT_S + 2.0, answered  # last healthy answer + timeout
+            assert TIMEOUT_S - 0.3 <= answered <= TIMEOUT_S + 1.0, answered  # one timeout after the hang began
             # the other model and the appliance never stopped
             r = await call(c, "affine", "Infer", [floats([1, 1, 1, 1])])
             assert status_name(r) == "Good"
@@ -103,8 +103,9 @@ def test_hung_forward_pass_is_answered_and_the_worker_replaced(app):
             assert status_name(r) == "Good"
             assert await read(c, "Models", "hang", "WorkerRestarts") >= 1
     run(go())
-    outcomes = [(r["model"], r["status"]) for r in audit_records(app) if r.get("action") == "Infer"]
-    assert ("hang", "BadInternalError") in outcomes and ("hang", "Good") in outcomes
+    # the audit writer hands records to its thread in batches: the last call's record follows within moments
+    wait_for(lambda: {("hang", "BadInternalError"), ("hang", "Good")} <= {
+        (r["model"], r["status"]) for r in audit_records(app) if r.get("action") == "Infer"}, 5, "the audit records")
 
 
 def test_memory_hog_is_replaced(app):
@@ -118,8 +119,8 @@ def test_memory_hog_is_replaced(app):
             assert status_name(r) == "Good"
             assert await read(c, "Models", "hog", "WorkerRestarts") == restarts + 1
     run(go())
-    assert ("hog", "BadInternalError") in [(r["model"], r["status"]) for r in audit_records(app)
-                                           if r.get("action") == "Infer"]
+    wait_for(lambda: ("hog", "BadInternalError") in [(r["model"], r["status"]) for r in audit_records(app)
+                                                     if r.get("action") == "Infer"], 5, "the audit record")
 
 
 STOP_TIMEOUT_S = 4.0  # the stopped-worker test's engine.worker_timeout_s: room to see a frozen Heartbeat first

@@ -1,9 +1,11 @@
-"""How long the engine's current operation has run: what a liveness check answers.
+"""Since when the engine's current operation has run: what a liveness check answers.
 
 A worker's event loop stays responsive while a forward pass runs in the engine's thread, so "the loop answers" says
 nothing about the model. Each engine operation (a batch, an engine step with its tokenization) is wrapped in
-`busy()`; a liveness check reports `stalled_s()`, and the serve process replaces a worker whose operation has run
-longer than `engine.worker_timeout_s`. Waiting for work is not an operation.
+`busy()`; a liveness check reports `busy_since()`, the moment the oldest operation now running began (CLOCK_MONOTONIC,
+one clock for every process of the machine). The serve process counts `engine.worker_timeout_s` from there: the
+engine's last progress, so one timeout after a hang began its worker is seen hung and replaced. Waiting for work is
+not an operation.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ class Liveness:
         finally:
             self._running.pop(token, None)
 
-    def stalled_s(self) -> float:
-        """Seconds the oldest operation now running has run; 0 when none runs."""
+    def busy_since(self) -> float:
+        """When the oldest operation now running began (time.monotonic()); 0.0 when none runs."""
         starts = list(self._running.values())
-        return max(0.0, time.monotonic() - min(starts)) if starts else 0.0
+        return min(starts) if starts else 0.0

@@ -151,7 +151,7 @@ class Failed(_Msg):
 
 class Pong(_Msg):
     seq: int  # 0: sent unprompted because a model's state changed
-    stalled_s: float  # how long the oldest engine operation now running has run (0: none runs)
+    busy_since: float  # when the oldest engine operation now running began (monotonic; 0: none runs)
     models: list[ModelSnapshot]
     # engine metric records since the last Pong: (metric attribute, label values, operation, value)
     records: list[tuple[str, list[str], str, float]] = []

@@ -1,7 +1,7 @@
 """The serve process's model objects: appliance.model_port's interface, answered by the model's worker process.
 
-They count calls and latency (what a client saw, including the trip to the worker), say Loading while the worker
-restarts, and remember which generative sessions held state in a worker that died, so that each such session's next
+They count calls and latency (what a client saw, including the trip to the worker), say Loading (and refuse calls)
+from a worker's death until its replacement has loaded the model, and remember which generative sessions held state in a worker that died, so that each such session's next
 result says ContextLost.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ class RemoteModel:
         sup = self.supervisor
         if sup.failed:
             return "Failed"
-        if not sup.up:
+        if not sup.up or sup.restarting_model(self.name):
             return "Loading"
         return sup.snapshots[self.name].state
 
@@ -50,15 +50,17 @@ class RemoteModel:
         return ModelStatus(
             name=self.name, kind=self.kind, state=self.state, version=snap.version, backend=snap.backend,
             request_count=self.request_count, error_count=self.error_count, last_latency_ms=self.last_latency_ms,
-            heartbeat=self.heartbeat, worker_restarts=sup.restarts, worker_up=sup.up, restarting=sup.restarting,
+            heartbeat=self.heartbeat, worker_restarts=sup.restarts,
+            worker_up=sup.up and not sup.restarting_model(self.name), restarting=sup.restarting_model(self.name),
             failure_reason=(snap.failure_reason or (sup.death_reason if sup.failed else "")),
             queue_depth=snap.queue_depth, input_shape=tuple(snap.input_shape), output_shape=tuple(snap.output_shape),
             max_samples=self.max_samples, slots_total=snap.slots_total, slots_in_use=snap.slots_in_use,
             conversations_parked=snap.conversations_parked)
 
     def tick_heartbeat(self) -> None:
-        """Called once a second by the serve process: +1 while the worker answers liveness checks."""
-        if self.supervisor.healthy():
+        """Called once a second by the serve process: +1 while the worker answers liveness checks, not while it
+        hangs, is dead or restarts."""
+        if self.supervisor.answering() and not self.supervisor.restarting_model(self.name):
             self.heartbeat = (self.heartbeat + 1) % 2**32
 
     # ---- calls ----

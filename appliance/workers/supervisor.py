@@ -1,11 +1,21 @@
 """The serve side of one worker process: spawn it, check it, replace it.
 
-Every `ping_interval` the supervisor sends a Ping. The worker is killed (SIGKILL) and replaced when it has not given
-a healthy answer for `timeout_s` (stopped, hung, or an engine operation running longer than that), or when its
-memory passes `memory_mb`; when it exits by itself it is replaced too. Every call in flight on a worker that died is
-answered EngineFailure at once (the socket's EOF is seen within milliseconds of a kill -9). Restarts back off
-(`backoff_s` doubling up to `backoff_max_s`); more than `max_restarts` within `restart_window_s` leaves the models
-Failed until an engineer reloads one.
+Liveness. Every `ping_interval` the supervisor sends a Ping; each Pong says since when the worker's oldest engine
+operation has run (engine/liveness.py). The engine's last progress is that moment, or the Pong's arrival when nothing
+runs; a worker that answers nothing (stopped, or its loop blocked) has made none since its last Pong. The worker
+answers liveness checks while its engine progressed within `timeout_s` and its loop answered within a second: each
+model's Heartbeat and /readyz follow that. Once the last progress is `timeout_s` old the worker is killed (SIGKILL)
+and replaced, so a hang is caught one timeout after it began. A worker past `memory_mb` is killed too, and one that
+exits by itself is replaced as well.
+
+Restarts. From a worker's death (or its kill) until its replacement has loaded a model (Ready, or Failed), that model
+is restarting: State Loading, WorkerRestarting active, appliance_worker_up 0, no Heartbeat, calls refused. Every call
+in flight on a worker that died is answered EngineFailure at once (the socket's EOF is seen within milliseconds of a
+kill -9). Restarts back off (`backoff_s` doubling up to `backoff_max_s`); more than `max_restarts` within
+`restart_window_s` leaves the models Failed until an engineer reloads one.
+
+A planned stop (`begin_stop`, at SIGTERM) is no death: a worker that ends from then on is not restarted, and nothing
+is raised or logged as an error.
 """
 from __future__ import annotations
 
@@ -22,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from appliance.errors import DeadlineExceeded, EngineFailure, NotReady, error_from
+from appliance.errors import ApplianceError, DeadlineExceeded, EngineFailure, NotReady, error_from
 from appliance.workers import protocol as p
 from appliance.workers.worker import MEMORY_EXIT
 
@@ -44,6 +54,11 @@ class WorkerPolicy:
     def ping_interval_s(self) -> float:
         return min(0.25, self.timeout_s / 4)
 
+    @property
+    def answer_window_s(self) -> float:
+        """A worker whose loop has not answered a Ping for this long does not answer liveness checks."""
+        return 2 * self.ping_interval_s + 0.5
+
 
 class WorkerSupervisor:
     """One worker process (a group of models) and its life."""
@@ -60,10 +75,14 @@ class WorkerSupervisor:
         self.up = False  # connected and answering
         self.failed = False  # too many restarts: given up
         self.restarts = 0
-        self.last_healthy = 0.0  # monotonic time of the last healthy Pong
         self.last_tick = time.monotonic()  # the supervision loop's own heartbeat
-        self.death_reason = ""
+        self.death_reason = ""  # why the worker last died or was killed
         self.on_restart: list[Callable[[], None]] = []  # listeners (remote models drop session state)
+        self.on_change: list[Callable[[], None]] = []  # listeners: a model started or ended restarting, or failed
+        self._recovering: set[str] = set()  # models whose worker died and whose replacement has not loaded them
+        self._pong_at = 0.0  # monotonic time of the last Pong
+        self._progress_at = 0.0  # monotonic time of the worker's engine's last progress (see the module's doc)
+        self._kill_reason = ""
         self._channel: p.Channel | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._progress: dict[int, Callable[[str, int], None]] = {}  # request id -> partial-text listener
@@ -71,27 +90,37 @@ class WorkerSupervisor:
         self._ping_seq = itertools.count(1)
         self._deaths: collections.deque[float] = collections.deque()
         self._task: asyncio.Task | None = None
+        self._revive: asyncio.Event | None = None
         self._stopping = False
-        self._exited = asyncio.Event()
 
     def spec(self, model: str) -> p.ModelSpec:
         return next(s for s in self.specs if s.name == model)
 
     # ---- what the models show ----
 
+    def restarting_model(self, model: str) -> bool:
+        """The model's worker died (or was killed) and its replacement has not loaded it yet."""
+        return model in self._recovering and not self.failed and not self._stopping
+
     @property
     def restarting(self) -> bool:
-        return not self.up and not self.failed and not self._stopping and self.restarts > 0
+        return any(self.restarting_model(name) for name in self.snapshots)
 
-    def healthy(self, within_s: float | None = None) -> bool:
-        """The worker gave a healthy liveness answer within `within_s` (default: two ping intervals + 0.5 s)."""
-        window = within_s if within_s is not None else 2 * self.policy.ping_interval_s + 0.5
-        return self.up and time.monotonic() - self.last_healthy <= window
+    def answering(self) -> bool:
+        """The worker answers liveness checks: its loop answered within `answer_window_s` and its engine made
+        progress within `timeout_s`."""
+        now = time.monotonic()
+        return (self.up and now - self._pong_at <= self.policy.answer_window_s
+                and now - self._progress_at <= self.policy.timeout_s)
 
     # ---- life cycle ----
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"supervise-{self.group}")
+
+    def begin_stop(self) -> None:
+        """The appliance is stopping (SIGTERM): a worker that ends from now on ended as planned, and none starts."""
+        self._stopping = True
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the worker to stop (its models answer what they hold), then kill what is left."""
@@ -99,13 +128,19 @@ class WorkerSupervisor:
         if self.up and self._channel is not None:
             try:
                 await asyncio.wait_for(self._call(p.Stop(id=self._next_id())), timeout_s)
-            except Exception:
-                pass
+            except (TimeoutError, ApplianceError) as e:  # gone or stuck: it is killed below all the same
+                log.info("worker %s did not confirm its stop (%s): killing it", self.group, type(e).__name__)
         self._kill("stopping")
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._fail_pending(NotReady("the appliance is shutting down"))
+
+    async def give_up(self, reason: str) -> None:
+        """The models are Failed with `reason` (the GPU watchdog stopped the engine) and the worker stops."""
+        self.failed, self.death_reason = True, reason
+        self._changed()
+        await self.stop()
 
     def fail_pending(self, error: Exception) -> None:
         self._fail_pending(error)
@@ -118,8 +153,8 @@ class WorkerSupervisor:
                 reason = await self._watch()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                log.exception("worker %s could not be started", self.group)
+            except Exception as exc:  # noqa: BLE001 - the supervision goes on whatever broke; logged with its trace
+                log.exception("worker %s could not be started or watched", self.group)
                 reason = f"could not start ({type(exc).__name__})"
             if self._stopping:
                 break
@@ -130,6 +165,7 @@ class WorkerSupervisor:
                 self._deaths.popleft()
             if len(self._deaths) > self.policy.max_restarts:
                 self.failed = True
+                self._changed()
                 message = (f"worker of {', '.join(self.snapshots)} died {len(self._deaths)} times within "
                            f"{self.policy.restart_window_s:g} s (last: {reason}); the model is Failed until "
                            "reloaded")
@@ -152,10 +188,11 @@ class WorkerSupervisor:
         await self._revive.wait()
         self.failed = False
         self._deaths.clear()
+        self._changed()  # restarting again, until the replacement has loaded its models
 
     def revive(self) -> bool:
         """An engineer reloads a Failed model: try its worker again. True when it was Failed."""
-        if self.failed and getattr(self, "_revive", None) is not None:
+        if self.failed and self._revive is not None:
             self._revive.set()
             return True
         return False
@@ -165,54 +202,59 @@ class WorkerSupervisor:
         try:
             cmd = [sys.executable, "-m", "appliance.workers.worker", "--fd", str(child_sock.fileno()),
                    "--parent-pid", str(os.getpid()), "--group", self.group]
-            self.process = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
-                                            env=_worker_environment())
+            # The worker starts with SIGTERM blocked and ignores it once running: `systemctl stop` signals every
+            # process of the unit, and the serve process decides when its workers stop (after draining calls).
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+            try:
+                self.process = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
+                                                env=_worker_environment())
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         finally:
             child_sock.close()
-        self._exited = asyncio.Event()
         self._channel = await p.Channel.open(parent_sock, p.FromWorker)
         self._channel.send(p.Start(models=self.specs, memory_mb=self.policy.memory_mb,
                                    threads=self.policy.threads, log_level=self.policy.log_level))
         for name in self.snapshots:
             self.snapshots[name] = p.ModelSnapshot(name, "Loading")
         self.up = True
-        self.last_healthy = time.monotonic()
+        self._pong_at = self._progress_at = time.monotonic()
         if self.metrics is not None:
             for name in self.snapshots:
-                self.metrics.worker_up.labels(name).set(1)
+                self.metrics.worker_up.labels(name).set(0 if name in self._recovering else 1)
         log.info("worker %s started (pid %d)", self.group, self.process.pid)
 
     async def _watch(self) -> str:
         """Read the worker's messages and ping it until it dies or is killed; returns why it ended."""
-        reader = asyncio.create_task(self._read())
+        reader = asyncio.create_task(self._read(), name=f"read-{self.group}")
+        timeout = self.policy.timeout_s
         try:
-            while True:
-                self.last_tick = time.monotonic()
-                if reader.done():
-                    break
+            while not reader.done():
                 now = time.monotonic()
-                if now - self.last_healthy > self.policy.timeout_s:
-                    self.death_reason = (f"it did not answer liveness checks within "
-                                         f"{self.policy.timeout_s:g} s (hung or stopped)")
-                    self._kill(self.death_reason)
+                self.last_tick = now
+                stalled = now - self._progress_at
+                if stalled > timeout:
+                    self._kill(f"its engine made no progress for {stalled:.1f} s, more than engine.worker_timeout_s "
+                               f"= {timeout:g} (hung or stopped)")
                     break
                 rss_mb = _rss_mb(self.process.pid)
                 if self.policy.memory_mb and rss_mb > self.policy.memory_mb:
-                    self.death_reason = f"it used {rss_mb:.0f} MB, above engine.worker_memory_mb"
-                    self._kill(self.death_reason)
+                    self._kill(f"it used {rss_mb:.0f} MB, above engine.worker_memory_mb")
                     break
                 try:
                     self._channel.send(p.Ping(seq=next(self._ping_seq)))
                 except ConnectionError:
                     break
-                await asyncio.wait({reader}, timeout=self.policy.ping_interval_s)
+                # the next Ping, or the moment the engine's last progress becomes `timeout` old, whichever is first
+                wake = min(self.policy.ping_interval_s, self._progress_at + timeout - time.monotonic() + 0.001)
+                await asyncio.wait({reader}, timeout=max(0.0, wake))
         finally:
             if not reader.done():
                 reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
         code = await asyncio.to_thread(self._reap)
-        if self.death_reason:
-            reason, self.death_reason = self.death_reason, ""
+        if self._kill_reason:
+            reason, self._kill_reason = self._kill_reason, ""
         elif code == MEMORY_EXIT:
             reason = "it exceeded engine.worker_memory_mb"
         elif code is not None and code < 0:
@@ -226,7 +268,7 @@ class WorkerSupervisor:
             try:
                 message = await self._channel.receive()
             except EOFError:
-                self._lost()  # answer what is in flight at once, before the process is reaped
+                self._went_down()  # answer what is in flight at once, before the process is reaped
                 return
             if isinstance(message, p.Pong):
                 self._on_pong(message)
@@ -242,30 +284,47 @@ class WorkerSupervisor:
                     future.set_result(message)
 
     def _on_pong(self, pong: p.Pong) -> None:
+        now = time.monotonic()
+        self._pong_at = now
+        self._progress_at = min(pong.busy_since, now) if pong.busy_since else now
         for snap in pong.models:
             self.snapshots[snap.name] = snap
         if self.metrics is not None and pong.records:
             from appliance.engine.engine_metrics import apply_records
             apply_records(self.metrics, pong.records)
-        if pong.stalled_s <= self.policy.timeout_s:
-            self.last_healthy = time.monotonic()
-        elif pong.seq:
-            log.warning("worker %s: an engine operation has run for %.1f s", self.group, pong.stalled_s)
+        loaded = {snap.name for snap in pong.models if snap.name in self._recovering and snap.state != "Loading"}
+        if loaded:  # the restart of these models is over
+            self._recovering -= loaded
+            if self.metrics is not None:
+                for name in loaded:
+                    self.metrics.worker_up.labels(name).set(1)
+            log.info("worker %s: %s %s again after the restart", self.group, ", ".join(sorted(loaded)),
+                     "/".join(sorted({self.snapshots[n].state for n in loaded})))
+            self._changed()
 
-    def _lost(self) -> None:
+    def _went_down(self) -> None:
+        """The worker died or is being killed: its calls in flight are answered now and, unless the appliance
+        stops, its models restart from this moment until the replacement has loaded them."""
         was_up, self.up = self.up, False
+        self._fail_pending(EngineFailure("the model's worker stopped while running this request"))
+        if self._stopping:
+            return
+        restarting = set(self.snapshots) - self._recovering
+        self._recovering |= set(self.snapshots)
         if self.metrics is not None:
             for name in self.snapshots:
                 self.metrics.worker_up.labels(name).set(0)
-        self._fail_pending(EngineFailure("the model's worker stopped while running this request"))
-        if was_up and not self._stopping:
+        if was_up:
             for listener in self.on_restart:
                 listener()
+        if restarting:
+            self._changed()
 
     def _after_death(self, reason: str) -> None:
-        self._lost()
+        self._went_down()
         for name in self.snapshots:
             self.snapshots[name] = p.ModelSnapshot(name, "Loading")
+        self.death_reason = reason
         message = f"worker of model {', '.join(self.snapshots)} was replaced: {reason}"
         log.error("%s", message)
         self._emit("WorkerRestarting", message)
@@ -285,6 +344,8 @@ class WorkerSupervisor:
         if proc is not None and proc.poll() is None:
             if not self._stopping:
                 log.error("killing worker %s (pid %d): %s", self.group, proc.pid, why)
+                self._kill_reason = why
+            self._went_down()  # the restart begins with the kill, not with the process's exit
             try:
                 proc.send_signal(signal.SIGKILL)
             except ProcessLookupError:
@@ -292,13 +353,17 @@ class WorkerSupervisor:
         if self._channel is not None:
             self._channel.close()
 
+    def _changed(self) -> None:
+        for listener in self.on_change:
+            listener()
+
     def _emit(self, kind: str, message: str, model: str | None = None) -> None:
         if self.on_event is None:
             return
         for name in ([model] if model else list(self.snapshots)):
             try:
                 self.on_event(name, kind, message)
-            except Exception:
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the supervision; logged
                 log.exception("event listener failed")
 
     def _fail_pending(self, error: Exception) -> None:

@@ -3,10 +3,12 @@
 Hosts the engine services of its models (tensor: dynamic batcher + backend; generative: scheduler, slots, runner) on
 its own event loop and answers the serve process over the inherited socket. It knows nothing of OPC UA: failures
 travel as engine reasons. It ends when the serve process says Stop, when the socket closes, or when the serve
-process dies (PR_SET_PDEATHSIG), so no worker outlives its parent.
+process dies (PR_SET_PDEATHSIG), so no worker outlives its parent; SIGTERM and SIGINT, which a stop of the systemd
+unit or Ctrl-C send to every process, it ignores: serve stops it once the calls in flight are answered.
 
-Liveness: each Ping is answered with how long the current engine operation has run (engine/liveness.py); a worker
-stopped by SIGSTOP answers nothing. The serve process judges both. The worker checks its own peak memory on each
+Liveness: each Ping is answered with since when the current engine operation has run (engine/liveness.py), from
+the moment the process runs (the engines are imported in a thread); a worker stopped by SIGSTOP answers nothing.
+The serve process judges both. The worker checks its own peak memory on each
 Ping and exits with MEMORY_EXIT past `engine.worker_memory_mb`, since a short spike could escape the parent's
 sampling.
 """
@@ -82,18 +84,23 @@ class WorkerHost:
         self.memory_mb = start.memory_mb
         self.liveness = Liveness()
         self.metrics = EngineMetrics()
-        self.services = {}
-        inline = all(spec.kind == "tensor" for spec in start.models)
-        for spec in start.models:
-            self.services[spec.name] = build_service(spec, threads=start.threads, metrics=self.metrics,
-                                                     liveness=self.liveness, on_event=self._event_sender(spec.name),
-                                                     inline_batches=inline)
-        self._specs = list(start.models)
+        self.services = {}  # filled once built (see run)
+        self._start = start
+        self._loop = asyncio.get_running_loop()
         self._calls: dict[int, asyncio.Task] = {}
-        self._stopping = False
+        self._tasks: set[asyncio.Task] = set()  # model starts, kept until done
+
+    def _build_services(self) -> dict:
+        """In a thread: importing the engines (torch takes seconds on a busy machine) must not keep the loop from
+        answering liveness checks, or a slow start would look like a hang."""
+        inline = all(spec.kind == "tensor" for spec in self._start.models)
+        return {spec.name: build_service(spec, threads=self._start.threads, metrics=self.metrics,
+                                         liveness=self.liveness, on_event=self._event_sender(spec.name),
+                                         inline_batches=inline)
+                for spec in self._start.models}
 
     def _event_sender(self, model: str):
-        loop = asyncio.get_running_loop()
+        loop = self._loop
 
         def on_event(kind: str, message: str) -> None:  # may be called from an engine thread
             loop.call_soon_threadsafe(self._send, p.Event(model=model, kind=kind, message=message))
@@ -109,7 +116,7 @@ class WorkerHost:
         self._send(self._pong(0))
 
     def _pong(self, seq: int) -> p.Pong:
-        return p.Pong(seq=seq, stalled_s=self.liveness.stalled_s(),
+        return p.Pong(seq=seq, busy_since=self.liveness.busy_since(),
                       models=[snapshot(s) for s in self.services.values()], records=self.metrics.drain())
 
     def _check_memory(self) -> None:
@@ -122,13 +129,7 @@ class WorkerHost:
             os._exit(MEMORY_EXIT)
 
     async def run(self) -> None:
-        for spec in self._specs:
-            svc = self.services[spec.name]
-            if spec.refused:
-                svc._load_failed(spec.refused)
-                self._push_state()
-            else:
-                asyncio.create_task(self._start_service(svc))
+        self._keep(self._load_models())
         while True:
             try:
                 message = await self.channel.receive()
@@ -156,9 +157,33 @@ class WorkerHost:
                 await self._stop(message.id)
                 return
 
+    async def _load_models(self) -> None:
+        try:
+            self.services = await asyncio.to_thread(self._build_services)
+        except Exception:  # noqa: BLE001 - nothing can be served: the supervisor sees the exit and restarts
+            log.exception("the model services could not be built: exiting")
+            os._exit(1)
+        for spec in self._start.models:
+            svc = self.services[spec.name]
+            if spec.refused:
+                svc._load_failed(spec.refused)
+                self._push_state()
+            else:
+                self._keep(self._start_service(svc))
+
     async def _start_service(self, svc) -> None:
         await svc.start()  # ends Ready or Failed, never raises
         self._push_state()
+
+    def _keep(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker task failed", exc_info=task.exception())
 
     async def _serve(self, message) -> None:
         try:
@@ -221,8 +246,8 @@ class WorkerHost:
         self._send(p.Done(id=stop_id))
         try:
             await asyncio.wait_for(self.channel.drain(), 5)
-        except Exception:
-            pass
+        except (TimeoutError, ConnectionError):
+            pass  # serve is gone or not reading: it kills this process either way
 
 
 def _peak_rss_mb() -> float:
@@ -268,7 +293,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--group", required=True)
     args = parser.parse_args(argv)
     _die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in a terminal reaches the whole group: serve decides
+    # `systemctl stop` (and a reboot) signals every process of the unit, Ctrl-C in a terminal the whole group: the
+    # serve process decides when its workers stop, after the calls in flight are answered. SIGTERM arrives blocked
+    # (see supervisor._spawn) so that one sent while this process started is dropped here, not fatal.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     # The loop shares the GIL with the engine thread; 5 ms switches would add to every call (see daemon.serve).
     sys.setswitchinterval(0.0005)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
