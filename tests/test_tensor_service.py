@@ -291,6 +291,15 @@ def test_model_that_fails_to_load_is_failed_until_a_good_reload(tmp_path):
     np.testing.assert_allclose(out, reference(w, np.ones((1, N_IN), np.float32))[0], rtol=1e-4, atol=1e-5)
 
 
+def test_a_refused_model_is_failed_with_the_reason_and_an_event(tmp_path):
+    """What a worker does with a model it will not load (refuse, public): Failed, the reason, ModelLoadFailed."""
+    events: list = []
+    svc = make_service(save_onnx(tmp_path / "m.onnx", make_weights(1)), Metrics(), events)
+    svc.refuse("device cuda:3 is not on this box")
+    assert svc.state == "Failed" and svc.failure_reason == "device cuda:3 is not on this box"
+    assert events == [("ModelLoadFailed", "device cuda:3 is not on this box")]
+
+
 def test_failed_reload_keeps_the_old_weights_serving(tmp_path):
     path = tmp_path / "m.onnx"
     w = make_weights(11)

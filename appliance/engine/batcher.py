@@ -112,7 +112,7 @@ class DynamicBatcher:
             started = time.monotonic()
             outputs, tag = self._execute(samples)
             outputs = self._checked(outputs, len(samples), started)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the model's code failed (any library error): logged, EngineFailure
             log.exception("model %s failed on a batch of %d samples", self.model_name, len(samples))
             raise EngineFailure("the engine failed on this request") from None
         if not np.isfinite(outputs).all():
@@ -190,7 +190,7 @@ class DynamicBatcher:
                     break  # close() answered the forming batch
                 self._forming = []  # from here on the batch runs to its end, even through close()
                 await self._execute_batch(batch)
-            except Exception:  # a bug here must not stop the model: answer the batch, keep serving
+            except Exception:  # noqa: BLE001 - a bug here must not stop the model: logged, the batch answered
                 log.exception("batcher of model %s failed on a batch", self.model_name)
                 for request in batch:
                     _answer_error(request, EngineFailure("the engine failed on this request"))
@@ -240,7 +240,7 @@ class DynamicBatcher:
         try:
             outputs, tag = await asyncio.get_running_loop().run_in_executor(self._executor, self._execute, inputs)
             outputs = self._checked(outputs, len(inputs), start)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the model's code failed (any library error): logged, EngineFailure
             log.exception("model %s failed on a batch of %d samples", self.model_name, len(inputs))
             for request in live:
                 _answer_error(request, EngineFailure("the engine failed on this request"))

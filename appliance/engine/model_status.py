@@ -34,6 +34,11 @@ class ModelStatus:
         if self.metrics is not None:
             self.metrics.model_ready.labels(self.name).set(1 if state == "Ready" else 0)
 
+    def refuse(self, reason: str) -> None:
+        """The model will not be loaded here (its worker refused the spec, e.g. a device it cannot use): Failed with
+        `reason`, as a failed first load."""
+        self._load_failed(reason)
+
     def _load_failed(self, reason: str) -> None:
         """A first load failed: the model is Failed with a reason safe to show clients, and an event says so."""
         self.failure_reason = reason
@@ -46,5 +51,5 @@ class ModelStatus:
             return
         try:
             self.on_event(event, reason)
-        except Exception:  # a broken listener must not turn a handled failure into a crash
+        except Exception:  # noqa: BLE001 - a broken listener must not turn a handled failure into a crash; logged
             log.exception("event listener failed for %s", event)

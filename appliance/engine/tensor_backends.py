@@ -136,7 +136,7 @@ def _probe(backend: TensorBackend) -> None:
         out = backend.run(np.zeros((1, *backend.input_shape), dtype=np.float32))
     except EngineFailure:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the model's own code (ONNX Runtime, torch): refused, logged
         log.warning("probe run of a %s model failed", backend.name, exc_info=True)
         raise EngineFailure(f"the model does not run on one sample of shape {list(backend.input_shape)} "
                             f"({type(exc).__name__})") from None
@@ -192,7 +192,7 @@ def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
     providers = onnx_providers(device, available_onnx_providers())
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - ONNX Runtime's own exception classes (none a RuntimeError): logged
         raise _load_failure("the ONNX model could not be loaded", exc) from None
     running = session.get_providers()[0]  # what the session really uses: onnxruntime-gpu without a GPU runs on CPU
     if device.startswith("cuda") and running != "CUDAExecutionProvider":
@@ -268,7 +268,7 @@ def _load_exported(path: Path, device: str, threads: int) -> TorchExportBackend:
             from torch.export.passes import move_to_device_pass
             program = move_to_device_pass(program, device)
         module = program.module()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - torch.export.load of a foreign archive raises many kinds: logged
         raise _load_failure("the torch.export model could not be loaded", exc) from None
     shapes = _exported_shapes(path, program, extra[SHAPES_EXTRA_FILE])
     return TorchExportBackend(

@@ -92,7 +92,8 @@ class TensorModelService(ModelStatus):
             self._set_state("Loading")
             try:
                 self._loaded = await asyncio.to_thread(self._load)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - start never raises: the model is Failed with the reason
+                _log_unexpected(self.name, "load", exc)
                 self._load_failed(_reason(exc))
                 return
             self.failure_reason = None
@@ -112,7 +113,8 @@ class TensorModelService(ModelStatus):
                 loaded = await asyncio.to_thread(self._load)
                 if self._loaded is not None:
                     _check_same_shapes(self._loaded.backend, loaded.backend)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failed reload leaves the old weights serving; logged
+                _log_unexpected(self.name, "reload", exc)
                 reason = _reason(exc)
                 log.error("model %s reload failed, %s: %s", self.name,
                           "old weights keep serving" if self._loaded else "still not loaded", reason)
@@ -143,7 +145,7 @@ class TensorModelService(ModelStatus):
         try:
             samples = self._validate(flat)
             outputs, version = await self._batcher.submit(samples, deadline)
-        except Exception:  # a cancelled call (client gone) is no error of the model
+        except Exception:  # counted, then re-raised; a cancelled call (client gone) is no error of the model
             self.error_count += 1
             raise
         self.last_latency_ms = (time.monotonic() - started) * 1000.0
@@ -181,6 +183,13 @@ def _check_same_shapes(old: TensorBackend, new: TensorBackend) -> None:
         raise EngineFailure(f"the new weights change the sample shapes ({list(old.input_shape)} -> "
                             f"{list(new.input_shape)}, {list(old.output_shape)} -> {list(new.output_shape)}); "
                             "restart the appliance to serve a model of another shape")
+
+
+def _log_unexpected(model: str, what: str, exc: BaseException) -> None:
+    """Our own errors and unreadable files say what went wrong in their reason; anything else is a surprise whose
+    traceback belongs in the log (the reason shown to clients holds only its type)."""
+    if not isinstance(exc, (ApplianceError, OSError)):
+        log.error("model %s: unexpected failure in %s", model, what, exc_info=exc)
 
 
 def _reason(exc: BaseException) -> str:

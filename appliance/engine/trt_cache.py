@@ -104,6 +104,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # re-raised: whatever stopped the write (interrupt included), no temporary file stays
         Path(tmp).unlink(missing_ok=True)
         raise
