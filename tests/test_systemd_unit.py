@@ -1,17 +1,25 @@
 """The systemd unit: `systemd-analyze verify` prints nothing and `systemd-analyze security --offline=true` scores it
-2.0 or better, also with the GPU drop-in (systemd 252 from Debian; no systemd runs as PID 1 here)."""
+2.0 or better, also with the GPU drop-in (systemd 252 from Debian); the /proc its sandbox mounts shows the service the
+same CPU features and memory as a shell (a /proc mounted with the unit's own ProtectProc= / ProcSubset= values).
+The installed unit under systemd as PID 1: scripts/acceptance.sh."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 SYSTEMD = Path(__file__).resolve().parents[1] / "systemd"
-pytestmark = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                reason="systemd-analyze is not installed (Debian package systemd)")
+CPU_VIEW = Path(__file__).with_name("cpu_view.py")
+needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                   reason="systemd-analyze is not installed (Debian package systemd)")
+needs_namespaces = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                                      reason="mounting a /proc of its own needs root and unshare (util-linux)")
 
 
 def unit_for_test(tmp_path: Path, with_gpu: bool = False) -> Path:
@@ -34,16 +42,68 @@ def score(unit: Path) -> float:
     return float(match.group(1))
 
 
+def unit_setting(name: str) -> str:
+    """The value the unit gives a [Service] setting (the last assignment wins, as in systemd); '' when unset."""
+    values = re.findall(rf"^{name}=(.*)$", (SYSTEMD / "appliance.service").read_text(), re.MULTILINE)
+    return values[-1].strip() if values else ""
+
+
+def proc_mount_options(protect_proc: str, proc_subset: str) -> str:
+    """The mount options systemd gives the service's /proc for ProtectProc= and ProcSubset= (systemd.exec(5))."""
+    options = []
+    if protect_proc not in ("", "default"):
+        options.append(f"hidepid={protect_proc}")  # noaccess | invisible | ptraceable
+    if proc_subset == "pid":
+        options.append("subset=pid")
+    return ",".join(options) or "defaults"
+
+
+def cpu_view(tmp_path: Path, proc_options: str | None = None) -> dict:
+    """tests/cpu_view.py in a plain shell, or in new mount and PID namespaces whose /proc has proc_options."""
+    command = [sys.executable, str(CPU_VIEW), str(tmp_path / "cache")]
+    if proc_options is not None:
+        script = f"mount -t proc -o {proc_options} proc /proc && exec \"$@\""
+        command = ["unshare", "-m", "-p", "-f", "--mount-proc", "sh", "-c", script, "sh", *command]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=CPU_VIEW.parents[1])
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_namespaces
+def test_the_service_sees_the_cpu_and_memory_a_shell_sees(tmp_path):
+    options = proc_mount_options(unit_setting("ProtectProc"), unit_setting("ProcSubset"))
+    shell, service = cpu_view(tmp_path), cpu_view(tmp_path, options)
+    assert service["cpuinfo_readable"], options
+    for key in ("capability", "avx2", "weights", "cpu_kernels"):
+        assert service[key] == shell[key], (key, options, service, shell)
+    assert set(service["meminfo"]) == {"MemTotal", "MemAvailable"}
+    assert service["meminfo"]["MemTotal"] == shell["meminfo"]["MemTotal"]
+
+
+@needs_namespaces
+def test_the_check_sees_what_procsubset_pid_hides(tmp_path):
+    """The check above can fail: ProcSubset=pid (as the unit had it) hides cpuinfo and meminfo, and on a CPU with
+    AVX2 or better torch then reports DEFAULT and the demo model's weights: auto falls back to float32."""
+    shell, hidden = cpu_view(tmp_path), cpu_view(tmp_path, proc_mount_options("invisible", "pid"))
+    assert not hidden["cpuinfo_readable"] and hidden["meminfo"] == {}
+    assert hidden["capability"] == "DEFAULT" and hidden["avx2"] is False
+    if shell["avx2"]:
+        assert hidden["weights"] == "float32" != shell["weights"]
+
+
+@needs_analyze
 def test_verify_prints_nothing(tmp_path):
     out = subprocess.run(["systemd-analyze", "verify", str(unit_for_test(tmp_path))], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout == "" and out.stderr == "", out.stdout + out.stderr
 
 
+@needs_analyze
 def test_security_score(tmp_path):
     assert score(unit_for_test(tmp_path)) <= 2.0
 
 
+@needs_analyze
 def test_security_score_with_the_gpu_drop_in(tmp_path):
     assert score(unit_for_test(tmp_path, with_gpu=True)) <= 2.0
 
@@ -54,3 +114,19 @@ def test_unit_is_a_notify_service_with_a_watchdog():
                  "ProtectSystem=strict", "StateDirectory=appliance", "ConfigurationDirectory=appliance"):
         assert f"\n{line}\n" in text, line
     assert re.search(r"\nWatchdogSec=\d+", text) and re.search(r"\nMemoryMax=", text)
+
+
+def test_directory_modes_agree_with_tmpfiles():
+    """postinst applies the tmpfiles entries before the first start; the unit's directory settings must give the
+    same modes, or the first start silently changes them (StateDirectoryMode=, ConfigurationDirectoryMode=)."""
+    entries = {}
+    for line in (SYSTEMD / "appliance.tmpfiles").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            kind, path, mode, user, group = line.split()[:5]
+            entries[path] = (kind, mode, user, group)
+    default = "0755"  # systemd.exec(5): every *DirectoryMode= defaults to 0755
+    assert entries["/var/lib/appliance"] == ("d", unit_setting("StateDirectoryMode") or default, "appliance",
+                                             "appliance")
+    assert unit_setting("StateDirectory") == "appliance" and unit_setting("ConfigurationDirectory") == "appliance"
+    assert entries["/etc/appliance"][:2] == ("d", unit_setting("ConfigurationDirectoryMode") or default)
+    assert entries["/etc/appliance"][3] == "appliance"  # the service reads its YAML through the group
