@@ -254,6 +254,7 @@ class Appliance:
 
     def _publish_model_metrics(self) -> None:
         m = self.metrics
+        m.heartbeat_timestamp.set_to_current_time()  # this tick of the supervision loop (a stall rule watches it)
         slots_total = slots_used = parked = 0
         for name, model in self.services.items():
             st = model.status()

@@ -84,6 +84,9 @@ class Metrics:
             "appliance_time_to_first_token_seconds", "Time from a Generate call's arrival to its first token",
             ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.ua_sessions = Gauge("appliance_ua_sessions", "OPC UA sessions open", registry=r)
+        self.heartbeat_timestamp = Gauge(
+            "appliance_heartbeat_timestamp_seconds", "Unix time of the appliance loop's last tick (1 Hz): a box whose "
+            "loop stalled shows an old time while its other gauges keep their last values", registry=r)
         self.model_info = Gauge("appliance_model_info", "1 for each loaded model, labelled with version and backend",
                                 ["model", "version", "backend"], registry=r)
         self.model_ready = Gauge("appliance_model_ready", "1 when the model is Ready, else 0", ["model"], registry=r)

@@ -1,10 +1,17 @@
-"""Monitoring for real: Debian's Prometheus scrapes a running appliance; its HTTP API shows up == 1 and a request
-counter that moves; `promtool check metrics` passes on /metrics; the alerting rules pass `promtool test rules`; every
-panel of the Grafana dashboard returns data from the live Prometheus (GPU panels: only where there is a GPU)."""
+"""Monitoring for real: Debian's Prometheus scrapes a running appliance; its HTTP API shows up == 1, a request
+counter that moves and a heartbeat timestamp that is the loop's last tick; `promtool check metrics` passes on
+/metrics; the alerting rules pass `promtool test rules` (one stalled box among live ones among them).
+
+The Grafana dashboard: no registry this project installs from carries a Grafana server, so it is not imported into a
+real Grafana; instead every variable it references is defined (a missing one fails the import), every panel and
+query names the datasource variable, every series selector is narrowed by $instance, each panel's quantiles are the
+ones its title names, and every panel's queries, with the variables substituted as Grafana substitutes them, return
+data from the live Prometheus for the appliance's instance and none for another (GPU panels: only with a GPU)."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +28,7 @@ from onnx_models import affine_model
 from uaclient import call, floats, run, session
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "appliance-dashboard.json"
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.which("promtool") is None,
                                 reason="Prometheus is not installed (Debian package prometheus; "
                                        "scripts/setup-system.sh installs it)")
@@ -122,20 +130,75 @@ def test_scraped_and_a_counter_moves(app, prometheus):
     wait_for(lambda: float(query(prometheus, expr)[0]["value"][1]) >= first + 10)
 
 
-def test_every_dashboard_panel_has_data(app, prometheus):
+def test_heartbeat_timestamp_is_the_loops_last_tick(app, prometheus):
+    text = urllib.request.urlopen(app.metrics_url + "/metrics", timeout=10).read().decode()
+    assert "# TYPE appliance_heartbeat_timestamp_seconds gauge" in text
+    expr = 'appliance_heartbeat_timestamp_seconds{job="appliance"}'
+    first = float(wait_for(lambda: query(prometheus, expr))[0]["value"][1])
+    assert abs(time.time() - first) < 10  # the loop ticks every second; the scrape is at most a second old
+    wait_for(lambda: float(query(prometheus, expr)[0]["value"][1]) >= first + 2, timeout=20)
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def grafana_regex(*instances: str) -> str:
+    """$instance as Grafana writes a multi-value variable into a PromQL regex: values escaped, joined by |."""
+    escaped = [re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\\\1", i) for i in instances]
+    return "(" + "|".join(escaped) + ")"
+
+
+def test_dashboard_variables_are_defined_and_every_panel_uses_them():
+    board = dashboard()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["instance"]["datasource"]["uid"] == "${datasource}"
+    assert variables["instance"]["includeAll"] and variables["instance"]["multi"]
+    referenced = set(re.findall(r"\$\{?(\w+)", DASHBOARD.read_text()))
+    assert referenced <= set(variables), referenced - set(variables)  # Grafana refuses what is not defined
+    for panel in board["panels"]:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"], panel["title"]
+            for metric in re.finditer(r"appliance_\w+", target["expr"]):
+                rest = target["expr"][metric.end():]
+                assert rest.startswith('{instance=~"$instance"'), (panel["title"], target["expr"])
+
+
+def test_dashboard_quantiles_are_the_ones_titled():
+    for panel in dashboard()["panels"]:
+        titled = {int(p) / 100 for p in re.findall(r"\bp(\d\d)\b", panel["title"])}
+        titled |= {0.5} if "median" in panel["title"] else set()
+        queried = {float(q) for t in panel["targets"] for q in re.findall(r"histogram_quantile\(([0-9.]+)", t["expr"])}
+        assert queried == titled, (panel["title"], queried)
+
+
+def test_instance_variable_lists_the_appliance(app, prometheus):
+    instance = f"127.0.0.1:{app.metrics_port}"
+    wait_for(lambda: query(prometheus, "appliance_model_info"))
+    body = urllib.request.urlopen(prometheus + "/api/v1/label/instance/values?" + urllib.parse.urlencode(
+        {"match[]": "appliance_model_info"}), timeout=10).read()
+    assert json.loads(body)["data"] == [instance]
+
+
+def test_every_dashboard_panel_has_data_for_its_instance_only(app, prometheus):
     os.kill(app.app.services["classifier"].supervisor.process.pid, signal.SIGKILL)  # a restart to count
     wait_for(lambda: app.app.services["classifier"].status().state == "Ready")
     for _ in range(3):
         traffic(app)
         time.sleep(1.0)
-    dashboard = json.loads((DEPLOY / "grafana" / "appliance-dashboard.json").read_text())
-    empty = []
-    for panel in dashboard["panels"]:
+    this, other = grafana_regex(f"127.0.0.1:{app.metrics_port}"), grafana_regex("line9.example:9464")
+    empty, leaked = [], []
+    for panel in dashboard()["panels"]:
         if "GPU" in panel["description"]:
             continue  # no GPU here: appliance_gpu_* exist only with one
         for target in panel["targets"]:
             try:
-                wait_for(lambda: query(prometheus, target["expr"]), timeout=20)
+                wait_for(lambda: query(prometheus, target["expr"].replace("$instance", this)), timeout=20)
             except AssertionError:
                 empty.append(panel["title"])
-    assert not empty, empty
+            if query(prometheus, target["expr"].replace("$instance", other)):
+                leaked.append(panel["title"])
+    assert not empty and not leaked, (empty, leaked)
