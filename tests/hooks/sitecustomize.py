@@ -1,0 +1,60 @@
+"""Test-only: a hang in a generative model's engine thread, for the worker processes one test starts.
+
+Python imports `sitecustomize` at start-up from its path; tests/worker_probes.hook_environment puts this folder first
+on the PYTHONPATH of the appliance's workers and names a trigger file in APPLIANCE_TEST_HANG_FILE. Nothing in the
+appliance knows of it, and without that variable it does nothing.
+
+Armed, the first engine step (appliance.engine.runner.ModelRunner.run: a forward pass) that begins while the trigger
+file exists never ends, as a forward pass stuck in a kernel would. It claims the file first (renamed to
+`<file>.hung`, holding the time.monotonic() the hang began), so the replacement worker serves normally.
+"""
+import importlib.abc
+import importlib.util
+import os
+import sys
+import threading
+import time
+
+TRIGGER = os.environ.get("APPLIANCE_TEST_HANG_FILE")
+TARGET = "appliance.engine.runner"
+
+
+def _hang_here() -> bool:
+    claimed = f"{TRIGGER}.claimed.{os.getpid()}"
+    try:
+        os.rename(TRIGGER, claimed)
+    except FileNotFoundError:
+        return False
+    with open(claimed, "w") as f:
+        f.write(repr(time.monotonic()))
+    os.rename(claimed, f"{TRIGGER}.hung")
+    return True
+
+
+def _patch(module) -> None:
+    run = module.ModelRunner.run
+
+    def run_or_hang(self, plan):
+        if _hang_here():
+            threading.Event().wait()  # forever, inside the engine's busy() like a stuck kernel
+        return run(self, plan)
+    module.ModelRunner.run = run_or_hang
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _patch(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if TRIGGER:
+    sys.meta_path.insert(0, _AfterImport())
