@@ -9,6 +9,7 @@ model's or an unknown JobId is NotFound. At most `max_per_client` unreleased job
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -16,6 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.errors import ApplianceError, Cancelled, EngineFailure, NotFound, ResourceUnavailable
+from appliance.tasks import TaskSet
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -50,6 +54,7 @@ class JobStore:
         self.max_wait_s = max_wait_s
         self.on_ready = on_ready
         self._jobs: dict[int, Job] = {}
+        self._tasks = TaskSet(log, "job")  # a released job's task runs on (cancelled) after it left _jobs
 
     def counts(self) -> dict[tuple[str, str], int]:
         """(model, running | done | failed) -> jobs, for appliance_jobs{model,state}."""
@@ -69,7 +74,7 @@ class JobStore:
         while job_id == 0 or job_id in self._jobs:  # random, so ids say nothing about other clients' jobs
             job_id = secrets.randbits(32)
         job = self._jobs[job_id] = Job(job_id, owner, model, kind)
-        job.task = asyncio.create_task(self._run(job, run), name=f"job-{job_id}")
+        job.task = self._tasks.start(self._run(job, run), name=f"job-{job_id}")
         return job
 
     async def _run(self, job: Job, run) -> None:
@@ -79,7 +84,8 @@ class JobStore:
             job.error = job.error or Cancelled("the job was cancelled")
         except ApplianceError as e:
             job.error = e
-        except Exception:  # the synchronous call would have answered BadInternalError
+        except Exception:  # noqa: BLE001 - a job ends with an answer: BadInternalError, as the call would; logged
+            log.exception("job %d on model %s failed", job.id, job.model)
             job.error = EngineFailure("the engine failed on this request")
         job.finished_at = time.monotonic()
         job.changed.set()
@@ -100,7 +106,7 @@ class JobStore:
             try:
                 await asyncio.wait_for(job.changed.wait(), wait_s)
             except TimeoutError:
-                pass
+                pass  # the wait is over: the job is answered as it is now (still running)
         return job
 
     def cancel(self, owner: str, model: str, job_id: int) -> None:
@@ -123,7 +129,6 @@ class JobStore:
                        if j.finished_at is not None and now - j.finished_at > self.result_ttl_s]:
             del self._jobs[job_id]
 
-    def cancel_all(self) -> None:
-        for job in self._jobs.values():
-            if job.task is not None and not job.task.done():
-                job.task.cancel()
+    async def cancel_all(self) -> None:
+        """Shutting down: cancel every job still running (released ones included) and wait for them to end."""
+        await self._tasks.cancel_all()

@@ -21,6 +21,7 @@ from attack_tools import (
 )
 from certificates import make_test_certificate
 from uaclient import call, floats, run, status_name
+from uaserver.asyncua_internals import external_sessions
 
 V = ua.VariantType
 
@@ -103,7 +104,7 @@ def test_tokens_are_random_and_a_stolen_token_is_useless_on_another_channel(app)
             # not a counter: the two tokens share no long common prefix
             assert len(os.path.commonprefix([tokens[0].Identifier, tokens[1].Identifier])) < 8
             # the session ids the server holds are just as random, and differ from the tokens
-            live = list(app.app.ua.server.iserver._external_sessions.values())
+            live = external_sessions(app.app.ua.server)
             ids = [s.session_id for s in live]
             assert len(live) >= 2 and len(set(ids)) == len(ids)
             for s in live:

@@ -189,7 +189,7 @@ class Mailboxes:
         token = current_session.set(session)
         try:
             answer = await self._request(box.config, session, value, number)
-        except Exception:  # the wrapped body answers every failure; this is a last line
+        except Exception:  # noqa: BLE001 - the wrapped body answers every failure; a last line, logged, Busy ends
             log.exception("mailbox %s request %d failed", box.config.name, number)
             answer = ua.CallMethodResult(StatusCode=ua.StatusCode(ua.StatusCodes.BadInternalError))
         finally:
@@ -212,7 +212,7 @@ class Mailboxes:
                 fields.update(Error=True, ErrorCode=answer.StatusCode.value, Response=number, Done=False, Busy=False)
             box.busy = False
             await self._set(box, **fields)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the request task's last line: logged, not lost with the task; Busy ends
             box.busy = False
             log.exception("publishing mailbox %s's result failed", box.config.name)
 

@@ -171,7 +171,7 @@ class ApplianceUaServer:
         await self.publisher.stop()
         if self.server is None:
             return
-        self.jobs.store.cancel_all()
+        await self.jobs.store.cancel_all()
         if self.mailboxes is not None:
             await self.mailboxes.stop()
         # asyncua's stop() leaves sessions with subscriptions open: close every session so slots are freed.
