@@ -12,7 +12,7 @@ for tool in mmdebstrap umoci; do command -v $tool >/dev/null || apt-get install 
 VERSION=$(dpkg-deb -f "$DEB" Version)
 ROOTFS="$OUT/appliance-rootfs-$VERSION.tar"
 start=$(date +%s)
-mmdebstrap --quiet --variant=minbase --include=python3.11,libgomp1,adduser,systemd,systemd-sysv,iproute2 \
+mmdebstrap --quiet --variant=minbase --include=python3.11,libgomp1,passwd,systemd,systemd-sysv,iproute2 \
   --customize-hook="copy-in $DEB /tmp" \
   --customize-hook='chroot "$1" sh -c "APPLIANCE_IMAGE_BUILD=1 dpkg -i /tmp/*.deb && rm /tmp/*.deb"' \
   bookworm "$ROOTFS"
@@ -28,7 +28,11 @@ BUNDLE=$(mktemp -d)
 umoci unpack --rootless --image "$OCI:$VERSION" "$BUNDLE/b"
 tar -xf "$ROOTFS" -C "$BUNDLE/b/rootfs"
 umoci repack --image "$OCI:$VERSION" "$BUNDLE/b"
-umoci config --image "$OCI:$VERSION" --config.user 997:997 --config.workingdir /var/lib/appliance \
+# The image runs as the service user that the package's sysusers entry made in this root (whatever uid it got), by
+# number: Kubernetes' runAsNonRoot can only check a numeric user.
+OWNER=$(tar -xOf "$ROOTFS" ./etc/passwd | awk -F: '$1 == "appliance" {print $3 ":" $4}')
+[ -n "$OWNER" ] || { echo "build-image: the root has no appliance user (did the package install?)" >&2; exit 1; }
+umoci config --image "$OCI:$VERSION" --config.user "$OWNER" --config.workingdir /var/lib/appliance \
   --config.entrypoint /opt/appliance/venv/bin/appliance --config.cmd serve --config.cmd --config \
   --config.cmd /etc/appliance/appliance.yaml --config.exposedports 4840/tcp --config.exposedports 9464/tcp
 rm -rf "$BUNDLE"
