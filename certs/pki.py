@@ -386,7 +386,7 @@ class PKI:
         try:
             leaf = split_der_chain(bytes(cert_der))[0]
         except (CertificateFormatError, TypeError):
-            return None
+            return None  # no certificate, no role (the login is refused for want of one)
         return self.role_map.role_for(thumbprint(leaf))
 
     def server_chain_der(self) -> bytes:
@@ -462,7 +462,7 @@ class PKI:
                 try:
                     out += [StoredCert(der, cert, path) for der, cert in read_certificate_file(path)]
                 except (OSError, CertificateFormatError):
-                    continue
+                    continue  # no certificate to find here; list() names such files with their error
         return out
 
     def _find_trusted(self, key: str) -> StoredCert | None:
@@ -474,7 +474,7 @@ class PKI:
             try:
                 thumbs |= {thumbprint(der) for der, _ in read_certificate_file(path)}
             except CertificateFormatError:
-                pass
+                pass  # a file that is no certificate: the key can still match a trusted file by name
         for s in stored:
             if s.thumbprint in thumbs or s.path.name == path.name or s.path.stem == key:
                 return s
