@@ -239,6 +239,8 @@ class Watchdog:
             elif error is not None:
                 self._failures_in_a_row += 1
                 state, message = CRITICAL, f"GPU cannot be read: {error}"
+                if self._failures_in_a_row == 1:  # once per run of failures, with the traceback
+                    log.warning("GPU cannot be read", exc_info=error)
                 if "GPU_IS_LOST" in str(error).upper().replace(" ", "_"):
                     fault = f"GPU lost: {error}"
                 elif self._failures_in_a_row >= self.lost_after_failures:

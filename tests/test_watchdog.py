@@ -252,6 +252,14 @@ def test_transient_read_errors_recover_but_repeated_ones_mean_lost():
     assert rec.faults == ["GPU unreadable 3 times in a row: timeout"]
 
 
+def test_a_read_error_is_logged_once_per_run_of_failures_even_when_already_critical(caplog):
+    dog = make([[gpu(95)], RuntimeError("NVML: Unknown Error"), RuntimeError("NVML: Unknown Error"), [gpu(95)],
+                RuntimeError("NVML: Unknown Error")])
+    assert [dog.poll() for _ in range(5)] == ["Critical"] * 5  # no state change to log the reason with
+    logged = [r for r in caplog.records if r.getMessage() == "GPU cannot be read"]
+    assert len(logged) == 2 and all(str(r.exc_info[1]) == "NVML: Unknown Error" for r in logged)
+
+
 def test_a_failing_fault_callback_does_not_break_polling():
     def broken(_):
         raise ValueError("daemon bug")
