@@ -1,0 +1,153 @@
+"""A planned stop is not a crash: `systemctl stop` (and a reboot) sends SIGTERM to every process of the unit's cgroup
+(KillMode=control-group, the default), workers included. Here `appliance serve` runs as its own process group with a
+tensor and a generative worker, a SCADA client subscribes to WorkerRestarting and the Part 9 conditions, calls are in
+flight, and SIGTERM (with SIGCONT, as systemd sends) goes to the whole group. The calls in flight are answered Good,
+no alarm is raised, no ERROR logged, no worker started, and serve exits 0 within the unit's TimeoutStopSec."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from asyncua import ua
+
+from harness import free_port
+from onnx_models import heavy_model
+from uaclient import call, floats, session, status_name
+from worker_probes import DataChanges, Events, field, process_gone
+
+ROOT = Path(__file__).resolve().parents[1]
+V = ua.VariantType
+
+
+def timeout_stop_s() -> float:
+    """TimeoutStopSec of the unit we ship: how long systemd waits after SIGTERM before SIGKILL."""
+    text = (ROOT / "systemd" / "appliance.service").read_text()
+    (value,) = re.findall(r"^TimeoutStopSec=(\d+)s?$", text, re.M)
+    return float(value)
+
+
+def worker_pids(serve_pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == serve_pid and fields[0] != "Z":
+                    found.append(int(entry))
+    return found
+
+
+class Serve:
+    """`appliance serve` as systemd runs it: a process group of its own, its output in a log file."""
+
+    def __init__(self, tmp: Path, models: dict, drain_s: float):
+        self.state_dir = tmp / "state"
+        self.port, self.metrics_port = free_port(), free_port()
+        self.endpoint = f"opc.tcp://127.0.0.1:{self.port}"
+        doc = {"server": {"endpoint": self.endpoint, "state_dir": str(self.state_dir), "drain_timeout_s": drain_s},
+               "metrics": {"listen": f"127.0.0.1:{self.metrics_port}"}, "watchdog": {"backend": "none"},
+               "engine": {"compile": "off"}, "models": models}
+        config = tmp / "appliance.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        self.log_path = tmp / "serve.log"
+        self._log = self.log_path.open("w")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(config)], env=env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        end = time.monotonic() + 180
+        while time.monotonic() < end:
+            with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
+                if urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2).status == 200:
+                    return
+            assert self.proc.poll() is None, self.log_path.read_text()
+            time.sleep(0.2)
+        raise AssertionError("serve did not become ready:\n" + self.log_path.read_text()[-3000:])
+
+    def issue(self, name: str, role: str):
+        import socket
+
+        from certs.pki import PKI
+        out = self.state_dir / "clients"
+        PKI(self.state_dir).issue(name, role, out, socket.gethostname())
+        return out / f"{name}.der", out / f"{name}.key.pem"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._log.close()
+
+
+def test_sigterm_to_the_whole_group_is_a_planned_stop(tmp_path):
+    pytest.importorskip("transformers")
+    from tiny_llm import make_model_dir
+    make_model_dir(tmp_path / "chat")
+    models = {"slow": {"kind": "tensor", "path": str(heavy_model(tmp_path / "h.onnx", size=512, products=4)),
+                       "max_batch_size": 1},  # each call a batch of tens of ms: calls queue behind each other
+              "chat": {"kind": "generative", "path": str(tmp_path / "chat")}}
+    serve = Serve(tmp_path, models, drain_s=10.0)
+    try:
+        workers = worker_pids(serve.proc.pid)
+        assert len(workers) == 2
+        scada, plc = serve.issue("scada", "monitor"), serve.issue("plc", "operator")
+
+        async def go():
+            async with session(serve, *scada) as s, session(serve, *plc) as c:
+                ns = await s.get_namespace_index("urn:opcua-inference-appliance")
+                restarting = await s.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Alarms",
+                                                              f"{ns}:WorkerRestarting"])
+                changes, events = DataChanges(), Events()
+                changes.names = {restarting: "WorkerRestarting"}
+                await (await s.create_subscription(20, changes)).subscribe_data_change([restarting])
+                await (await s.create_subscription(20, events)).subscribe_events(s.nodes.server,
+                                                                                  ua.ObjectIds.OffNormalAlarmType)
+                await asyncio.sleep(1.0)
+                calls = [asyncio.create_task(call(c, "slow", "Infer", [floats([1, 1, 1, 1])])) for _ in range(6)]
+                calls.append(asyncio.create_task(call(c, "chat", "Generate", [
+                    ua.Variant("The pump", V.String), ua.Variant(40, V.UInt32), ua.Variant(0.0, V.Float)])))
+                await asyncio.sleep(0.15)
+                log_at = serve.log_path.stat().st_size
+                signalled = time.monotonic()
+                os.killpg(serve.proc.pid, signal.SIGTERM)  # systemd: SIGTERM, then SIGCONT, to every process
+                os.killpg(serve.proc.pid, signal.SIGCONT)
+                results = await asyncio.gather(*calls, return_exceptions=True)
+                await asyncio.sleep(0.5)  # whatever the server still publishes before it closes
+                return log_at, signalled, results, changes, events
+        log_at, signalled, results, changes, events = asyncio.run(asyncio.wait_for(go(), 120))
+        code = serve.proc.wait(timeout_stop_s() + 5)
+        took = time.monotonic() - signalled
+        print(f"stopped in {took:.2f} s (TimeoutStopSec {timeout_stop_s():g} s), exit status {code}")
+        assert code == 0 and took < timeout_stop_s()
+        statuses = [status_name(r) if not isinstance(r, BaseException) else type(r).__name__ for r in results]
+        assert statuses == ["Good"] * 7, statuses  # drained: every call in flight finished
+        assert [v for _, _, v in changes.changes] == [False], changes.changes  # never raised
+        assert not [e for e in events.events if field(e, "ConditionName") == "WorkerRestarting"
+                    and field(e, "ActiveState/Id")], events.events
+        log = serve.log_path.read_text()
+        after = log[log_at:]
+        assert not re.findall(r"^\S+ \S+ (?:ERROR|CRITICAL) .*$", log, re.M), after
+        assert "started (pid" not in after and "restarts in" not in after and "was replaced" not in after, after
+        assert wait_for_gone(workers, 5), "a worker outlived serve"
+    finally:
+        serve.close()
+
+
+def wait_for_gone(pids: list[int], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if all(process_gone(pid) for pid in pids):
+            return True
+        time.sleep(0.05)
+    return False
