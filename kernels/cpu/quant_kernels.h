@@ -1,0 +1,395 @@
+/* The quantized matmuls y (rows, n) = x (rows, k) @ W^T for W in the panel layout (quant_layout.h), written once
+ * over vector primitives that each ISA's source defines before including this file (quant_avx2.c,
+ * quant_avxvnni.c, quant_avx512vnni.c, quant_amx.c): one vector holds LANES int32 / float lanes, one per output.
+ *
+ * Two modes:
+ *  - int8 (llama.cpp's scheme): each activation row is quantized per block of 32 to int8 with one float scale
+ *    (amax / 127, rounded to nearest even), and every block's integer dot products come from the ISA's
+ *    instruction (4 unsigned weight bytes x 4 signed activation bytes into one int32 lane: vpdpbusd, or
+ *    maddubs + madd); the block's sums are then scaled in float: y += dx (D isum + M xsum). Integer sums are
+ *    exact, so every ISA gives the same bits (and a row's result never depends on the other rows of its batch).
+ *  - float32 (the exact path): activations stay fp32; each block's weights are widened to fp32 in registers
+ *    (w = D q + M, in lanes of (output, 4 consecutive inputs)) and multiplied as they are.
+ *
+ * Threads: the output columns are split evenly among OpenMP threads (torch's libgomp, already loaded); each
+ * thread walks its columns in chunks that stay in cache while every row tile passes over them.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "quant_layout.h"
+
+#ifndef MAXT
+#define MAXT 4
+#endif
+#define NVP (PANEL / LANES) /* vectors per panel: 1 (512-bit) or 2 (256-bit) */
+#define CHUNK_COLS 4        /* vector columns per cache chunk */
+
+typedef struct {
+    int8_t *q;    /* rows x k */
+    float *d;     /* rows x nb: the block's scale */
+    float *dm;    /* rows x nb: scale x sum of the block's q */
+    int32_t *s;   /* rows x nb: sum of the block's q */
+    int32_t *s16; /* rows x 2 nb: sums of its two halves */
+} acts_t;
+
+static inline int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ---- int8 mode ------------------------------------------------------------------------------------------------ */
+
+/* Group j's and group j + 4's values (u8) of vector v of block b: lo, hi. */
+#define PAIR(FMT, q, qh, j, lo, hi)                                                                               \
+    do {                                                                                                          \
+        if ((FMT) == F_Q8_0) {                                                                                    \
+            lo = LOADB((q) + (j) * 64);                                                                           \
+            hi = LOADB((q) + ((j) + 4) * 64);                                                                     \
+        } else {                                                                                                  \
+            const VI w_ = LOADB((q) + (j) * 64);                                                                  \
+            lo = ANDB(w_, SET1B(0x0F));                                                                           \
+            hi = ANDB(SRL16(w_, 4), SET1B(0x0F));                                                                 \
+            if ((FMT) == F_Q5_K) {                                                                                \
+                lo = ORB(lo, ANDB(SLL16((qh)[0], 4 - (j)), SET1B(0x10)));                                         \
+                hi = ORB(hi, ANDB(SRL16((qh)[0], (j)), SET1B(0x10)));                                             \
+            } else if ((FMT) == F_Q6_K) {                                                                         \
+                if ((j) < 3) {                                                                                    \
+                    lo = ORB(lo, ANDB(SLL16((qh)[0], 4 - 2 * (j)), SET1B(0x30)));                                 \
+                    hi = ORB(hi, ANDB(SLL16((qh)[1], 4 - 2 * (j)), SET1B(0x30)));                                 \
+                } else {                                                                                          \
+                    lo = ORB(lo, ANDB(SRL16((qh)[0], 2), SET1B(0x30)));                                           \
+                    hi = ORB(hi, ANDB(SRL16((qh)[1], 2), SET1B(0x30)));                                           \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+    } while (0)
+
+static inline __attribute__((always_inline)) void tile_i8(const int fmt, const int T, const int V, const uint8_t *w,
+                                                          size_t pstride, int c0, int nrec, const acts_t *a, int r0,
+                                                          int k, float *y, int ldy) {
+    const int rb = RECORD_BYTES[fmt], sbk = SUPER_BLOCK[fmt] / QK, nb = k / QK;
+    VF acc[MAXT][4];
+    VI isum[MAXT][4], isumb[MAXT][4];
+    const uint8_t *pb[4];
+    int hv[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; v++) {
+        pb[v] = w + (size_t)((c0 + v) / NVP) * pstride;
+        hv[v] = (c0 + v) % NVP;
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            acc[t][v] = ZEROF();
+            isum[t][v] = ZEROI();
+            isumb[t][v] = ZEROI();
+        }
+    }
+    for (int s = 0; s < nrec; s++) {
+        for (int b = 0; b < sbk; b++) {
+            const int blk = s * sbk + b;
+            const uint8_t *qb[4];
+            VI qh[4][2];
+#pragma GCC unroll 4
+            for (int v = 0; v < V; v++) {
+                const uint8_t *rec = pb[v] + (size_t)s * rb;
+                qb[v] = rec + b * 256 + hv[v] * VBYTES;
+                if (fmt == F_Q5_K) qh[v][0] = LOADB(rec + QK5_H + b * 64 + hv[v] * VBYTES);
+                if (fmt == F_Q6_K) {
+                    qh[v][0] = LOADB(rec + QK6_H + b * 128 + hv[v] * VBYTES);
+                    qh[v][1] = LOADB(rec + QK6_H + b * 128 + 64 + hv[v] * VBYTES);
+                }
+            }
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                VI lo[4], hi[4];
+#pragma GCC unroll 4
+                for (int v = 0; v < V; v++) PAIR(fmt, qb[v], qh[v], j, lo[v], hi[v]);
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) {
+                    const int8_t *xr = a->q + (size_t)(r0 + t) * k + blk * QK;
+                    const VI xl = SET1I(load_i32(xr + 4 * j)), xh = SET1I(load_i32(xr + 16 + 4 * j));
+#pragma GCC unroll 4
+                    for (int v = 0; v < V; v++) {
+                        if (fmt == F_Q8_0) {
+                            isum[t][v] = DOTQ8(isum[t][v], lo[v], xl);
+                            isum[t][v] = DOTQ8(isum[t][v], hi[v], xh);
+                        } else if (fmt == F_Q6_K) {
+                            isum[t][v] = DOT(isum[t][v], lo[v], xl);
+                            isumb[t][v] = DOT(isumb[t][v], hi[v], xh);
+                        } else {
+                            isum[t][v] = DOT2(isum[t][v], lo[v], xl, hi[v], xh);
+                        }
+                    }
+                }
+            }
+            /* the block's sums, scaled: y += dx (D isum + M xsum) */
+#pragma GCC unroll 4
+            for (int v = 0; v < V; v++) {
+                const uint8_t *rec = pb[v] + (size_t)s * rb;
+                const int o = hv[v] * LANES;
+                VF D, M, DB;
+                if (fmt == F_Q4_0 || fmt == F_Q4_1) {
+                    D = LOADH(rec + Q4_D + 2 * o);
+                    M = LOADH(rec + Q4_M + 2 * o);
+                } else if (fmt == F_Q8_0) {
+                    D = LOADH(rec + Q8_D + 2 * o);
+                } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
+                    D = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
+                    M = MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o));
+                } else {
+                    const VF d = LOADH(rec + QK6_D + 2 * o);
+                    D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
+                    DB = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
+                }
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) {
+                    const size_t ri = (size_t)(r0 + t) * nb + blk;
+                    const VF dx = SET1F(a->d[ri]);
+                    if (fmt == F_Q8_0) {
+                        VI is = isum[t][v];
+                        if (Q8_FIXUP) is = SUBI(is, SET1I(128 * a->s[ri])); /* unsigned weights: u = q + 128 */
+                        acc[t][v] = FMA(CVT(is), MUL(D, dx), acc[t][v]);
+                    } else if (fmt == F_Q6_K) {
+                        const VI ia = SUBI(isum[t][v], SET1I(32 * a->s16[2 * ri]));
+                        const VI ib = SUBI(isumb[t][v], SET1I(32 * a->s16[2 * ri + 1]));
+                        acc[t][v] = FMA(CVT(ia), MUL(D, dx), acc[t][v]);
+                        acc[t][v] = FMA(CVT(ib), MUL(DB, dx), acc[t][v]);
+                        isumb[t][v] = ZEROI();
+                    } else {
+                        acc[t][v] = FMA(CVT(isum[t][v]), MUL(D, dx), acc[t][v]);
+                        if (fmt == F_Q4_0 || fmt == F_Q4_1)
+                            acc[t][v] = FMA(M, SET1F(a->dm[ri]), acc[t][v]);
+                        else
+                            acc[t][v] = FNMA(M, SET1F(a->dm[ri]), acc[t][v]);
+                    }
+                    isum[t][v] = ZEROI();
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; v++) STOREF(y + (size_t)t * ldy + v * LANES, acc[t][v]);
+}
+
+/* ---- float32 mode --------------------------------------------------------------------------------------------- */
+
+/* The 4 chunks of a vector of group values: chunk c = LANES / 4 outputs x 4 inputs, widened to float. */
+#define FOR_CHUNKS(BODY) \
+    do {                 \
+        BODY(0);         \
+        BODY(1);         \
+        BODY(2);         \
+        BODY(3);         \
+    } while (0)
+
+static inline __attribute__((always_inline)) void tile_f32(const int fmt, const int T, const uint8_t *w,
+                                                           size_t pstride, int c0, int nrec, const float *x, int r0,
+                                                           int k, float *y, int ldy) {
+    const int rb = RECORD_BYTES[fmt], sbk = SUPER_BLOCK[fmt] / QK;
+    const uint8_t *pb = w + (size_t)(c0 / NVP) * pstride;
+    const int hv = c0 % NVP, o = hv * LANES;
+    VF acc[MAXT][4];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = ZEROF();
+    for (int s = 0; s < nrec; s++) {
+        const uint8_t *rec = pb + (size_t)s * rb;
+        for (int b = 0; b < sbk; b++) {
+            const int blk = s * sbk + b;
+            const uint8_t *qb = rec + b * 256 + hv * VBYTES;
+            VI qh[2];
+            if (fmt == F_Q5_K) qh[0] = LOADB(rec + QK5_H + b * 64 + hv * VBYTES);
+            if (fmt == F_Q6_K) {
+                qh[0] = LOADB(rec + QK6_H + b * 128 + hv * VBYTES);
+                qh[1] = LOADB(rec + QK6_H + b * 128 + 64 + hv * VBYTES);
+            }
+            /* w = D q + M for the low groups (inputs 0..15) and Dh q + Mh for the high ones (16..31) */
+            VF D, M, Dh, Mh;
+            if (fmt == F_Q4_0 || fmt == F_Q4_1) {
+                D = Dh = LOADH(rec + Q4_D + 2 * o);
+                M = Mh = LOADH(rec + Q4_M + 2 * o);
+            } else if (fmt == F_Q8_0) {
+                D = Dh = LOADH(rec + Q8_D + 2 * o);
+                M = Mh = MUL(D, SET1F(-128.0f));
+            } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
+                D = Dh = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
+                M = Mh = MUL(MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o)), SET1F(-1.0f));
+            } else {
+                const VF d = LOADH(rec + QK6_D + 2 * o);
+                D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
+                Dh = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
+                M = MUL(D, SET1F(-32.0f));
+                Mh = MUL(Dh, SET1F(-32.0f));
+            }
+            VF Dd[4], Md[4], Dhd[4], Mhd[4];
+#define DUPS(C)                 \
+    Dd[C] = DUP(D, C);          \
+    Md[C] = DUP(M, C);          \
+    Dhd[C] = DUP(Dh, C);        \
+    Mhd[C] = DUP(Mh, C);
+            FOR_CHUNKS(DUPS);
+#undef DUPS
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                VI lo, hi;
+                PAIR(fmt, qb, qh, j, lo, hi);
+#define MAC(C)                                                                                        \
+    {                                                                                                 \
+        const VF wl = FMA(CHUNKF(lo, C), Dd[C], Md[C]), wh = FMA(CHUNKF(hi, C), Dhd[C], Mhd[C]);      \
+        for (int t = 0; t < T; t++) {                                                                 \
+            const float *xr = x + (size_t)(r0 + t) * k + blk * QK;                                    \
+            acc[t][C] = FMA(wl, XPAT(xr + 4 * j), acc[t][C]);                                         \
+            acc[t][C] = FMA(wh, XPAT(xr + 16 + 4 * j), acc[t][C]);                                    \
+        }                                                                                             \
+    }
+                FOR_CHUNKS(MAC);
+#undef MAC
+            }
+        }
+    }
+    /* lanes (output, input i of 4) -> outputs: ((i0 + i1) + (i2 + i3)), the same order for every row */
+    for (int t = 0; t < T; t++) {
+        float buf[4][LANES];
+        for (int c = 0; c < 4; c++) STOREF(buf[c], acc[t][c]);
+        for (int c = 0; c < 4; c++)
+            for (int u = 0; u < LANES / 4; u++)
+                y[(size_t)t * ldy + c * (LANES / 4) + u] =
+                    (buf[c][4 * u] + buf[c][4 * u + 1]) + (buf[c][4 * u + 2] + buf[c][4 * u + 3]);
+    }
+}
+
+/* ---- instantiation and the driver ------------------------------------------------------------------------------ */
+
+typedef void (*tile_i8_fn)(const uint8_t *, size_t, int, int, const acts_t *, int, int, float *, int);
+typedef void (*tile_f32_fn)(const uint8_t *, size_t, int, int, const float *, int, int, float *, int);
+
+#define DEF_I8(F, T, V)                                                                                     \
+    static void ti8_##F##_##T##_##V(const uint8_t *w, size_t ps, int c0, int nrec, const acts_t *a, int r0, \
+                                    int k, float *y, int ldy) {                                             \
+        tile_i8(F, T, V, w, ps, c0, nrec, a, r0, k, y, ldy);                                                \
+    }
+#define DEF_F32(F, T)                                                                                       \
+    static void tf32_##F##_##T(const uint8_t *w, size_t ps, int c0, int nrec, const float *x, int r0, int k, \
+                               float *y, int ldy) {                                                         \
+        tile_f32(F, T, w, ps, c0, nrec, x, r0, k, y, ldy);                                                  \
+    }
+#define DEF_FMT(F)                                                                                          \
+    DEF_I8(F, 1, 1) DEF_I8(F, 1, 2) DEF_I8(F, 1, 4) DEF_I8(F, 2, 1) DEF_I8(F, 2, 2) DEF_I8(F, 2, 4)          \
+    DEF_I8(F, 3, 1) DEF_I8(F, 3, 2) DEF_I8(F, 4, 1) DEF_I8(F, 4, 2)                                          \
+    DEF_F32(F, 1) DEF_F32(F, 2) DEF_F32(F, 3) DEF_F32(F, 4)
+DEF_FMT(1) /* Q4_0 and Q4_1 share one kernel (Q4_0's m is -8 d) */
+DEF_FMT(2)
+DEF_FMT(3)
+DEF_FMT(4)
+DEF_FMT(5)
+
+/* [fmt][T][V]: V 1, 2, 4 at index 0, 1, 2 (0 where the tile shape is not made) */
+#define I8_ROW(F)                                                                                           \
+    {{0, 0, 0},                                                                                             \
+     {ti8_##F##_1_1, ti8_##F##_1_2, ti8_##F##_1_4},                                                         \
+     {ti8_##F##_2_1, ti8_##F##_2_2, ti8_##F##_2_4},                                                         \
+     {ti8_##F##_3_1, ti8_##F##_3_2, 0},                                                                     \
+     {ti8_##F##_4_1, ti8_##F##_4_2, 0}}
+static const tile_i8_fn TILES_I8[F_COUNT][5][3] = {I8_ROW(1), I8_ROW(1), I8_ROW(2), I8_ROW(3), I8_ROW(4), I8_ROW(5)};
+#define F32_ROW(F) {0, tf32_##F##_1, tf32_##F##_2, tf32_##F##_3, tf32_##F##_4}
+static const tile_f32_fn TILES_F32[F_COUNT][5] = {F32_ROW(1), F32_ROW(1), F32_ROW(2), F32_ROW(3), F32_ROW(4),
+                                                  F32_ROW(5)};
+
+static void quantize_rows(const float *x, int rows, int k, acts_t *a, int threads) {
+    const int nb = k / QK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++) {
+            const size_t i = (size_t)r * nb + b;
+            int32_t s0, s1;
+            QUANT_BLOCK(x + (size_t)r * k + b * QK, a->q + (size_t)r * k + b * QK, &a->d[i], &s0, &s1);
+            a->s16[2 * i] = s0;
+            a->s16[2 * i + 1] = s1;
+            a->s[i] = s0 + s1;
+            a->dm[i] = a->d[i] * (float)(s0 + s1);
+        }
+}
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+/* The largest tile width (vector columns) for a tile of t rows, by mode. */
+static inline int width_for(int mode, int t) { return mode == 0 ? VMAX_I8(t) : 1; }
+
+/* y (rows, n) = x (rows, k) @ W^T, W (n, k) in format fmt; mode 0: int8 activations, 1: float32. Returns 0, or
+ * a negative number for arguments the kernels cannot take. */
+int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const uint8_t *w, int n, float *y,
+                     int threads) {
+    if (fmt < 0 || fmt >= F_COUNT || (mode != 0 && mode != 1) || rows <= 0 || n <= 0 || k <= 0) return -1;
+    if (k % SUPER_BLOCK[fmt]) return -2;
+    const int nrec = k / SUPER_BLOCK[fmt], panels = (n + PANEL - 1) / PANEL, ncols = panels * NVP;
+    const size_t pstride = (size_t)nrec * RECORD_BYTES[fmt];
+    const int tmax = mode == 0 ? MAXT : TMAX_F32;
+    acts_t a = {0};
+    void *buf = 0;
+    if (mode == 0) {
+        const size_t nb = (size_t)rows * (k / QK);
+        buf = malloc((size_t)rows * k + nb * (2 * sizeof(float) + 3 * sizeof(int32_t)) + 64);
+        if (!buf) return -3;
+        a.d = (float *)buf;
+        a.dm = a.d + nb;
+        a.s = (int32_t *)(a.dm + nb);
+        a.s16 = a.s + nb;
+        a.q = (int8_t *)(a.s16 + 2 * nb);
+        quantize_rows(x, rows, k, &a, threads);
+    }
+    const int tiles = (rows + tmax - 1) / tmax; /* row tiles as even as they can be */
+#pragma omp parallel num_threads(threads)
+    {
+        int nt = 1, id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        id = omp_get_thread_num();
+#endif
+        const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
+        for (int cc = cbeg; cc < cend; cc += CHUNK_COLS) {
+            const int cstop = cc + CHUNK_COLS < cend ? cc + CHUNK_COLS : cend;
+            for (int i = 0, r0 = 0; i < tiles; i++) {
+                const int t = rows / tiles + (i < rows % tiles);
+                for (int c = cc; c < cstop;) {
+                    int v = width_for(mode, t);
+                    while (v > cstop - c) v >>= 1;
+                    float tmp[MAXT * 4 * LANES];
+                    const int partial = (c + v) * LANES > n;
+                    float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+                    const int ldy = partial ? v * LANES : n;
+                    if (mode == 0)
+                        TILES_I8[fmt][t][v == 4 ? 2 : v - 1](w, pstride, c, nrec, &a, r0, k, yt, ldy);
+                    else
+                        TILES_F32[fmt][t](w, pstride, c, nrec, x, r0, k, yt, ldy);
+                    if (partial)
+                        for (int r = 0; r < t; r++)
+                            for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
+                    c += v;
+                }
+                r0 += t;
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
+/* out (count, k): rows ids[] of W dequantized to float32, gguf's numbers exactly. */
+int CAT(ISA, rows)(int fmt, const uint8_t *w, int n, int k, const int64_t *ids, int count, float *out) {
+    return layout_rows(fmt, w, n, k, ids, count, out);
+}
+
+/* Activation quantization alone (tests compare it with the Python reference). */
+int CAT(ISA, quantize)(const float *x, int rows, int k, int8_t *q, float *d, int32_t *s16) {
+    if (k % QK) return -1;
+    const int nb = k / QK;
+    for (int r = 0; r < rows; r++)
+        for (int b = 0; b < nb; b++) {
+            const size_t i = (size_t)r * nb + b;
+            QUANT_BLOCK(x + (size_t)r * k + b * QK, q + (size_t)r * k + b * QK, &d[i], &s16[2 * i], &s16[2 * i + 1]);
+        }
+    return 0;
+}
