@@ -154,19 +154,12 @@ def cmd_models(args) -> int:
 
 
 def _cmd_models(args, config) -> int:
-    from .model_store import ModelStore, ModelStoreError, request_reload
+    from .model_store import ModelStore, ModelStoreError, switch_checked
     store = ModelStore(Path(config.server.state_dir))
     action = args.models_action
     try:
         if action == "list":
-            names = [args.name] if args.name else sorted(set(store.names()) | set(config.models))
-            for name in names:
-                versions = store.versions(name)
-                print(f"{name}: " + ("no version deployed" if not versions else f"{len(versions)} version(s)"))
-                for v in reversed(versions):  # newest first
-                    mark = "* serving" if v.serving else ("  previous" if v.previous else "")
-                    print(f"  {v.version:24s} sha256:{v.digest[:16]}  {v.deployed_at}  {mark}".rstrip())
-            return 0
+            return _list_models(store, config, args.name)
         if args.name not in config.models:
             return _fail(f"no model '{args.name}' in {config.source}; models: {', '.join(config.models)}")
         if action == "promote":
@@ -177,20 +170,48 @@ def _cmd_models(args, config) -> int:
             print(f"{args.name}: {detail}")
             return 0 if ok else 2
         if action == "deploy":
-            keep = config.models[args.name].keep_versions
-            version = store.deploy(args.name, Path(args.dir), args.version, keep=keep)
+            version, created = store.add(args.name, Path(args.dir), args.version)
             detail = f"{args.name} {version} from {Path(args.dir).resolve()}"
+            if version == store.serving_version(args.name):
+                audit_admin(config, "models deploy", detail + ": already serving", 0, event=action)
+                print(f"{args.name}: version {version} already serves")
+                return 0
         else:
-            version = store.rollback(args.name)
+            version, created = store.previous_version(args.name), False
             detail = f"{args.name} {version}"
+        print(f"{args.name}: loading version {version} to check it ...", flush=True)
+        result = switch_checked(config, args.name, version, created)
     except (ModelStoreError, OSError) as e:
-        if action != "list":
-            audit_admin(config, f"models {action}", f"{getattr(args, 'name', '')}: {e}", 2, event=action)
+        audit_admin(config, f"models {action}", f"{getattr(args, 'name', '')}: {e}", 2, event=action)
         return _fail(str(e))
+    if not result.ok:
+        audit_admin(config, f"models {action}", f"{detail}: {result.message}", 2, event=action)
+        return _fail(f"{args.name}: {result.message}")
     audit_admin(config, f"models {action}", detail, 0, event=action)
     print(f"{args.name}: version {version} serves from {store.model_dir(args.name) / 'current'}")
-    reload = request_reload(config, args.name)
-    print(("reloaded: " if reload.done else "not reloaded: ") + reload.message)
+    print(result.message)
+    return 0
+
+
+def _list_models(store, config, name: str | None) -> int:
+    """Every configured model (and any other the store holds): its versions, or where it serves from."""
+    from .config import BUILTIN_MODELS
+    names = [name] if name else sorted(set(store.names()) | set(config.models))
+    for name in names:
+        versions = store.versions(name)
+        m = config.models.get(name)
+        if versions:
+            print(f"{name}: {len(versions)} version(s)" + ("" if m else " (not in the configuration)"))
+        elif m is None:
+            return _fail(f"no model '{name}' in {config.source} and no version of it deployed")
+        elif m.path.startswith("builtin:") and m.path.removeprefix("builtin:") in BUILTIN_MODELS:
+            print(f"{name}: built-in ({m.path}), no version deployed")
+        else:
+            print(f"{name}: the configured path ({m.path}), no version deployed")
+        for v in reversed(versions):  # newest first
+            mark = ("* serving" if v.serving else "  previous" if v.previous else
+                    "  candidate (being checked, or a deploy was interrupted)" if v.candidate else "")
+            print(f"  {v.version:24s} sha256:{v.digest[:16]}  {v.deployed_at}  {mark}".rstrip())
     return 0
 
 

@@ -67,18 +67,22 @@ def resolve_device(requested: str) -> str:
     return "cpu"
 
 
-def model_spec(m, engine, device: str, state_dir: Path):
+def model_spec(m, engine, device: str, state_dir: Path, version: str | None = None, candidate: bool = False):
     """What a worker needs to serve one configured model (plain values: it crosses the process boundary). A model
-    deployed with `appliance models deploy` serves its `current` version; one whose `current` points nowhere is
-    refused (Failed, with what to do)."""
+    deployed with `appliance models deploy` serves its `current` version (or `version`; or, with `candidate`, the
+    version a deploy in progress checks, if any), from the version's own folder; one whose `current` points nowhere
+    is refused (Failed, with what to do)."""
     from .model_store import ModelStore, ModelStoreError
     from .workers.protocol import ModelSpec
     path, refused, label = str(m.resolved_path), "", m.version
     store = ModelStore(state_dir)
-    if store.deployed(m.name) or store.model_dir(m.name).is_dir():
+    if version is None and candidate:
+        version = store.candidate_version(m.name)
+    if version is not None or store.deployed(m.name):
         try:
-            path = str(store.served_path(m.name, m.kind))
-            label = m.version or store.current_version(m.name)
+            version = version or store.current_version(m.name)
+            path = str(store.version_path(m.name, version, m.kind))
+            label = m.version or version
         except ModelStoreError as e:
             refused = str(e)
             log.error("%s", refused)
@@ -172,7 +176,8 @@ class Appliance:
         return services
 
     def _served_path(self, m, eng, device: str):
-        return lambda: model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir))
+        """What a reload loads: the version a deploy checks, else `current` (or the configured path)."""
+        return lambda: model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir), candidate=True)
 
     def _model_event(self, name: str, kind: str, message: str) -> None:
         """A model's worker or engine reports a failure (load failed, worker replaced, given up)."""

@@ -2,15 +2,22 @@
 
     state_dir/models/NAME/
         <version>/          a deployed copy of the model's folder (or file), never changed after deploy
-        current -> <version>    the version that serves (a relative symlink)
+        current -> <version>    the version that serves, and that an appliance start loads (a relative symlink)
         previous -> <version>   the version that served before the last switch (what `rollback` goes back to)
+        candidate -> <version>  while `appliance models deploy` / `rollback` checks a version: what the running
+                                appliance's reload loads; gone once it is switched in or rejected
         manifest.json       per version: content digest, deploy time, source, files
 
-`deploy` copies into a hidden temporary folder beside the versions, fsyncs it, renames it into place, then points
-`current` at it by creating a new symlink and renaming it over the old one: rename(2) replaces it atomically, so a
-reader (the engine loading `current/...`) sees the old version or the new one, never neither. `rollback` is the
-same rename towards `previous`. Old versions beyond `keep` are deleted after a deploy, never `current` or
-`previous`. The store itself never loads a model; asking the running appliance to reload is `request_reload`.
+`add` copies into a hidden temporary folder beside the versions, fsyncs it and renames it into place; `switch`
+points `current` at a version by creating a new symlink and renaming it over the old one: rename(2) replaces it
+atomically, so a reader sees the old version or the new one, never neither. Old versions beyond `keep` are deleted
+after a switch, never `current`, `previous` or `candidate`. A worker loads a version's own folder (`version_path`),
+not through `current`: a worker that restarts loads what it served, whatever was switched meanwhile.
+
+The store itself never loads a model. `switch_checked` is the deploy and rollback of the command line: the version
+is switched in only once it has loaded, in a worker process of its own (workers/trial.py) and then, when the
+appliance runs, in the serving worker (Admin/ReloadModel over loopback); a version that fails either is withdrawn
+and `current` never named it, so no restart loads it.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+LINKS = ("current", "previous", "candidate")  # names a version cannot take
 DIGEST_CHARS = 12  # version name from the content digest when no label is given
 
 
@@ -40,6 +48,7 @@ class VersionInfo:
     source: str
     serving: bool
     previous: bool
+    candidate: bool = False  # a deploy or rollback is checking it (or was interrupted while it did)
 
 
 def content_digest(source: Path) -> str:
@@ -107,6 +116,21 @@ class ModelStore:
                                   f"version or roll back with `appliance models rollback {name}`")
         return target
 
+    def serving_version(self, name: str) -> str | None:
+        """What `current` names (None: no version deployed; the configuration's path serves)."""
+        return self._link_target(name, "current")
+
+    def candidate_version(self, name: str) -> str | None:
+        """The version a deploy or rollback in progress checks (what a reload of the running appliance loads)."""
+        target = self._link_target(name, "candidate")
+        return target if target is not None and (self.model_dir(name) / target).is_dir() else None
+
+    def previous_version(self, name: str) -> str:
+        previous = self._link_target(name, "previous")
+        if previous is None or not (self.model_dir(name) / previous).is_dir():
+            raise ModelStoreError(f"model '{name}': there is no previous version to roll back to")
+        return previous
+
     def current_path(self, name: str) -> Path:
         """The path the engine loads: through the `current` link, so that a switch is seen by the next load."""
         self.current_version(name)
@@ -117,34 +141,44 @@ class ModelStore:
         return (self.model_dir(name) / "current").is_symlink()
 
     def served_path(self, name: str, kind: str) -> Path:
-        """What the engine loads for a deployed model, through `current` (so a switch is seen by the next load):
-        the version's one model file (.onnx / .pt / .gguf), or the version folder itself (an HF directory)."""
-        folder = self.current_path(name)
+        """What the engine loads for a deployed model: its `current` version's model (see version_path)."""
+        return self.version_path(name, self.current_version(name), kind)
+
+    def version_path(self, name: str, version: str, kind: str) -> Path:
+        """A version's one model file (.onnx / .pt / .gguf), or its folder itself (an HF directory), in the version's
+        own folder: a worker that loaded it loads the same files when it restarts, whatever `current` says by then."""
+        folder = self.model_dir(name) / version
+        if not folder.is_dir():
+            raise ModelStoreError(f"model '{name}': version '{version}' does not exist")
         suffixes = (".onnx", ".pt", ".pt2") if kind == "tensor" else (".gguf",)
         files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.suffix.lower() in suffixes)
         if len(files) == 1:
             return folder / files[0]
         if kind == "generative" and (folder / "config.json").exists():
             return folder
-        raise ModelStoreError(f"model '{name}': version '{self.current_version(name)}' holds "
+        raise ModelStoreError(f"model '{name}': version '{version}' holds "
                               f"{'no' if not files else 'more than one'} model file ({', '.join(suffixes)})")
 
     def versions(self, name: str) -> list[VersionInfo]:
+        if not self.model_dir(name).is_dir():
+            return []
         manifest = self._manifest(name)
         current, previous = self._link_target(name, "current"), self._link_target(name, "previous")
+        candidate = self._link_target(name, "candidate")
         present = sorted((p.name for p in self.model_dir(name).iterdir()
                           if p.is_dir() and not p.is_symlink() and not p.name.startswith(".")),
                          key=lambda v: (manifest.get(v, {}).get("seq", 0), v))  # oldest first
         return [VersionInfo(v, manifest.get(v, {}).get("digest", "?"), manifest.get(v, {}).get("deployed_at", "?"),
-                            manifest.get(v, {}).get("source", "?"), v == current, v == previous)
-                for v in present] if self.model_dir(name).is_dir() else []
+                            manifest.get(v, {}).get("source", "?"), v == current, v == previous, v == candidate)
+                for v in present]
 
     def names(self) -> list[str]:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir()) if self.root.is_dir() else []
 
     # ---- changing ----------------------------------------------------------------------------------------------
-    def deploy(self, name: str, source: Path, version: str | None = None, keep: int = 5) -> str:
-        """Copy `source` (a folder or one file) in as a new version and make it serve; answers the version."""
+    def add(self, name: str, source: Path, version: str | None = None) -> tuple[str, bool]:
+        """Copy `source` (a folder or one file) in as a version, without switching to it; answers the version and
+        whether this call created it (False: the same content was there under that name)."""
         source = Path(source)
         if not source.exists():
             raise ModelStoreError(f"{source}: no such file or directory")
@@ -152,9 +186,9 @@ class ModelStore:
             raise ModelStoreError(f"{source}: the folder holds no file")
         digest = content_digest(source)
         version = version or digest[:DIGEST_CHARS]
-        if not _VERSION.fullmatch(version) or version in ("current", "previous"):
+        if not _VERSION.fullmatch(version) or version in LINKS:
             raise ModelStoreError(f"version {version!r}: expected 1-64 characters A-Z a-z 0-9 . _ - starting with a "
-                                  "letter or digit (not 'current' or 'previous')")
+                                  f"letter or digit (not {' or '.join(repr(x) for x in LINKS)})")
         folder = self.model_dir(name)
         folder.mkdir(parents=True, exist_ok=True)
         manifest = self._manifest(name)
@@ -163,39 +197,74 @@ class ModelStore:
             if manifest.get(version, {}).get("digest") != digest:
                 raise ModelStoreError(f"model '{name}': version '{version}' already exists with other content; "
                                       "choose another --version")
-        else:
-            staging = folder / f".staging-{uuid.uuid4().hex}"
-            try:
-                if source.is_dir():
-                    shutil.copytree(source, staging, symlinks=False)
-                else:
-                    staging.mkdir()
-                    shutil.copy2(source, staging / source.name)
-                _fsync_tree(staging)
-                if content_digest(staging if source.is_dir() else staging / source.name) != digest:
-                    raise ModelStoreError(f"{source} changed while it was copied; deploy again")
-                os.rename(staging, target)
-                _fsync_dir(folder)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-            seq = 1 + max((m.get("seq", 0) for m in manifest.values()), default=0)  # deploy order
-            manifest[version] = {"digest": digest, "source": str(source.resolve()), "seq": seq,
-                                 "deployed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                                     timespec="seconds")}
-            self._write_manifest(name, manifest)
-        old = self._link_target(name, "current")
-        if old != version:
-            self._switch(name, version, previous=old)
-        self.prune(name, keep)
+            return version, False
+        staging = folder / f".staging-{uuid.uuid4().hex}"
+        try:
+            if source.is_dir():
+                shutil.copytree(source, staging, symlinks=False)
+            else:
+                staging.mkdir()
+                shutil.copy2(source, staging / source.name)
+            _fsync_tree(staging)
+            if content_digest(staging if source.is_dir() else staging / source.name) != digest:
+                raise ModelStoreError(f"{source} changed while it was copied; deploy again")
+            os.rename(staging, target)
+            _fsync_dir(folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        seq = 1 + max((m.get("seq", 0) for m in manifest.values()), default=0)  # deploy order
+        manifest[version] = {"digest": digest, "source": str(source.resolve()), "seq": seq,
+                             "deployed_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                 timespec="seconds")}
+        self._write_manifest(name, manifest)
+        return version, True
+
+    def deploy(self, name: str, source: Path, version: str | None = None, keep: int = 5) -> str:
+        """`add` and `switch` at once, without a check that the version loads (`switch_checked` makes it)."""
+        version, _ = self.add(name, source, version)
+        self.switch(name, version, keep)
         return version
 
     def rollback(self, name: str) -> str:
         """Make the previous version serve again (and the rolled-back one `previous`); answers the version."""
-        previous = self._link_target(name, "previous")
-        if previous is None or not (self.model_dir(name) / previous).is_dir():
-            raise ModelStoreError(f"model '{name}': there is no previous version to roll back to")
-        self._switch(name, previous, previous=self._link_target(name, "current"))
+        previous = self.previous_version(name)
+        self.switch(name, previous)
         return previous
+
+    def switch(self, name: str, version: str, keep: int | None = None) -> None:
+        """Make `version` serve (`current`), the one that served `previous`; a candidate link goes; versions beyond
+        `keep` are pruned."""
+        old = self._link_target(name, "current")
+        if old != version:
+            self._switch(name, version, previous=old)
+        self._unlink(name, "candidate")
+        if keep is not None:
+            self.prune(name, keep)
+
+    def propose(self, name: str, version: str) -> None:
+        """`candidate` -> version: a reload of the running appliance loads it, `current` still names the old one."""
+        folder = self.model_dir(name)
+        self._point(folder / "candidate", version)
+        _fsync_dir(folder)
+
+    def withdraw(self, name: str, version: str, remove: bool) -> None:
+        """A version that did not load: the candidate link goes, and with `remove` its copy (never the current or
+        previous version's); a model folder left with no version at all goes too."""
+        self._unlink(name, "candidate")
+        folder = self.model_dir(name)
+        if remove and version not in (self._link_target(name, "current"), self._link_target(name, "previous")):
+            shutil.rmtree(folder / version, ignore_errors=True)
+            manifest = self._manifest(name)
+            if manifest.pop(version, None) is not None:
+                self._write_manifest(name, manifest)
+        if folder.is_dir() and not self.versions(name) and not (folder / "current").is_symlink():
+            shutil.rmtree(folder)
+
+    def _unlink(self, name: str, link: str) -> None:
+        path = self.model_dir(name) / link
+        if path.is_symlink():
+            path.unlink()
+            _fsync_dir(path.parent)
 
     def _switch(self, name: str, version: str, previous: str | None) -> None:
         folder = self.model_dir(name)
@@ -211,9 +280,9 @@ class ModelStore:
         os.replace(tmp, link)  # rename(2) over the old link
 
     def prune(self, name: str, keep: int) -> list[str]:
-        """Delete the oldest versions beyond `keep`, never the current or previous one; answers the deleted."""
+        """Delete the oldest versions beyond `keep`, never the current, previous or candidate; answers the deleted."""
         manifest = self._manifest(name)
-        removable = [v for v in self.versions(name) if not v.serving and not v.previous]
+        removable = [v for v in self.versions(name) if not v.serving and not v.previous and not v.candidate]
         excess = max(0, len(self.versions(name)) - keep)
         deleted = [v.version for v in removable[:excess]]
         for version in deleted:
@@ -234,12 +303,13 @@ class ModelStore:
 class ReloadResult:
     done: bool
     message: str
+    running: bool = True  # False: no appliance runs here (nothing to reload)
 
 
 def request_reload(config, name: str, timeout_s: float = 600.0) -> ReloadResult:
-    """Ask the running appliance on this box to load the model's `current` version: Admin/ReloadModel over OPC UA
-    on loopback, as the box's commissioning engineer (a certificate the local CA issues once, like `appliance call`'s
-    commissioning operator). Not running: the new version serves from its next start."""
+    """Ask the running appliance on this box to reload the model (its candidate version while a deploy checks one,
+    else `current`): Admin/ReloadModel over OPC UA on loopback, as the box's commissioning engineer (a certificate
+    the local CA issues once, like `appliance call`'s commissioning operator)."""
     from asyncua import ua
 
     from .client import AdminUnreachable, call_admin
@@ -249,9 +319,51 @@ def request_reload(config, name: str, timeout_s: float = 600.0) -> ReloadResult:
     except AdminUnreachable as e:
         if e.reason == "no_pki":
             return ReloadResult(False, "the appliance has no PKI yet (never started): the version serves from its "
-                                       "first start")
-        return ReloadResult(False, "the appliance is not running: the version serves from its next start")
+                                       "first start", running=False)
+        return ReloadResult(False, "the appliance is not running: the version serves from its next start",
+                            running=False)
+    except (TimeoutError, OSError) as e:
+        return ReloadResult(False, f"ReloadModel did not answer ({type(e).__name__})")
     if r.StatusCode.is_good():
         return ReloadResult(True, f"the appliance now serves version {r.OutputArguments[0].Value}")
-    return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name}: the previous version keeps serving "
-                               "(see the audit log and the appliance's log for the reason)")
+    return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name} (the reason is in the appliance's log and "
+                               "audit log)")
+
+
+@dataclass(frozen=True)
+class SwitchResult:
+    ok: bool
+    message: str  # what happened, for the engineer: the reason when the version was refused
+
+
+def switch_checked(config, name: str, version: str, created: bool, trial_timeout_s: float = 600.0) -> SwitchResult:
+    """Make `version` of model `name` serve, only once it has loaded: first in a worker process of its own (the
+    serving code, the configuration's settings), then, when the appliance runs, in its serving worker through the
+    `candidate` link. Either failing, the version is withdrawn (its copy removed when `created`) and the old one
+    serves on, now and after any restart."""
+    from .daemon import model_spec, resolve_device
+    from .workers.trial import LoadFailed, trial_load, trial_policy
+
+    store = ModelStore(Path(config.server.state_dir))
+    model = config.models[name]
+    serving = store.serving_version(name)
+    before = f"version {serving}" if serving else "the model of the configuration"
+    spec = model_spec(model, config.engine, resolve_device(config.engine.device).split(" ")[0],
+                      Path(config.server.state_dir), version=version)
+    try:
+        if spec.refused:
+            raise LoadFailed(spec.refused)
+        trial_load(spec, trial_policy(config), trial_timeout_s)
+        store.propose(name, version)
+        reload = request_reload(config, name)
+        if reload.running and not reload.done:
+            raise LoadFailed(f"the running appliance could not load it: {reload.message}")
+    except LoadFailed as e:
+        store.withdraw(name, version, remove=created)
+        return SwitchResult(False, f"version {version} was not switched in, it does not load: {e}; {before} "
+                                   "serves on" + (" (the rejected copy is deleted)" if created else ""))
+    except BaseException:
+        store.withdraw(name, version, remove=False)  # interrupted: `current` never changed
+        raise
+    store.switch(name, version, keep=model.keep_versions)
+    return SwitchResult(True, ("reloaded: " if reload.done else "not reloaded: ") + reload.message)

@@ -144,3 +144,46 @@ def test_the_cli_deploys_lists_and_rolls_back_and_audits_it(tmp_path, capsys):
     assert [(r["action"], r["status"]) for r in records] == [
         ("models deploy", "Good"), ("models deploy", "Good"), ("models rollback", "Good"), ("models deploy", "Bad")]
     assert main(["audit", "verify", "--config", str(config)]) == 0
+
+
+def test_a_candidate_is_checked_beside_current_and_withdrawn_without_a_trace(tmp_path):
+    from appliance.daemon import model_spec
+    state = tmp_path / "state"
+    store = ModelStore(state)
+    store.deploy("te", version_dir(tmp_path, "a", "a\n"), version="v1")
+    version, created = store.add("te", version_dir(tmp_path, "b", "b\n"), version="v2")
+    assert (version, created) == ("v2", True) and store.serving_version("te") == "v1"  # added, not switched
+    store.propose("te", "v2")
+    assert store.candidate_version("te") == "v2" and store.serving_version("te") == "v1"
+    # a worker loads a version's own folder, not through `current`: a restart loads what it served
+    assert store.served_path("te", "tensor") == store.model_dir("te") / "v1" / "model.onnx"
+    assert store.version_path("te", "v2", "tensor") == store.model_dir("te") / "v2" / "model.onnx"
+    # what a start loads (current) and what a reload of the running appliance loads (the candidate)
+    (tmp_path / "a.yaml").write_text(f"server: {{state_dir: {state}}}\nmodels:\n"
+                                     "  te: {kind: tensor, path: builtin:te-classifier}\n")
+    config = load_config(tmp_path / "a.yaml")
+    m = config.models["te"]
+    assert model_spec(m, config.engine, "cpu", state).version_label == "v1"
+    assert model_spec(m, config.engine, "cpu", state, candidate=True).path == str(store.model_dir("te") / "v2" /
+                                                                                     "model.onnx")
+    assert store.prune("te", keep=1) == [] and len(store.versions("te")) == 2  # never the candidate
+    assert [v.version for v in store.versions("te") if v.candidate] == ["v2"]
+    store.withdraw("te", "v2", remove=True)
+    assert store.candidate_version("te") is None and [v.version for v in store.versions("te")] == ["v1"]
+    assert set(json.loads((store.model_dir("te") / "manifest.json").read_text())) == {"v1"}
+    assert model_spec(m, config.engine, "cpu", state, candidate=True).version_label == "v1"
+    # content already there under its name is not created again, and not removed when withdrawn
+    assert store.add("te", version_dir(tmp_path, "a2", "a\n"), version="v1") == ("v1", False)
+    store.withdraw("te", "v1", remove=True)  # never the current version
+    assert store.serving_version("te") == "v1" and (store.model_dir("te") / "v1").is_dir()
+    # a first version withdrawn leaves no folder behind: the configured path serves on
+    store.add("other", version_dir(tmp_path, "c", "c\n"), version="x")
+    store.propose("other", "x")
+    store.withdraw("other", "x", remove=True)
+    assert not store.model_dir("other").exists()
+    # switched in: current, previous and no candidate
+    store.add("te", version_dir(tmp_path, "d", "d\n"), version="v3")
+    store.propose("te", "v3")
+    store.switch("te", "v3", keep=5)
+    assert (store.serving_version("te"), store.previous_version("te"), store.candidate_version("te")) == \
+        ("v3", "v1", None)
