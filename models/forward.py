@@ -83,7 +83,8 @@ def forward(w: ModelWeights, ops, k_layers: list[torch.Tensor], v_layers: list[t
         if lw.qk_norm is not None:
             qk = F.rms_norm(qk, (hd,), None, w.eps) * lw.qk_norm
         attn = []
-        for part, qk_p, v_p in zip(parts, qk.split(sizes), v.split(sizes)):
+        per_part = zip(parts, qk.split(sizes), v.split(sizes)) if len(parts) > 1 else ((parts[0], qk, v),)
+        for part, qk_p, v_p in per_part:
             qk_p = ops.rotary(qk_p, part)
             ops.write_kv(k_layers[li], v_layers[li], qk_p[:, n_h:], v_p, part)
             attn.append(ops.attend(qk_p[:, :n_h], k_layers[li], v_layers[li], part))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import add_rms_norm, apply_rotary_, decode_attention, silu_mul, write_kv_
 from models.forward import Rows
 
 ATTENTION_ROUND = 64  # attend over the longest row rounded up to this, never over all of max_seq_len
@@ -86,10 +87,8 @@ class TorchOps:
 
     @staticmethod
     def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: Rows) -> None:
-        heads = torch.arange(k_cache.shape[1], device=k.device).view(1, -1)
-        index = (rows.slot_rows.view(-1, 1), heads, rows.write_pos.view(-1, 1))
-        k_cache.index_put_(index, k.to(k_cache.dtype))
-        v_cache.index_put_(index, v.to(v_cache.dtype))
+        k_cache[rows.slot_rows, :, rows.write_pos] = k.to(k_cache.dtype)
+        v_cache[rows.slot_rows, :, rows.write_pos] = v.to(v_cache.dtype)
 
     @staticmethod
     def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
@@ -139,26 +138,21 @@ class KernelOps:
         return Rows(b, 1, token_ids.view(b, 1), slot_ids, slot_ids, positions, positions, lengths=lengths)
 
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
-        from kernels import add_rms_norm
         if delta is None:
             return h, add_rms_norm(h, None, weight, self.eps, backend=self.backend)
         return h, add_rms_norm(delta, h, weight, self.eps, backend=self.backend)  # h += delta, in place
 
     def rotary(self, qk: torch.Tensor, rows: Rows) -> torch.Tensor:
-        from kernels import apply_rotary_
         apply_rotary_(qk[:, :self.n_heads], qk[:, self.n_heads:], rows.positions, self.cos, self.sin,
                       backend=self.backend)
         return qk
 
     def write_kv(self, k_cache, v_cache, k, v, rows: Rows) -> None:
-        from kernels import write_kv_
         write_kv_(k_cache, v_cache, k, v, rows.slot_ids, rows.write_pos, backend=self.backend)
 
     def attend(self, q, k_cache, v_cache, rows: Rows) -> torch.Tensor:
-        from kernels import decode_attention
         out = decode_attention(q, k_cache, v_cache, rows.slot_ids, rows.lengths, backend=self.backend)
         return out.reshape(rows.b, -1)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        from kernels import silu_mul
         return silu_mul(gate_up, backend=self.backend)

@@ -1,7 +1,7 @@
 """Executes a step plan on the model, then samples: the prefill chunks (ragged rows, padded to the longest chunk) and
 the decode rows (one token per generating sequence, each at its own position) in one pass over the weights
 (LlamaModel.forward_mixed). A step with decode rows only runs as CUDA graphs on a GPU, through the compiled decode
-step on a CPU once it is compiled, else eagerly."""
+step on a CPU once it is compiled, else eagerly: every one of these is the same forward (models/forward.py)."""
 from __future__ import annotations
 
 import logging
