@@ -166,7 +166,7 @@ class WorkerHost:
         for spec in self._start.models:
             svc = self.services[spec.name]
             if spec.refused:
-                svc._load_failed(spec.refused)
+                svc.refuse(spec.refused)
                 self._push_state()
             else:
                 self._keep(self._start_service(svc))
