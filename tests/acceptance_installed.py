@@ -174,12 +174,12 @@ def test_a_client_calls_infer_and_generate_over_sign_and_encrypt(box):
     start = time.monotonic()
     result = box.client("calls", ENDPOINT, *CLIENT)
     TIMINGS["connect + Infer + Generate"] = time.monotonic() - start
+    box.calls = result  # the Backend values, for the checks that follow, whatever this call answered
     assert result["mode"] == "SignAndEncrypt" and result["policy"] == "Basic256Sha256", result
     assert result["infer"]["status"] == "Good" and result["infer"]["outputs"] > 0, result
     assert result["generate"]["status"] == "Good" and result["generate"]["tokens"] > 0, result
     assert result["generate"]["text"].strip(), result
     assert result["te-classifier/State"] == result["assistant/State"] == "Ready"
-    box.calls = result
 
 
 def test_backend_and_weights_are_what_the_same_cpu_gives_outside(box):
