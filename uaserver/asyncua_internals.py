@@ -591,10 +591,15 @@ class HardenedProcessor(UaProcessor):
         finally:
             session.outstanding_calls -= 1
             session.touch()  # in use until its call ended: the session timeout counts from here, not from the call
+        if self._transport is None or self._transport.is_closing():
+            return  # the connection went while the call ran: nobody to answer
         try:
             self.send_response(requesthdr.RequestHandle, seqhdr, response)
-        except Exception:  # noqa: BLE001 - the call task's last line: an answer that cannot be encoded is logged
-            log.exception("the answer to a call from %s could not be sent", self.name)
+        except Exception:  # noqa: BLE001 - every call is answered: an answer that cannot be encoded becomes a fault
+            log.exception("the answer to a call from %s could not be encoded: answering BadInternalError", self.name)
+            fault = ua.ServiceFault()
+            fault.ResponseHeader.ServiceResult = ua.StatusCode(ua.StatusCodes.BadInternalError)
+            self.send_response(requesthdr.RequestHandle, seqhdr, fault)
 
 
 _ARRAY, _DIMENSIONS = 0x80, 0x40  # a Variant's encoding mask: an array; with dimensions
