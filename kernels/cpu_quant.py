@@ -1,14 +1,24 @@
-"""The CPU quantized matmuls of kernels/cpu/quant_matmul.c (AVX2 + FMA), built with the system C compiler and called
-through ctypes.
+"""Our CPU quantized matmuls: one C source per instruction set (kernels/cpu/quant_<isa>.c over the shared
+kernels/cpu/quant_kernels.h), built with the system C compiler at first use, cached, and called through ctypes.
 
-torch's `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm` have vectorised kernels for AVX-512 only; on an
-AVX2 CPU they ran a gate_up projection (3072 x 576, one row) in 8.0 and 5.0 ms against 0.24 ms in fp32. These
-kernels keep the activations fp32 and widen the weights in registers (the C file says why, and how).
+Which instruction sets this CPU has comes from the cpuid instruction (kernels/cpu/cpu_features.c), never from
+/proc/cpuinfo (a hardened systemd unit may hide it: torch then reports no AVX at all) nor from the machine the
+package was built on. Every ISA's library computes the same numbers in int8 mode (integer dot products are exact;
+the float steps are the same), so the choice among them is a matter of speed alone.
 
-The library is plain C (no torch headers), so building it takes about a second: it is built on first use into a
-cache directory (the state directory's, or the user's cache) keyed by the source's digest and the compiler flags,
-and reused after; the Debian package ships it prebuilt beside the source (`python -m kernels.cpu_quant DIR`). Where
-there is no compiler, no AVX2, or the build fails, `library()` returns None and the callers keep torch's ops.
+    ISA          instruction                         needs (cpuid + the OS's XCR0)
+    avx512vnni   vpdpbusd, 16 outputs per vector     AVX-512 F/BW/VL/DQ + VNNI, F16C, FMA
+    avxvnni      vpdpbusd (VEX), 8 per vector        AVX2 + AVX-VNNI, F16C, FMA
+    avx2         maddubs + madd, 8 per vector        AVX2, F16C, FMA
+
+Each library has two modes (`activations`): int8 (activations quantized per block of 32, llama.cpp's scheme) and
+float32 (the exact path: weights widened to fp32 in registers). See kernels/cpu/quant_kernels.h.
+
+Libraries are built into a cache directory (the state directory's, or the user's cache) under a name that carries
+the digest of the sources and flags, so an edited source is never run stale; the Debian package ships them
+prebuilt beside the sources (`python -m kernels.cpu_quant [DIR]`), so a box needs no compiler. Where a library
+cannot be had, `KernelsUnavailable` says why (no compiler, the CPU lacks the instructions, the build failed), and
+the caller says so in the model's Backend.
 """
 from __future__ import annotations
 
@@ -20,25 +30,60 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from kernels import cpu_layout
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu") / "quant_matmul.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-QK = 32
+SOURCE_DIR = Path(__file__).with_name("cpu")
+COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
+ISA_FLAGS = {
+    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+    "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+}
+ISAS = tuple(ISA_FLAGS)  # fastest first, as a rule; `auto` measures
+ACTIVATIONS = ("int8", "float32")
+HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_vec256.h")
+
+# cpu_features() bits (kernels/cpu/cpu_features.c)
+_BITS = ("avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni",
+         "avx512bf16", "avx512fp16", "amx_tile", "amx_int8", "amx_bf16", "os_avx", "os_avx512", "os_amx")
+_NEEDS = {
+    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "fma", "f16c", "os_avx",
+                   "os_avx512"},
+    "avxvnni": {"avx2", "avxvnni", "fma", "f16c", "os_avx"},
+    "avx2": {"avx2", "fma", "f16c", "os_avx"},
+}
+
+
+class KernelsUnavailable(RuntimeError):
+    """Our kernels cannot run here; the message says why (shown in the model's Backend and status page)."""
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    brand: str
+    features: frozenset[str]
+
+    @property
+    def isas(self) -> list[str]:
+        """Our kernels' ISAs this CPU (and its OS) can run, fastest first."""
+        return [isa for isa in ISAS if _NEEDS[isa] <= self.features]
+
+    def key(self) -> str:
+        """The CPU model and features, for records that hold only on the same kind of CPU."""
+        return hashlib.sha256(f"{self.brand}\0{sorted(self.features)}".encode()).hexdigest()[:16]
+
 
 _lock = threading.Lock()
-_loaded: dict[str, ctypes.CDLL | None] = {}  # by build directory
-_by_path_lock = threading.Lock()
-_by_path: dict[str, ctypes.CDLL] = {}
-
-
-def cpu_has_avx2() -> bool:
-    """AVX2 and FMA, which every capability torch reports from AVX2 up (AVX512*, AMX*) includes."""
-    return torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512", "AMX"))
+_libs: dict[str, ctypes.CDLL] = {}  # by path
+_cpu: list = []  # [CpuInfo | KernelsUnavailable], once per process
+_logged: set[str] = set()
 
 
 def default_build_dir() -> Path:
@@ -46,127 +91,220 @@ def default_build_dir() -> Path:
     return Path(base) / "opcua-appliance" / "kernels"
 
 
-def library(build_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The built library, or None where it cannot be had (the reason is logged once)."""
-    if os.environ.get("APPLIANCE_CPU_KERNELS", "1") == "0":
-        return None
-    build_dir = Path(build_dir) if build_dir is not None else default_build_dir()
-    with _lock:
-        key = str(build_dir)
-        if key not in _loaded:
-            _loaded[key] = _load(build_dir)
-        return _loaded[key]
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def library_name() -> str:
-    """The built file's name: the source's digest and the flags, so an edited source is never run stale."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return f"quant_matmul-{digest}.so"
+def library_name(stem: str, flags: list[str]) -> str:
+    """`stem`-<digest of the sources and flags>.so: an edited source or header is never run stale."""
+    h = hashlib.sha256(" ".join(flags).encode())
+    for name in (f"{stem}.c", *HEADERS):
+        path = SOURCE_DIR / name
+        if path.exists():
+            h.update(name.encode() + b"\0" + path.read_bytes())
+    return f"{stem}-{h.hexdigest()[:16]}.so"
 
 
-def build(directory: Path) -> Path:
-    """Compile the library into directory (atomically); raises OSError / SubprocessError where it cannot."""
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
+def _targets() -> dict[str, tuple[str, list[str]]]:
+    """library stem -> (source stem, flags): the feature probe and one library per ISA."""
+    out = {"cpu_features": ("cpu_features", ["-O2", "-shared", "-fPIC", "-std=gnu11"])}
+    for isa, flags in ISA_FLAGS.items():
+        out[f"quant_{isa}"] = (f"quant_{isa}", COMMON + flags)
+    return out
+
+
+def build(directory: Path, stem: str) -> Path:
+    """Compile one library into directory (built aside, renamed: a reader never sees half); raises OSError /
+    SubprocessError where it cannot."""
+    source, flags = _targets()[stem]
+    cc = compiler()
+    if cc is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    target = Path(directory) / library_name()
+    target = Path(directory) / library_name(source, flags)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, renamed: a reader never sees half
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(out), str(SOURCE)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *flags, "-o", str(out), str(SOURCE_DIR / f"{source}.c")], check=True,
+                       capture_output=True, timeout=300)
         os.replace(out, target)
     return target
 
 
-def _load(build_dir: Path) -> ctypes.CDLL | None:
-    if not cpu_has_avx2():
-        log.info("CPU quantized kernels not used: the CPU has no AVX2")
-        return None
-    # A package build (image/build-deb.sh) ships the library beside its source: no compiler needed on the box.
-    target = next((p for p in (SOURCE.parent / library_name(), build_dir / library_name()) if p.exists()), None)
-    if target is None:
-        try:
-            target = build(build_dir)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            log.warning("CPU quantized kernels not built (%s %s); torch's ops serve instead", exc,
-                        detail.decode(errors="replace")[:500])
-            return None
+def _find_or_build(stem: str, build_dir: Path) -> Path:
+    """The library's path: prebuilt beside the sources (the Debian package), or built into build_dir once."""
+    source, flags = _targets()[stem]
+    name = library_name(source, flags)
+    for candidate in (SOURCE_DIR / name, Path(build_dir) / name):
+        if candidate.exists():
+            return candidate
     try:
-        return library_at(str(target))
-    except OSError as exc:
-        log.warning("CPU quantized kernels not loaded from %s (%s); torch's ops serve instead", target, exc)
-        return None
+        return build(build_dir, stem)
+    except FileNotFoundError as exc:
+        raise KernelsUnavailable(str(exc)) from exc
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
+        raise KernelsUnavailable(f"building {source}.c failed: {detail[-1] if detail else exc}") from exc
 
 
 def library_at(path: str) -> ctypes.CDLL:
-    """The built library at path, loaded once per process (the compiled decode step's ops name it by its path,
-    which, unlike its address, is the same in the next process: Inductor's cache keys stay stable)."""
-    with _by_path_lock:
-        lib = _by_path.get(path)
+    """The library at path, loaded once per process (the compiled decode step's ops name it by its path, which,
+    unlike its address, is the same in the next process: Inductor's cache keys stay stable)."""
+    with _lock:
+        lib = _libs.get(path)
         if lib is None:
             lib = ctypes.CDLL(path)
-            ptr, i32 = ctypes.c_void_p, ctypes.c_int
-            lib.q4_linear.argtypes = [ptr, i32, i32, ptr, i32, ptr, i32]
-            lib.q8_linear.argtypes = [ptr, i32, i32, ptr, ptr, i32, ptr, i32]
-            lib.q4_linear.restype = lib.q8_linear.restype = i32
-            _by_path[path] = lib
+            p, i32 = ctypes.c_void_p, ctypes.c_int
+            for isa in ISAS:
+                if Path(path).name.startswith(f"quant_{isa}-"):
+                    getattr(lib, f"{isa}_matmul").argtypes = [i32, i32, p, i32, i32, p, i32, p, i32]
+                    getattr(lib, f"{isa}_rows").argtypes = [i32, p, i32, i32, p, i32, p]
+                    getattr(lib, f"{isa}_quantize").argtypes = [p, i32, i32, p, p, p]
+            _libs[path] = lib
         return lib
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Int4Groups (q 0..15 one per byte, w = (q - 8) * scale + zero) as the kernel's panels: (ceil(N / 8), K / 32,
-    192) uint8, each {d[8] = scale, m[8] = zero - 8 * scale, nibbles[16][8]} for 8 output rows x 32 inputs, byte
-    [g][o] holding input g of output o low and input g + 16 high. Rows past N (to a multiple of 8) are zeros."""
-    n, k = q.shape
-    pad = -n % 8
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, k)])
-        scale, zero = torch.cat([scale, scale.new_zeros(pad, k // QK)]), torch.cat([zero, zero.new_zeros(pad, k // QK)])
-    panels, nb = q.shape[0] // 8, k // QK
-    groups = q.view(panels, 8, nb, QK)
-    nibbles = (groups[..., :16] | (groups[..., 16:] << 4)).to(torch.uint8).permute(0, 2, 3, 1)  # panel, block, g, o
-    d = scale.float().view(panels, 8, nb).permute(0, 2, 1)
-    m = (zero.float() - 8.0 * scale.float()).view(panels, 8, nb).permute(0, 2, 1)
-    dm = torch.cat([d, m], dim=-1).contiguous().view(torch.uint8)  # panel, block, 64 bytes
-    return torch.cat([dm, nibbles.reshape(panels, nb, 128)], dim=-1).contiguous()
+def cpu_info(build_dir: Path | None = None) -> CpuInfo:
+    """This CPU's brand and features from cpuid (once per process); KernelsUnavailable where the probe cannot be
+    built (no compiler and no prebuilt probe) or this is not an x86-64 CPU."""
+    with _lock:
+        cached = _cpu[0] if _cpu else None
+    if isinstance(cached, CpuInfo):
+        return cached
+    if isinstance(cached, KernelsUnavailable):
+        raise cached
+    try:
+        import platform
+        if platform.machine() not in ("x86_64", "AMD64"):
+            raise KernelsUnavailable(f"our kernels are for x86-64 CPUs, not {platform.machine()}")
+        path = _find_or_build("cpu_features", Path(build_dir) if build_dir else default_build_dir())
+        lib = ctypes.CDLL(str(path))
+        bits = lib.cpu_features()
+        brand = ctypes.create_string_buffer(49)
+        lib.cpu_brand(brand)
+        features = {name for i, name in enumerate(_BITS) if bits & (1 << i)}
+        if {"amx_tile", "amx_int8", "os_amx"} <= features and lib.amx_request() != 0:
+            features.discard("os_amx")  # the kernel refused the tile state to this process
+        info: CpuInfo | KernelsUnavailable = CpuInfo(brand.value.decode(errors="replace").strip(),
+                                                     frozenset(features))
+    except KernelsUnavailable as exc:
+        info = exc
+    with _lock:
+        _cpu[:] = [info]
+    if isinstance(info, KernelsUnavailable):
+        raise info
+    return info
 
 
-def q4_linear(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x (rows, K) float32 contiguous @ the int4 panels' (pack_int4) matrix^T -> (rows, out_features)."""
+@dataclass(frozen=True)
+class CpuKernels:
+    """One ISA's library in one activation mode: what a quantized linear layer multiplies with."""
+    isa: str
+    activations: str  # "int8" | "float32"
+    path: str  # the built library (the compiled decode step's custom op names it)
+    lib: ctypes.CDLL = field(compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        return f"{self.isa}/{self.activations}"
+
+    def with_activations(self, activations: str) -> "CpuKernels":
+        return CpuKernels(self.isa, activations, self.path, self.lib)
+
+    def matmul(self, x: torch.Tensor, data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
+        """x (rows, K) float32 contiguous @ W^T, W (n, K) in format fmt laid out in `data` -> (rows, n)."""
+        return matmul(self.path, self.isa, self.activations == "float32", x, data, fmt, n)
+
+    def rows(self, data: torch.Tensor, fmt: str, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """float32 (len(ids), k): rows ids of W, gguf's numbers exactly."""
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        rc = getattr(self.lib, f"{self.isa}_rows")(cpu_layout.FORMATS[fmt].code, data.data_ptr(), n, k,
+                                                   ids.data_ptr(), ids.numel(), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"rows of a {fmt} ({n}, {k}) matrix: bad ids or shape ({rc})")
+        return out
+
+
+def matmul(path: str, isa: str, exact: bool, x: torch.Tensor, data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
+    """The library call (also what the compiled step's custom op runs)."""
+    lib = library_at(path)
     rows, k = x.shape
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    rc = lib.q4_linear(x.data_ptr(), rows, k, blocks.data_ptr(), out_features, y.data_ptr(),
-                       torch.get_num_threads())
+    y = torch.empty(rows, n, dtype=torch.float32)
+    rc = getattr(lib, f"{isa}_matmul")(cpu_layout.FORMATS[fmt].code, 1 if exact else 0, x.data_ptr(), rows, k,
+                                       data.data_ptr(), n, y.data_ptr(), torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"q4_linear failed ({rc}) for a ({rows}, {k}) input")
+        raise RuntimeError(f"{isa} matmul failed ({rc}) for a ({rows}, {k}) input and a {fmt} ({n}, {k}) matrix")
     return y
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Int8Rows (w = q * scale[:, None]) as the kernel's panels: ((ceil(N / 8), K / 32, 256) int8 with byte [i][o]
-    input i of output o, and the scales padded to 8 ceil(N / 8)). Rows past N are zeros."""
-    n, k = q.shape
-    pad = -n % 8
-    if pad:
-        q, scale = torch.cat([q, q.new_zeros(pad, k)]), torch.cat([scale, scale.new_zeros(pad)])
-    panels, nb = q.shape[0] // 8, k // QK
-    packed = q.view(panels, 8, nb, QK).permute(0, 2, 3, 1).reshape(panels, nb, QK * 8).contiguous()
-    return packed, scale.float().contiguous()
+def kernels(isa: str, activations: str = "int8", build_dir: Path | None = None) -> CpuKernels:
+    """The library of one ISA in one activation mode; KernelsUnavailable (with the reason) where it cannot run."""
+    if os.environ.get("APPLIANCE_CPU_KERNELS", "1") == "0":
+        raise KernelsUnavailable("our CPU kernels are switched off (APPLIANCE_CPU_KERNELS=0)")
+    if isa not in ISA_FLAGS:
+        raise KernelsUnavailable(f"no kernels for ISA {isa!r} (ours: {', '.join(ISAS)})")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}")
+    build_dir = Path(build_dir) if build_dir else default_build_dir()
+    info = cpu_info(build_dir)
+    if isa not in info.isas:
+        missing = sorted(_NEEDS[isa] - info.features)
+        raise KernelsUnavailable(f"the CPU lacks {isa} ({', '.join(missing)} not reported by cpuid)")
+    path = str(_find_or_build(f"quant_{isa}", build_dir))
+    try:
+        lib = library_at(path)
+    except OSError as exc:
+        raise KernelsUnavailable(f"loading {Path(path).name} failed: {exc}") from exc
+    return CpuKernels(isa, activations, path, lib)
 
 
-def q8_linear(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor,
-              out_features: int) -> torch.Tensor:
-    """x (rows, K) float32 contiguous @ the int8 panels' (pack_int8) matrix^T -> (rows, out_features)."""
-    rows, k = x.shape
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    rc = lib.q8_linear(x.data_ptr(), rows, k, panels.data_ptr(), scale.data_ptr(), out_features, y.data_ptr(),
-                       torch.get_num_threads())
+def best(activations: str = "int8", build_dir: Path | None = None) -> CpuKernels:
+    """The first ISA of ISAS this CPU runs (tests and benchmarks; the engine measures, see models/path_choice)."""
+    reasons = []
+    for isa in ISAS:
+        try:
+            return kernels(isa, activations, build_dir)
+        except KernelsUnavailable as exc:
+            reasons.append(f"{isa}: {exc}")
+            if "compiler" in str(exc) or "x86-64" in str(exc):
+                break
+    raise KernelsUnavailable("; ".join(reasons))
+
+
+def library(build_dir: Path | None = None, activations: str = "float32") -> CpuKernels | None:
+    """The best of our kernels here (`best`), by default in the exact mode (fp32 activations: what the kernels
+    before the integer ones computed), or None with the reason logged once: where callers (tests, benchmarks) only
+    need to know whether our kernels run."""
+    try:
+        return best(activations, build_dir)
+    except KernelsUnavailable as exc:
+        with _lock:
+            first = str(exc) not in _logged
+            _logged.add(str(exc))
+        if first:
+            log.warning("our CPU quantized kernels are not available: %s", exc)
+        return None
+
+
+def quantize_activations(k: CpuKernels, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int8 (rows, K), d (rows, K / 32), half sums (rows, K / 16)) as the kernels quantize x (tests)."""
+    rows, kk = x.shape
+    x = x.float().contiguous()
+    q = torch.empty(rows, kk, dtype=torch.int8)
+    d = torch.empty(rows, kk // 32, dtype=torch.float32)
+    s = torch.empty(rows, kk // 16, dtype=torch.int32)
+    rc = getattr(k.lib, f"{k.isa}_quantize")(x.data_ptr(), rows, kk, q.data_ptr(), d.data_ptr(), s.data_ptr())
     if rc != 0:
-        raise RuntimeError(f"q8_linear failed ({rc}) for a ({rows}, {k}) input")
-    return y
+        raise ValueError(f"cannot quantize a ({rows}, {kk}) input")
+    return q, d, s
 
 
-if __name__ == "__main__":  # python -m kernels.cpu_quant [DIR]: build the library (default: beside the source)
+def build_all(directory: Path) -> list[Path]:
+    """Every library (the probe and each ISA's) into directory: the package build ships them."""
+    return [build(directory, stem) for stem in _targets()]
+
+
+if __name__ == "__main__":  # python -m kernels.cpu_quant [DIR]: build every library (default: beside the sources)
     import sys
-    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else SOURCE.parent))
+    for built in build_all(Path(sys.argv[1]) if len(sys.argv) > 1 else SOURCE_DIR):
+        print(built)

@@ -205,6 +205,13 @@ def matrix_types(path: Path) -> set[str]:
     return {t.tensor_type.name for t in gguf.GGUFReader(path, "r").tensors if len(t.shape) == 2}
 
 
+def matrix_types_by_name(path: Path) -> dict[str, str]:
+    """Each matrix's GGUF type by its GGUF name (e.g. {"blk.0.attn_q.weight": "Q4_K", ...}), from the header."""
+    import gguf
+
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(path, "r").tensors if len(t.shape) == 2}
+
+
 def gguf_header(path: Path) -> tuple[LlamaConfig, ChatTokenizer]:
     """The config and tokenizer of a GGUF file, without touching its tensors' data."""
     import gguf
@@ -242,8 +249,8 @@ def header_from_metadata(meta: dict[str, Any]) -> tuple[LlamaConfig, ChatTokeniz
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32, quantized: str | None = None
               ) -> tuple[LlamaConfig, dict[str, Any], ChatTokenizer, dict[str, Any]]:
     """(config, HF-named tensors, tokenizer, header metadata) of a Llama GGUF file. Without `quantized` every tensor is dequantised
-    to `dtype`; with "int8" / "int4" every matrix stays quantized (models/quant.py: Q8_0 / Q4_x blocks are
-    requantized a row chunk at a time, float matrices quantized) and only norms are floats."""
+    to `dtype`; with a quantized format (models/quant.py's FORMATS: blocks, int8, int4) every matrix stays in GGUF
+    blocks (the file's own where the format keeps them, see _quantized_matrix) and only norms are floats."""
     import gguf
 
     # "c": copy-on-write map, so the arrays are writable (torch wants that) while the file stays untouched.
@@ -282,16 +289,16 @@ def _rotary_row_order(name: str, config: LlamaConfig) -> torch.Tensor | None:
 
 def _quantized_matrix(raw: np.ndarray, type_name: str, shape: tuple[int, int], fmt: str, name: str,
                       config: LlamaConfig):
+    """A matrix kept quantized (models/quant.py): the file's own blocks where `fmt` keeps its type, else
+    dequantised a row chunk at a time and quantized by gguf's quantizer. The embeddings and the output matrix keep
+    the file's block type whatever fmt is (a float one becomes Q8_0). llama's q/k rows are un-permuted on the raw
+    rows first."""
     from models import quant
 
-    if name in quant.HEAD_NAMES:  # bfloat16, a row chunk at a time (see quant.HEAD_NAMES)
-        rows = np.asarray(raw).reshape(shape[0], -1)
-        return torch.cat([dequantize(rows[i:i + quant.ROW_CHUNK], type_name, (min(quant.ROW_CHUNK, shape[0] - i),
-                                                                                shape[1])).to(torch.bfloat16)
-                          for i in range(0, shape[0], quant.ROW_CHUNK)])
-    if type_name in _BLOCK:
-        m = quant.from_gguf_blocks(raw, type_name, shape, fmt, _dequantize_blocks)
-    else:
-        m = quant.quantize(dequantize(raw, type_name, shape), fmt)
+    def decode(rows: np.ndarray, type_name: str) -> np.ndarray:
+        return dequantize(rows, type_name, (rows.shape[0], shape[1])).numpy()
+
+    if name in quant.HEAD_NAMES:
+        fmt = "blocks" if type_name in quant.BLOCK_TYPES else "int8"
     order = _rotary_row_order(name, config)
-    return m if order is None else quant.permute_rows(m, order)
+    return quant.from_gguf_blocks(raw, type_name, shape, fmt, decode, None if order is None else order.numpy())

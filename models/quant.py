@@ -1,18 +1,21 @@
-"""Weights kept quantized in memory: int8 rows and int4 groups, and the linear layers that multiply by them.
+"""Weights kept quantized: one type, `BlockMatrix`, for every GGUF block format the CPU kernels serve (Q4_0, Q4_1,
+Q8_0, Q4_K, Q5_K, Q6_K), holding the file's own numbers in the kernels' panel layout (kernels/cpu_layout.py), and
+the layers that multiply by it.
 
-Two formats (`engine.weights`):
-- int8: w[n, k] ~= q[n, k] * scale[n] (one scale per output row), multiplied weight-only by
-  `torch._weight_int8pack_mm` (fp32 activations). Activations quantized too were tried and refused on accuracy:
-  fbgemm's dynamic linear (`quantized::linear_dynamic`, one op, 2-3x faster than fp32 here) quantizes a whole batch
-  per tensor, and must use 7-bit activations (its int16 pair sums overflow otherwise); over 600 teacher-forced tokens
-  of SmolLM2 its top-1 agreement with the fp32 path was 38%, against 94% weight-only. `torch._int_mm` with a per-row
-  quantizer written in Python was 4-10x slower than fp32 (several ops per call; a transposed int8 operand is slow).
-- int4: w[n, k] ~= (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32], torch's CPU int4 layout
-  (`_weight_int4pack_mm_for_cpu`, group 32). GGUF Q4_0 / Q4_1 blocks map onto it exactly (Q4_1: scale d, zero
-  m + 8 d; Q4_0: scale d, zero 0), so an int4 model computes with the file's own numbers.
+`engine.weights` formats that keep matrices quantized (FORMATS):
+- blocks: a GGUF file's matrices in their own block types, as they are (Q4_K_M files mix Q4_K and Q6_K; the
+  embeddings / output matrix are often Q8_0 or Q6_K): nothing is requantized.
+- int8: every matrix as Q8_0 (a file's Q8_0 as it is; other types and float weights quantized per block of 32 by
+  gguf's own quantizer).
+- int4: every matrix 4-bit: a file's Q4_0 / Q4_1 / Q4_K as they are, others quantized to Q4_1 by gguf's quantizer.
+The embeddings and the output matrix of a quantized model are BlockMatrix too: the file's block type, or Q8_0 for a
+float one. The embedding lookup dequantizes the rows it needs; the head multiplies approximately (our kernels,
+int8 activations) and recomputes its 16 highest logits from the exact rows with fp32 activations, so the tokens
+greedy decoding and top-p sampling choose among carry the file's numbers.
 
-Quantizing from GGUF blocks never dequantises a whole matrix: rows are dequantised a chunk at a time into a small
-float buffer and quantized again (int8), or the blocks' nibbles are taken as they are (int4 from Q4).
+Multiplying (`linear_for`): with `cpu_kernels` (kernels.cpu_quant.CpuKernels: an ISA's library and the activation
+mode, int8 or float32) our kernels; without, torch's ops: the 4-bit types through torch's
+`_weight_int4pack_mm_for_cpu` (fp32 activations, the same numbers), others through a dense fp32 copy.
 """
 from __future__ import annotations
 
@@ -21,70 +24,102 @@ from typing import Iterator
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-GROUP = 32  # int4 group size: GGUF's block size, and one of torch's int4 op's sizes
-ROW_CHUNK = 256  # rows dequantised at a time when requantizing (a 256 x 1536 fp32 buffer is 1.5 MB)
-FORMATS = ("int8", "int4")
-# The token embeddings and lm_head stay bfloat16 in the quantized formats: their GGUF type is usually Q8_0 (a scale
-# per 32 values), and requantizing them to one scale per row cost SmolLM2 4 points of top-1 agreement with the fp32
-# path over 600 teacher-forced tokens (96%, with every other matrix exact int4); Q8_0 -> bfloat16 loses nothing
-# that matters. 49,152 x 576 in bfloat16 is 57 MB.
+from kernels import cpu_layout
+
+GROUP = cpu_layout.QK  # the block size every format's scales (or sub-scales) come in multiples of
+ROW_CHUNK = 256  # rows dequantised / quantized at a time (a multiple of the 16-row panel)
+FORMATS = ("int8", "int4", "blocks")
+BLOCK_TYPES = tuple(cpu_layout.FORMATS)
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 HEAD_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+REFINE = 16  # the head's highest logits recomputed exactly
 
 
-@dataclass
-class Int8Rows:
-    """w[n, k] ~= q[n, k] * scale[n]."""
-    q: torch.Tensor  # (N, K) int8
-    scale: torch.Tensor  # (N,) float32
+@dataclass(eq=False)
+class BlockMatrix:
+    """An (N, K) matrix in GGUF block type `type_name`, laid out for the CPU kernels: `data` (ceil(N / 16),
+    records, record bytes) uint8 (kernels/cpu_layout.py describes every field)."""
+    type_name: str
+    shape: tuple[int, int]
+    data: torch.Tensor
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
-
-
-@dataclass
-class Int4Groups:
-    """w[n, k] ~= (q[n, k] - 8) * scale[n, k // 32] + zero[n, k // 32]; q holds values 0..15, one per byte."""
-    q: torch.Tensor  # (N, K) uint8
-    scale: torch.Tensor  # (N, K // 32) float32
-    zero: torch.Tensor  # (N, K // 32) float32
+    @classmethod
+    def from_layout(cls, type_name: str, shape: tuple[int, int], data: np.ndarray | torch.Tensor) -> "BlockMatrix":
+        t = data if isinstance(data, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(data))
+        return cls(type_name, (int(shape[0]), int(shape[1])), t)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def _np(self) -> np.ndarray:
+        return self.data.numpy()
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 (N, K), gguf's numbers (tests, oracles, and the dense fallbacks)."""
+        n, k = self.shape
+        return torch.from_numpy(cpu_layout.dequantize(self._np(), self.type_name, n, k))
+
+    def rows(self, ids: torch.Tensor, kernels=None) -> torch.Tensor:
+        """float32 (len(ids), K): output rows ids, exact (the embedding lookup, the head's refinement)."""
+        n, k = self.shape
+        if kernels is not None:
+            return kernels.rows(self.data, self.type_name, n, k, ids)
+        flat = ids.reshape(-1).cpu().numpy()
+        return torch.from_numpy(cpu_layout.panel_rows(self._np(), self.type_name, n, k, flat))
+
+    def int4_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(q uint8 (N, K) 0..15, scale, zero (N, K / 32) fp32), w = (q - 8) scale + zero, for Q4_0 / Q4_1 / Q4_K
+        (torch's int4 op and the Triton kernel read this form); None for other types."""
+        out = cpu_layout.int4_groups(self._np(), self.type_name, *self.shape)
+        return None if out is None else tuple(torch.from_numpy(a) for a in out)
+
+    def int8_blocks(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(q int8 (N, K), scale (N, K / 32) fp32), w = q scale, for Q8_0; None for other types."""
+        out = cpu_layout.int8_blocks(self._np(), self.type_name, *self.shape)
+        return None if out is None else tuple(torch.from_numpy(a) for a in out)
 
 
-QuantizedMatrix = Int8Rows | Int4Groups
+QuantizedMatrix = BlockMatrix
 
 
-# ---- quantizing ------------------------------------------------------------------------------------------------
+# ---- making block matrices ---------------------------------------------------------------------------------------
 
-def int8_rows(chunks: Iterator[torch.Tensor]) -> Int8Rows:
-    """Symmetric int8 per output row from float row chunks (each (rows, K))."""
-    qs, scales = [], []
-    for w in chunks:
-        w = w.float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        qs.append(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
-        scales.append(scale)
-    return Int8Rows(torch.cat(qs), torch.cat(scales))
+def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int], fmt: str = "blocks",
+                     dequantize_blocks=None, row_order: np.ndarray | None = None) -> BlockMatrix:
+    """A GGUF matrix (raw: its bytes, N rows) in format fmt (FORMATS): the file's own blocks where fmt keeps its
+    type, else dequantised a row chunk at a time by `dequantize_blocks(raw_rows, type_name) -> float32 (rows, K)`
+    and quantized by gguf's quantizer. row_order: output rows reordered (llama's q/k un-permutation), on the raw
+    rows before anything else (GGUF rows are independent runs of blocks)."""
+    n, k = shape
+    rows = np.ascontiguousarray(np.asarray(raw).reshape(-1).view(np.uint8)).reshape(n, -1)
+    if row_order is not None:
+        rows = rows[np.asarray(row_order)]
+    keep = {"blocks": BLOCK_TYPES, "int8": ("Q8_0",), "int4": FOUR_BIT}[fmt]
+    if type_name in keep and k % cpu_layout.FORMATS[type_name].super_block == 0:
+        return BlockMatrix.from_layout(type_name, shape, cpu_layout.from_gguf(rows, type_name, n, k))
+    if dequantize_blocks is None:
+        raise ValueError(f"a {type_name} matrix cannot be kept as {fmt} without a decoder")
+    target = "Q8_0" if fmt != "int4" else "Q4_1"
+    return _quantized(((rows[i:i + ROW_CHUNK], dequantize_blocks(rows[i:i + ROW_CHUNK], type_name))
+                       for i in range(0, n, ROW_CHUNK)), target, shape)
 
 
-def int4_groups(chunks: Iterator[torch.Tensor]) -> Int4Groups:
-    """Asymmetric int4 per group of 32 along K from float row chunks: the group's range split in 15 steps."""
-    qs, scales, zeros = [], [], []
-    for w in chunks:
-        w = w.float()
-        n, k = w.shape
-        g = w.view(n, k // GROUP, GROUP)
-        lo, hi = g.amin(dim=2), g.amax(dim=2)
-        scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-        q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15)
-        qs.append(q.to(torch.uint8).view(n, k))
-        scales.append(scale)
-        zeros.append(lo + 8.0 * scale)  # (q - 8) * scale + zero == q * scale + lo
-    return Int4Groups(torch.cat(qs), torch.cat(scales), torch.cat(zeros))
+def _quantized(chunks: Iterator[tuple[object, np.ndarray]], target: str, shape: tuple[int, int]) -> BlockMatrix:
+    parts = [cpu_layout.quantize_float(np.asarray(w, np.float32).reshape(-1, shape[1]), target) for _raw, w in chunks]
+    return BlockMatrix.from_layout(target, shape, np.concatenate(parts))
+
+
+def quantize(w: torch.Tensor, fmt: str) -> BlockMatrix:
+    """A float matrix (an HF safetensors file's) quantized at load by gguf's quantizer, a row chunk at a time: int8
+    -> Q8_0, int4 -> Q4_1 (K a multiple of 32; otherwise ValueError)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"a matrix with {k} inputs cannot be quantized in blocks of {GROUP}")
+    target = "Q4_1" if fmt == "int4" else "Q8_0"
+    return _quantized(((None, w[i:i + ROW_CHUNK].float().numpy()) for i in range(0, n, ROW_CHUNK)), target, (n, k))
 
 
 def float_chunks(w: torch.Tensor, rows: int = ROW_CHUNK) -> Iterator[torch.Tensor]:
@@ -92,130 +127,175 @@ def float_chunks(w: torch.Tensor, rows: int = ROW_CHUNK) -> Iterator[torch.Tenso
         yield w[i:i + rows]
 
 
-def quantize(w: torch.Tensor, fmt: str) -> QuantizedMatrix:
-    """A float matrix (e.g. from an HF safetensors file) quantized at load, a row chunk at a time."""
-    if fmt == "int4" and w.shape[1] % GROUP == 0:
-        return int4_groups(float_chunks(w))
-    return int8_rows(float_chunks(w))
+def concat_rows(parts: list[BlockMatrix]) -> BlockMatrix:
+    """Matrices stacked along the output rows (fused qkv, gate/up); ValueError for different types."""
+    first = parts[0]
+    if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] for p in parts):
+        raise ValueError("cannot fuse matrices of different formats")
+    n = sum(p.shape[0] for p in parts)
+    if all(p.shape[0] % cpu_layout.PANEL == 0 for p in parts):  # whole panels: the layouts stack as they are
+        return BlockMatrix(first.type_name, (n, first.shape[1]), torch.cat([p.data for p in parts]))
+    unpacked = [cpu_layout.unpack(p._np(), p.type_name, *p.shape) for p in parts]
+    joined = {key: np.concatenate([u[key] for u in unpacked]) for key in unpacked[0]}
+    return BlockMatrix.from_layout(first.type_name, (n, first.shape[1]),
+                                   cpu_layout.pack(joined, first.type_name, n, first.shape[1]))
 
 
-def concat_rows(parts: list[QuantizedMatrix]) -> QuantizedMatrix:
-    """Matrices stacked along the output rows (fused qkv, gate/up)."""
-    if all(isinstance(p, Int8Rows) for p in parts):
-        return Int8Rows(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-    if all(isinstance(p, Int4Groups) for p in parts):
-        return Int4Groups(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]))
-    raise ValueError("cannot fuse matrices of different formats")
+def permute_rows(m: BlockMatrix, index: torch.Tensor) -> BlockMatrix:
+    """The matrix with its output rows in the order `index`."""
+    parts = cpu_layout.unpack(m._np(), m.type_name, *m.shape)
+    idx = np.asarray(index)
+    return BlockMatrix.from_layout(m.type_name, m.shape,
+                                   cpu_layout.pack({k: v[idx] for k, v in parts.items()}, m.type_name, *m.shape))
 
 
-def permute_rows(m: QuantizedMatrix, index: torch.Tensor) -> QuantizedMatrix:
-    if isinstance(m, Int8Rows):
-        return Int8Rows(m.q[index].contiguous(), m.scale[index].contiguous())
-    return Int4Groups(m.q[index].contiguous(), m.scale[index].contiguous(), m.zero[index].contiguous())
+def dequantize(m: BlockMatrix) -> torch.Tensor:
+    """float32 weights (tests, oracles, dense fallbacks)."""
+    return m.dequantize()
 
 
-def dequantize(m: QuantizedMatrix) -> torch.Tensor:
-    """float32 weights (tests and oracles only: serving never makes this copy)."""
-    if isinstance(m, Int8Rows):
-        return m.q.float() * m.scale[:, None]
-    n, k = m.shape
-    s = m.scale.repeat_interleave(GROUP, dim=1)
-    z = m.zero.repeat_interleave(GROUP, dim=1)
-    return (m.q.float() - 8.0) * s + z
+# ---- our kernels as ops a compiled graph can hold ---------------------------------------------------------------
+
+@torch.library.custom_op("quant::block_matmul", mutates_args=())
+def block_matmul(x: torch.Tensor, data: torch.Tensor, type_name: str, n: int, library: str, isa: str,
+                 exact: bool) -> torch.Tensor:
+    """x (rows, K) float32 @ W^T through the kernel library at `library` (its path: stable across processes, so
+    Inductor's cache keys are too)."""
+    from kernels import cpu_quant
+    return cpu_quant.matmul(library, isa, exact, x.float().contiguous(), data, type_name, n)
 
 
-# ---- from GGUF blocks ------------------------------------------------------------------------------------------
-
-def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int], fmt: str,
-                     dequantize_blocks) -> QuantizedMatrix:
-    """A GGUF Q8_0 / Q4_0 / Q4_1 matrix in our format. `dequantize_blocks(raw_rows, type_name)` -> (n_blocks, 32)
-    float32 is the loader's block decoder, used a row chunk at a time."""
-    n, k = shape
-    rows = np.asarray(raw).reshape(n, -1).view(np.uint8)  # (N, bytes per row): blocks never cross rows
-    if fmt == "int4" and type_name in ("Q4_0", "Q4_1"):
-        return _int4_from_q4(rows, type_name, n, k)
-
-    def chunks() -> Iterator[torch.Tensor]:
-        for i in range(0, n, ROW_CHUNK):
-            part = rows[i:i + ROW_CHUNK]
-            yield torch.from_numpy(dequantize_blocks(part, type_name)).view(part.shape[0], k)
-
-    return int4_groups(chunks()) if fmt == "int4" else int8_rows(chunks())
+@block_matmul.register_fake
+def _(x, data, type_name, n, library, isa, exact):
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
-def _int4_from_q4(rows: np.ndarray, type_name: str, n: int, k: int) -> Int4Groups:
-    """Q4_0 / Q4_1 blocks taken as they are: nibbles 0..15, the block's scale d and (Q4_1) minimum m."""
-    block_bytes = 18 if type_name == "Q4_0" else 20
-    blocks = rows.reshape(n, k // GROUP, block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., 2:18] if type_name == "Q4_0" else blocks[..., 4:20]
-    q = np.empty((n, k // GROUP, GROUP), np.uint8)
-    q[..., :16] = packed & 0x0F  # low nibbles are elements 0..15 of the block
-    q[..., 16:] = packed >> 4
-    if type_name == "Q4_0":  # w = d * (q - 8)
-        zero = np.zeros_like(d)
-    else:  # w = d * q + m = (q - 8) * d + (m + 8 d)
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8.0 * d
-    return Int4Groups(torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d), torch.from_numpy(zero))
+@torch.library.custom_op("quant::block_rows", mutates_args=())
+def block_rows(data: torch.Tensor, type_name: str, n: int, k: int, ids: torch.Tensor, library: str,
+               isa: str) -> torch.Tensor:
+    from kernels import cpu_quant
+    kern = cpu_quant.CpuKernels(isa, "int8", library, cpu_quant.library_at(library))
+    return kern.rows(data, type_name, n, k, ids)
 
 
-# ---- multiplying -----------------------------------------------------------------------------------------------
+@block_rows.register_fake
+def _(data, type_name, n, k, ids, library, isa):
+    return data.new_empty(ids.numel(), k, dtype=torch.float32)
 
-class Int8Linear:
-    """y = x @ w.T for int8 rows, weight-only (fp32 activations): torch's `_weight_int8pack_mm`, or with `cpu_kernels`
-    (kernels.cpu_quant, AVX2 CPUs) our kernel."""
 
-    def __init__(self, m: Int8Rows, cpu_kernels=None):
+# ---- multiplying -------------------------------------------------------------------------------------------------
+
+class BlockLinear:
+    """y = x @ W.T for a BlockMatrix: our kernels (cpu_kernels), or torch's ops without them."""
+
+    def __init__(self, m: BlockMatrix, cpu_kernels=None):
+        self.matrix = m
         self.out_features, self.in_features = m.shape
-        self.kernels = cpu_kernels if self.in_features % GROUP == 0 else None
+        self.kernels = cpu_kernels
+        self._int4 = self._dense = None
+        if cpu_kernels is None:
+            groups = m.int4_groups() if m.type_name in FOUR_BIT and m.shape[0] % 16 == 0 else None
+            if groups is not None:  # torch's CPU int4 op, fp32 activations
+                q, scale, zero = groups
+                self._int4 = (torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1),
+                              torch.stack([scale.t(), zero.t()], dim=-1).float().contiguous())
+            else:
+                self._dense = m.dequantize()
+
+    @property
+    def label(self) -> str:
         if self.kernels is not None:
-            from kernels.cpu_quant import pack_int8
-            self.panels, self.scale = pack_int8(m.q, m.scale)
-        else:
-            self.q, self.scale = m.q.contiguous(), m.scale.float().contiguous()
+            return f"{self.matrix.type_name}/{self.kernels.label}"
+        return f"{self.matrix.type_name}/{'torch-int4' if self._int4 is not None else 'dense-fp32'}"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float().contiguous()
         if self.kernels is not None:
-            from kernels.cpu_quant import q8_linear
-            y = q8_linear(self.kernels, x2, self.panels, self.scale, self.out_features)
+            y = self.kernels.matmul(x2, self.matrix.data, self.matrix.type_name, self.out_features)
+        elif self._int4 is not None:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self._int4[0], GROUP, self._int4[1])
         else:
-            y = torch._weight_int8pack_mm(x2, self.q, self.scale)
+            y = F.linear(x2, self._dense)
         if bias is not None:
             y = y + bias
         return y.view(*shape[:-1], self.out_features)
 
+    def traceable(self):
+        """The same product through an op torch.compile keeps in its graph."""
+        k = self.kernels
+        if k is None:
+            return lambda x: self(x)  # torch's ops (aten) trace as they are
+        data, fmt, n, exact = self.matrix.data, self.matrix.type_name, self.out_features, k.activations == "float32"
+        return lambda x: block_matmul(x, data, fmt, n, k.path, k.isa, exact)
 
-class Int4Linear:
-    """y = x @ w.T for int4 groups of 32 (fp32 activations): torch's CPU int4 op, or with `cpu_kernels`
-    (kernels.cpu_quant, AVX2 CPUs) our kernel on panels of 8 rows with the blocks' own numbers."""
 
-    def __init__(self, m: Int4Groups, cpu_kernels=None):
+def linear_for(m: BlockMatrix, cpu_kernels=None) -> BlockLinear:
+    """The linear layer for a quantized matrix; cpu_kernels: kernels.cpu_quant.CpuKernels, or None for torch's ops."""
+    return BlockLinear(m, cpu_kernels)
+
+
+class BlockEmbedding:
+    """Token embeddings kept in the file's block format: a lookup dequantizes the rows it needs (exact)."""
+
+    def __init__(self, m: BlockMatrix, cpu_kernels=None):
+        self.matrix, self.kernels = m, cpu_kernels
+        self.num_embeddings, self.embedding_dim = m.shape
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.matrix.rows(ids, self.kernels).view(*ids.shape, self.embedding_dim)
+
+    def traceable(self):
+        k, m = self.kernels, self.matrix
+        if k is None:
+            return self
+        n, kk = m.shape
+        return lambda ids: block_rows(m.data, m.type_name, n, kk, ids.reshape(-1), k.path,
+                                      k.isa).view(*ids.shape, kk)
+
+
+class BlockHead:
+    """The output matrix in the file's block format: every logit from our kernels (int8 activations, or float32),
+    then the REFINE highest recomputed from the exact rows with fp32 activations and fp32 sums."""
+
+    def __init__(self, m: BlockMatrix, cpu_kernels=None):
+        self.matrix, self.kernels = m, cpu_kernels
         self.out_features, self.in_features = m.shape
-        self.kernels = cpu_kernels
-        if cpu_kernels is not None:
-            from kernels.cpu_quant import pack_int4
-            self.panels = pack_int4(m.q, m.scale, m.zero)
-        else:
-            self.packed = torch._convert_weight_to_int4pack_for_cpu(m.q.to(torch.int32).contiguous(), 1)
-            self.scales_and_zeros = torch.stack([m.scale.t(), m.zero.t()], dim=-1).float().contiguous()
+        self.linear = BlockLinear(m, cpu_kernels)
+        self.exact = cpu_kernels is not None and cpu_kernels.activations == "float32"
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # both ops want a contiguous fp32 input
-        if self.kernels is not None:
-            from kernels.cpu_quant import q4_linear
-            y = q4_linear(self.kernels, x2, self.panels, self.out_features)
-        else:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_and_zeros)
-        if bias is not None:
-            y = y + bias
-        return y.view(*shape[:-1], self.out_features)
+    def _refine(self, x: torch.Tensor, approx: torch.Tensor, rows) -> torch.Tensor:
+        top = approx.topk(min(REFINE, self.out_features), dim=-1).indices  # (r, REFINE)
+        exact = torch.einsum("rh,rkh->rk", x, rows(top).view(*top.shape, self.in_features))
+        return approx.scatter(1, top, exact)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(-1, self.in_features).float().contiguous()
+        approx = self.linear(x)
+        if self.exact:  # the float32 kernels' logits are the exact ones already
+            return approx
+        return self._refine(x, approx, lambda ids: self.matrix.rows(ids, self.kernels))
+
+    def traceable(self):
+        k, m = self.kernels, self.matrix
+        if k is None:
+            return lambda x: self(x)
+        mm = self.linear.traceable()
+        n, kk = m.shape
+        rows = lambda ids: block_rows(m.data, m.type_name, n, kk, ids.reshape(-1), k.path, k.isa)  # noqa: E731
+        if self.exact:
+            return lambda x: mm(x.float())
+        return lambda x: self._refine(x.float(), mm(x.float()), rows)
 
 
-def linear_for(m: QuantizedMatrix, cpu_kernels=None):
-    """The linear layer for a quantized matrix; cpu_kernels: kernels.cpu_quant.library() or None for torch's ops."""
-    return Int8Linear(m, cpu_kernels) if isinstance(m, Int8Rows) else Int4Linear(m, cpu_kernels)
+def head_for(m: BlockMatrix, cpu_kernels=None) -> BlockHead:
+    return BlockHead(m, cpu_kernels)
+
+
+def describe(tensors: dict) -> str:
+    """The block types of a model's matrices, most weights first: "Q4_1+Q8_0" (the weight-format label)."""
+    sizes: dict[str, int] = {}
+    for t in tensors.values():
+        if isinstance(t, BlockMatrix):
+            sizes[t.type_name] = sizes.get(t.type_name, 0) + t.shape[0] * t.shape[1]
+    return "+".join(sorted(sizes, key=lambda name: -sizes[name]))

@@ -1,38 +1,47 @@
-"""Quantized weights cached on disk, so a second start maps them instead of requantizing the model file.
+"""Quantized weights cached on disk in their final kernel layout, so a start after the first maps them: no
+dequantising, no repacking, no requantizing.
 
-One safetensors file per (model content, format, torch version, cache layout) under the state directory:
-`<cache_dir>/<key>.safetensors`. Loading maps the file (the page cache holds the int8/int4 matrices, shared by every
-process that maps it); only the layout the matmul op wants (fbgemm's packing) is made at start. A changed model file
-has another fingerprint and so another key; a model's directory keeps its KEEP most recently used files.
+One file per (model content, format, layout) under the model's cache directory: `<cache_dir>/<key>.weights`, the
+key from the model file's full content digest (models/file_digest.py). The file is a small JSON header (every
+tensor's name, kind, shape, offset) followed by the tensors' bytes, each aligned to 64 bytes; `load` maps it
+read-only and every tensor is a view of that map: the page cache holds the weights once for every worker process
+that maps the same file, and nothing is copied. Files are written whole beside their final name and renamed, never
+changed in place afterwards (a mapped file rewritten in place would fault its readers); a model's directory keeps
+its KEEP most recently used files.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import mmap
 import os
+import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from models.quant import Int4Groups, Int8Rows
+from models.quant import BlockMatrix
 
 log = logging.getLogger(__name__)
 
-LAYOUT = "1"  # bump when what is stored changes
+LAYOUT = "3"  # bump when what is stored changes (3: the block formats' panel layout of kernels/cpu_layout.py)
+MAGIC = b"APPLWTS3"
+ALIGN = 64
 KEEP = 3  # cache files kept per model directory
+SUFFIX = ".weights"
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
+                                                       torch.int8, torch.int32, torch.int64)}
 
 
-def cache_key(fingerprint: str, fmt: str) -> str:
-    text = f"{fingerprint}\0{fmt}\0torch {torch.__version__}\0layout {LAYOUT}"
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+def cache_key(digest: str, fmt: str) -> str:
+    return hashlib.sha256(f"{digest}\0{fmt}\0layout {LAYOUT}".encode()).hexdigest()[:24]
 
 
-def cache_path(cache_dir: Path, fingerprint: str, fmt: str) -> Path:
-    return Path(cache_dir) / f"{cache_key(fingerprint, fmt)}.safetensors"
+def cache_path(cache_dir: Path, digest: str, fmt: str) -> Path:
+    return Path(cache_dir) / f"{cache_key(digest, fmt)}{SUFFIX}"
 
 
 def meta_path(path: Path) -> Path:
@@ -54,35 +63,6 @@ def save_meta(path: Path, meta: dict) -> None:
     os.replace(tmp, meta_path(path))
 
 
-def save(path: Path, tensors: dict[str, Any], meta: dict | None = None) -> None:
-    """Write atomically (temporary file + rename), the header metadata first; a model's directory keeps its KEEP most
-    recently used files."""
-    flat: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if isinstance(t, Int8Rows):
-            flat[name + "#q8"], flat[name + "#scale"] = t.q, t.scale
-        elif isinstance(t, Int4Groups):
-            flat[name + "#q4"], flat[name + "#scale"], flat[name + "#zero"] = t.q, t.scale, t.zero
-        else:
-            flat[name] = t
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if meta is not None:
-        save_meta(path, meta)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    save_file({k: v.contiguous() for k, v in flat.items()}, str(tmp), metadata={"layout": LAYOUT})
-    os.replace(tmp, path)
-    _keep_recent(path.parent)
-
-
-def _keep_recent(cache_dir: Path) -> None:
-    """Keep the KEEP most recently used files of a model's cache directory (its current and previous versions,
-    so a rollback maps rather than rebuilds)."""
-    files = sorted(cache_dir.glob("*.safetensors"), key=lambda f: f.stat().st_mtime, reverse=True)
-    for old in files[KEEP:]:
-        old.unlink(missing_ok=True)
-        meta_path(old).unlink(missing_ok=True)
-
-
 def _plain(value: Any) -> Any:
     """numpy scalars and arrays in GGUF metadata as JSON values."""
     if hasattr(value, "tolist"):
@@ -90,49 +70,119 @@ def _plain(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
+def save(path: Path, tensors: dict[str, Any], meta: dict | None = None) -> None:
+    """Write atomically (a temporary file beside it, then rename), the header metadata first."""
+    entries, blobs, offset = [], [], 0
+    for name, t in tensors.items():
+        if isinstance(t, BlockMatrix):
+            data = t.data.contiguous()
+            entry = {"name": name, "kind": "block", "type": t.type_name, "shape": list(t.shape)}
+        else:
+            data = t.detach().contiguous()
+            entry = {"name": name, "kind": "dense"}
+        offset = -(-offset // ALIGN) * ALIGN
+        raw = data.view(torch.uint8).reshape(-1) if data.numel() else torch.empty(0, dtype=torch.uint8)
+        entry.update({"dtype": str(data.dtype).removeprefix("torch."), "data_shape": list(data.shape),
+                      "offset": offset, "nbytes": raw.numel()})
+        entries.append(entry)
+        blobs.append((offset, raw))
+        offset += raw.numel()
+    header = json.dumps({"layout": LAYOUT, "tensors": entries}).encode()
+    start = -(-(len(MAGIC) + 8 + len(header)) // ALIGN) * ALIGN
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if meta is not None:
+        save_meta(path, meta)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+        for off, raw in blobs:
+            f.seek(start + off)
+            f.write(raw.numpy().tobytes())
+        f.truncate(start + offset)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _keep_recent(path.parent)
+
+
+def _keep_recent(cache_dir: Path) -> None:
+    """Keep the KEEP most recently used files of a model's cache directory (its current and previous versions,
+    so a rollback maps rather than rebuilds)."""
+    files = sorted(cache_dir.glob(f"*{SUFFIX}"), key=lambda f: f.stat().st_mtime, reverse=True)
+    for old in files[KEEP:]:
+        old.unlink(missing_ok=True)
+        meta_path(old).unlink(missing_ok=True)
+
+
+class CacheFileError(ValueError):
+    """A cache file that is torn, foreign or of another layout: rebuilt."""
+
+
+def _read_header(mm: mmap.mmap) -> tuple[dict, int]:
+    if len(mm) < len(MAGIC) + 8 or mm[:len(MAGIC)] != MAGIC:
+        raise CacheFileError("not a weight cache file of this layout")
+    (size,) = struct.unpack("<Q", mm[len(MAGIC):len(MAGIC) + 8])
+    if len(MAGIC) + 8 + size > len(mm):
+        raise CacheFileError("torn header")
+    header = json.loads(mm[len(MAGIC) + 8:len(MAGIC) + 8 + size])
+    if header.get("layout") != LAYOUT:
+        raise CacheFileError(f"layout {header.get('layout')} (this build reads {LAYOUT})")
+    return header, -(-(len(MAGIC) + 8 + size) // ALIGN) * ALIGN
+
+
 def load(path: Path) -> dict[str, Any] | None:
-    """The cached tensors as views of the file's memory map, or None when there is no usable file."""
+    """The cached tensors as read-only views of the file's map, or None when there is no usable file."""
     if not path.is_file():
         return None
     try:
-        os.utime(path)  # most recently used: survives _keep_recent
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        header, start = _read_header(mm)
         out: dict[str, Any] = {}
-        parts: dict[str, dict[str, torch.Tensor]] = {}
-        with safe_open(str(path), framework="pt") as st:
-            if (st.metadata() or {}).get("layout") != LAYOUT:
-                return None
-            for key in st.keys():
-                name, _, part = key.partition("#")
-                if part:
-                    parts.setdefault(name, {})[part] = st.get_tensor(key)
-                else:
-                    out[name] = st.get_tensor(key)
-        for name, p in parts.items():
-            out[name] = Int8Rows(p["q8"], p["scale"]) if "q8" in p else Int4Groups(p["q4"], p["scale"], p["zero"])
+        with warnings.catch_warnings():  # a read-only map: torch warns that it cannot write; nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            for e in header["tensors"]:
+                dtype = _DTYPES[e["dtype"]]
+                count = e["nbytes"] // torch.empty((), dtype=dtype).element_size()
+                if start + e["offset"] + e["nbytes"] > len(mm):
+                    raise CacheFileError(f"torn file: {e['name']} runs past its end")
+                t = torch.frombuffer(mm, dtype=dtype, count=count, offset=start + e["offset"]) if count else \
+                    torch.empty(0, dtype=dtype)
+                t = t.view(e["data_shape"])
+                out[e["name"]] = BlockMatrix(e["type"], tuple(e["shape"]), t) if e["kind"] == "block" else t
+        os.utime(path)  # most recently used: survives _keep_recent
         return out
-    except Exception as exc:  # a torn or foreign file: rebuild it
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:  # torn or foreign: rebuild it
         log.warning("weight cache %s unusable (%s); rebuilding", path.name, exc)
         return None
 
 
 def gguf_matrix_types(path: Path, cache_dir: Path | None) -> set[str]:
-    """The GGUF types of a file's matrices (to choose `engine.weights: auto`), remembered in the model's cache
-    directory under the file's fingerprint: reading them parses the whole GGUF header (SmolLM2: 3-5 s for its
-    vocabulary), which a cached start otherwise never does."""
-    from models.gguf_loader import matrix_types
-    from models.weights import fingerprint
+    """The GGUF types of a file's matrices."""
+    return set(gguf_tensor_types(path, cache_dir).values())
 
-    memo = Path(cache_dir) / f"types-{fingerprint([Path(path)])}.json" if cache_dir is not None else None
+
+def gguf_tensor_types(path: Path, cache_dir: Path | None) -> dict[str, str]:
+    """Each matrix's GGUF type by its GGUF name, remembered in the model's cache directory under the file's
+    digest: reading them parses the whole GGUF header (SmolLM2: 3-5 s for its vocabulary), which a cached start
+    otherwise never does."""
+    from models.file_digest import file_digest
+    from models.gguf_loader import matrix_types_by_name
+
+    memo = Path(cache_dir) / f"types-{file_digest(Path(path), cache_dir)[:16]}.json" if cache_dir is not None \
+        else None
     if memo is not None:
         try:
-            return set(json.loads(memo.read_text(encoding="utf-8")))
+            known = json.loads(memo.read_text(encoding="utf-8"))
+            if isinstance(known, dict):
+                return known
         except (OSError, ValueError):
             pass
-    types = matrix_types(path)
+    types = matrix_types_by_name(path)
     if memo is not None:
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
-            memo.write_text(json.dumps(sorted(types)), encoding="utf-8")
+            memo.write_text(json.dumps(types, sort_keys=True), encoding="utf-8")
         except OSError:
             pass
     return types

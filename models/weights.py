@@ -6,7 +6,6 @@ page cache holds the weights, no private copy); another dtype costs one cast cop
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -16,20 +15,20 @@ import torch
 from safetensors import safe_open
 
 from models import quant, weight_cache
+from models.file_digest import content_digest
 from models.gguf_loader import gguf_metadata, header_from_metadata, load_gguf
 from models.llama_config import LlamaConfig
 from models.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 
-FINGERPRINT_EDGE_BYTES = 1 << 20
 
 @dataclass
 class LoadedWeights:
     config: LlamaConfig
-    tensors: dict  # HF checkpoint names -> tensor (or quant.Int8Rows / Int4Groups); no "lm_head.weight" when tied
+    tensors: dict  # HF checkpoint names -> tensor (or quant.BlockMatrix); no "lm_head.weight" when tied
     tokenizer: ChatTokenizer
-    version: str  # 12 hex digits of `fingerprint` over the files read
+    version: str  # 12 hex digits of the files' content digest (models/file_digest.py)
     source_format: str  # "safetensors" | "gguf"
 
 
@@ -38,16 +37,19 @@ def load_weights(path: Path, dtype: torch.dtype = torch.float32, quantized: str 
     """A directory (config.json, *.safetensors [+ model.safetensors.index.json], tokenizer.json
     [+ tokenizer_config.json, chat_template.jinja, generation_config.json]) or a .gguf file.
 
-    quantized ("int8" | "int4"): every matrix is kept quantized (models/quant.py), norms in float32; with
-    `cache_dir` the quantized tensors are cached there (models/weight_cache.py) and a second load maps them."""
+    quantized (quant.FORMATS: "blocks" | "int8" | "int4"): every matrix is kept quantized in GGUF blocks
+    (models/quant.py), norms in float32; with `cache_dir` the quantized tensors are cached there in the kernels'
+    layout (models/weight_cache.py), keyed by the files' full content digest (computed once, remembered in
+    cache_dir while the files' size, mtime and inode agree), and a second load maps them read-only."""
     path = Path(path)
     if quantized is not None and quantized not in quant.FORMATS:
         raise ValueError(f"weights format {quantized!r} is not one of {', '.join(quant.FORMATS)}")
     if path.is_file() and path.suffix == ".gguf":
-        version = fingerprint([path])
-        cached = _cached(cache_dir, version, quantized)
+        digest = content_digest([path], cache_dir)
+        version = digest[:12]
+        cached = _cached(cache_dir, digest, quantized)
         if cached is not None:
-            cache_file = weight_cache.cache_path(cache_dir, version, quantized)
+            cache_file = weight_cache.cache_path(cache_dir, digest, quantized)
             meta = weight_cache.load_meta(cache_file)
             if meta is None:  # a cache written before the metadata was kept beside it
                 meta = gguf_metadata(path)
@@ -57,7 +59,7 @@ def load_weights(path: Path, dtype: torch.dtype = torch.float32, quantized: str 
             return LoadedWeights(config, cached, tokenizer, version, "gguf")
         config, tensors, tokenizer, meta = load_gguf(path, torch.float32 if quantized else dtype, quantized)
         _check_tensors(config, tensors)
-        _store(cache_dir, version, quantized, tensors, meta)
+        _store(cache_dir, digest, quantized, tensors, meta)
         return LoadedWeights(config, tensors, tokenizer, version, "gguf")
     if not path.is_dir():
         raise ValueError(f"model path {path.name!r} is neither a directory nor a .gguf file")
@@ -65,47 +67,33 @@ def load_weights(path: Path, dtype: torch.dtype = torch.float32, quantized: str 
     return loaded
 
 
-def _cached(cache_dir: Path | None, version: str, quantized: str | None) -> dict | None:
+def _cached(cache_dir: Path | None, digest: str, quantized: str | None) -> dict | None:
     if cache_dir is None or quantized is None:
         return None
-    return weight_cache.load(weight_cache.cache_path(cache_dir, version, quantized))
+    return weight_cache.load(weight_cache.cache_path(cache_dir, digest, quantized))
 
 
-def _store(cache_dir: Path | None, version: str, quantized: str | None, tensors: dict,
+def _store(cache_dir: Path | None, digest: str, quantized: str | None, tensors: dict,
            meta: dict | None = None) -> None:
     if cache_dir is None or quantized is None:
         return
     try:
-        weight_cache.save(weight_cache.cache_path(cache_dir, version, quantized), tensors, meta)
+        weight_cache.save(weight_cache.cache_path(cache_dir, digest, quantized), tensors, meta)
     except OSError as exc:  # a full or read-only disk costs the next start time, not this one its model
         log.warning("could not cache quantized weights in %s: %s", cache_dir, exc)
 
 
 def _quantize_matrices(tensors: dict, quantized: str) -> dict:
+    """Float matrices (an HF directory's) quantized a row chunk at a time from the file's map: int4 -> Q4_1,
+    int8 and blocks -> Q8_0, the embeddings / lm_head Q8_0 (quant.HEAD_NAMES); a matrix whose inputs are not a
+    multiple of 32 stays float."""
     out = {}
     for name, t in tensors.items():
-        if t.dim() != 2:
+        if t.dim() != 2 or t.shape[1] % quant.GROUP:
             out[name] = t.float()
             continue
-        # a row chunk at a time from the file's map; the embeddings / lm_head in bfloat16 (quant.HEAD_NAMES)
-        out[name] = t.to(torch.bfloat16) if name in quant.HEAD_NAMES else quant.quantize(t, quantized)
+        out[name] = quant.quantize(t, "int4" if quantized == "int4" and name not in quant.HEAD_NAMES else "int8")
     return out
-
-
-def fingerprint(files: list[Path]) -> str:
-    """A FAST fingerprint, not a full hash: sha256 over each file's name, size and first and last 1 MiB.
-    It changes when a file is replaced by a retrained or re-quantised one (sizes or edges differ), not
-    necessarily when bytes in the middle of a file are edited in place."""
-    h = hashlib.sha256()
-    for f in sorted(files, key=lambda p: p.name):
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}\0".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(FINGERPRINT_EDGE_BYTES))
-            if size > FINGERPRINT_EDGE_BYTES:
-                fh.seek(max(FINGERPRINT_EDGE_BYTES, size - FINGERPRINT_EDGE_BYTES))
-                h.update(fh.read())
-    return h.hexdigest()[:12]
 
 
 def _load_safetensors_dir(directory: Path, dtype: torch.dtype, quantized: str | None = None,
@@ -127,8 +115,9 @@ def _load_safetensors_dir(directory: Path, dtype: torch.dtype, quantized: str | 
     extras = [directory / n for n in ("config.json", "generation_config.json", "tokenizer.json",
                                       "tokenizer_config.json", "chat_template.jinja",
                                       "model.safetensors.index.json") if (directory / n).exists()]
-    version = fingerprint(files + extras)
-    cached = _cached(cache_dir, version, quantized)
+    digest = content_digest(files + extras, cache_dir)
+    version = digest[:12]
+    cached = _cached(cache_dir, digest, quantized)
     if cached is not None:
         _check_tensors(config, cached)
         return LoadedWeights(config, cached, tokenizer, version, "safetensors")
@@ -148,7 +137,7 @@ def _load_safetensors_dir(directory: Path, dtype: torch.dtype, quantized: str | 
     _check_tensors(config, tensors)
     if quantized is not None:
         tensors = _quantize_matrices(tensors, quantized)
-        _store(cache_dir, version, quantized, tensors)
+        _store(cache_dir, digest, quantized, tensors)
     return LoadedWeights(config, tensors, tokenizer, version, "safetensors")
 
 

@@ -1,120 +1,261 @@
-"""Our AVX2 quantized matmuls (kernels/cpu/quant_matmul.c through kernels/cpu_quant.py) against the same matrices
-dequantised to fp32, and how the library is built, cached and refused."""
+"""Our CPU quantized matmuls (kernels/cpu/quant_*.c through kernels/cpu_quant.py) and their weight layout
+(kernels/cpu_layout.py): every GGUF block type laid out and read back exactly as gguf dequantizes it, each ISA's
+kernels against the matmul they stand for, the same bits from every ISA, batch invariance, and how the libraries
+are found, built, cached and refused."""
 from __future__ import annotations
 
 import subprocess
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
-from appliance.engine.llm_loading import cpu_quant_kernels, weight_format
-from appliance.engine.llm_settings import GenerativeSettings
-from kernels import cpu_quant
+from kernels import cpu_layout, cpu_quant
 from models import quant
+
+TYPES = list(cpu_layout.FORMATS)
+
+
+def random_blocks(name: str, n: int, k: int, seed: int, scale: float = 0.02) -> np.ndarray:
+    """n rows of random GGUF blocks of type name: every byte random except the fp16 scales (finite, about `scale`
+    in size; a random bit pattern would be inf or NaN)."""
+    rng = np.random.default_rng(seed)
+    f = cpu_layout.FORMATS[name]
+    nb = n * k // f.super_block
+    raw = rng.integers(0, 256, size=(nb, f.gguf_block_bytes), dtype=np.uint8)
+    offsets = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[name]
+    for off in offsets:
+        values = (rng.standard_normal(nb) * scale).astype(np.float16)
+        raw[:, off:off + 2] = values.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(n, -1)
+
+
+def gguf_dequantized(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(n, k).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
-def lib(tmp_path_factory):
-    built = cpu_quant.library(tmp_path_factory.mktemp("kernels"))
-    if built is None:
-        pytest.skip("our AVX2 kernels are not available here: the CPU has no AVX2 or there is no C compiler")
-    return built
+def isas(tmp_path_factory):
+    """Every ISA's kernels this CPU runs (int8 mode), or a skip saying why none can."""
+    build = tmp_path_factory.mktemp("kernels")
+    out = {}
+    for isa in cpu_quant.ISAS:
+        try:
+            out[isa] = cpu_quant.kernels(isa, "int8", build)
+        except cpu_quant.KernelsUnavailable:
+            continue
+    if not out:
+        try:
+            cpu_quant.best("int8", build)
+        except cpu_quant.KernelsUnavailable as exc:
+            pytest.skip(f"our CPU kernels cannot run here: {exc}")
+    return out
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16, 19])
-@pytest.mark.parametrize("n, k", [(96, 64), (33, 32), (7, 160)])
-def test_kernels_match_the_dequantised_matmul(lib, rows, n, k):
-    """Row tiles of 1-6 rows and how rows split into them, panels of 8 outputs one and four at a time and a last
-    partial panel (odd output counts), one and several blocks."""
-    g = torch.Generator().manual_seed(rows * 1000 + n + k)
-    w = torch.randn(n, k, generator=g)
-    x = torch.randn(rows, k, generator=g) * 3
-    for fmt in quant.FORMATS:
-        m = quant.quantize(w, fmt)
-        ref = x.double() @ quant.dequantize(m).double().t()
-        out = quant.linear_for(m, lib)(x).double()
-        assert out.shape == (rows, n)
-        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4), (fmt, (out - ref).abs().max().item())
-        if n % 16 == 0:  # torch's int4 packing wants N in 16s; where it runs, the same numbers within fp32 rounding
-            torch_ops = quant.linear_for(m)(x).double()
-            assert torch.allclose(out, torch_ops, rtol=1e-4, atol=1e-3), fmt
+# ---- the layout ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n, k", [(16, 256), (37, 512), (5, 256)])
+def test_layout_reads_back_gguf_numbers_exactly(name, n, k):
+    """Random blocks of every type, laid out for the kernels: numpy's reading of the layout, the kernels' own
+    (rows()), and unpack/pack all give gguf's dequantization to the bit (sign of zero aside)."""
+    raw = random_blocks(name, n, k, seed=n + k)
+    ref = gguf_dequantized(raw, name, n, k)
+    data = cpu_layout.from_gguf(raw, name, n, k)
+    assert data.shape == (-(-n // 16), k // cpu_layout.FORMATS[name].super_block,
+                          cpu_layout.FORMATS[name].record_bytes)
+    np.testing.assert_array_equal(cpu_layout.dequantize(data, name, n, k), ref)
+    np.testing.assert_array_equal(cpu_layout.pack(cpu_layout.unpack(data, name, n, k), name, n, k), data)
+    rows = np.array([0, n - 1, n // 2, 3 % n])
+    np.testing.assert_array_equal(cpu_layout.panel_rows(data, name, n, k, rows), ref[rows])
+    m = quant.BlockMatrix.from_layout(name, (n, k), data)
+    np.testing.assert_array_equal(m.dequantize().numpy(), ref)
 
 
-def test_int4_blocks_keep_q4_0_and_q4_1_numbers(lib):
-    """Q4_1 (w = d q + m) and Q4_0 (m = -8 d, zero 0 in our int4 form) blocks, bias added after."""
-    g = torch.Generator().manual_seed(5)
-    q = torch.randint(0, 16, (40, 96), generator=g, dtype=torch.uint8)
-    scale = torch.rand(40, 3, generator=g) * 0.1
-    for zero in (torch.zeros(40, 3), torch.randn(40, 3, generator=g) * 0.05):
-        m = quant.Int4Groups(q, scale, zero)
-        x = torch.randn(3, 96, generator=g)
-        bias = torch.randn(40, generator=g)
-        ref = x @ quant.dequantize(m).t() + bias
-        assert torch.allclose(quant.linear_for(m, lib)(x, bias), ref, rtol=1e-5, atol=1e-4)
+@pytest.mark.parametrize("name", TYPES)
+def test_the_kernels_rows_are_gguf_numbers(isas, name):
+    n, k = 40, 512
+    raw = random_blocks(name, n, k, seed=7)
+    m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
+    ids = torch.tensor([0, 39, 17, 17, 5])
+    for kern in isas.values():
+        np.testing.assert_array_equal(m.rows(ids, kern).numpy(), gguf_dequantized(raw, name, n, k)[ids.numpy()])
 
 
-def test_a_batch_gives_each_row_what_it_gives_alone(lib):
-    """Rows do not interact: the tile a row falls in does not change its sums' order (batch invariance)."""
-    g = torch.Generator().manual_seed(9)
-    w = torch.randn(76, 128, generator=g)  # 9 whole panels and a partial one
-    x = torch.randn(13, 128, generator=g)  # tiles of 5, 4 and 4 rows; alone, a row is a 1x4 tile
-    for fmt in quant.FORMATS:
-        linear = quant.linear_for(quant.quantize(w, fmt), lib)
-        together = linear(x)
-        for i in range(13):
-            assert torch.equal(linear(x[i:i + 1])[0], together[i]), (fmt, i)
+def test_views_for_torch_and_triton_hold_the_same_numbers():
+    n, k = 32, 256
+    for name in ("Q4_0", "Q4_1", "Q4_K"):
+        m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(random_blocks(name, n, k, 3), name, n, k))
+        q, scale, zero = m.int4_groups()
+        w = (q.float() - 8) * scale.repeat_interleave(32, 1) + zero.repeat_interleave(32, 1)
+        torch.testing.assert_close(w, m.dequantize(), rtol=1e-6, atol=1e-6)
+    m = quant.BlockMatrix.from_layout("Q8_0", (n, k), cpu_layout.from_gguf(random_blocks("Q8_0", n, k, 4), "Q8_0", n, k))
+    q, scale = m.int8_blocks()
+    torch.testing.assert_close(q.float() * scale.repeat_interleave(32, 1), m.dequantize(), rtol=0, atol=0)
 
 
-def test_the_library_is_built_once_per_directory_and_reused(tmp_path):
-    first = cpu_quant.library(tmp_path)
-    if first is None:
-        pytest.skip("our AVX2 kernels are not available here")
-    built = list(tmp_path.glob("quant_matmul-*.so"))
-    assert len(built) == 1 and cpu_quant.library(tmp_path) is first
-    cpu_quant._loaded.clear()  # a new process: the built file is loaded, not compiled again
+# ---- the kernels ---------------------------------------------------------------------------------------------------
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What the int8 mode computes: each activation row quantized per block of 32 (scale amax / 127, rounded to
+    nearest even), multiplied exactly (float64) by the dequantized weights."""
+    rows, k = x.shape
+    xb = x.double().view(rows, k // 32, 32)
+    d = (xb.abs().amax(-1) / 127).float().double()
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)
+    return (q * d[..., None]).view(rows, k) @ w.double().t()
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 13])
+def test_kernels_match_the_matmul_they_stand_for(isas, name, rows):
+    """Row tiles of 1-4 rows and their remainders, tiles of 1, 2 and 4 vector columns, a last partial panel, one
+    and several super-blocks: int8 mode against the int8 reference, float32 mode against the exact matmul."""
+    for n, k in [(48, 256), (37, 512), (130, 256)]:
+        raw = random_blocks(name, n, k, seed=rows * 100 + n)
+        m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
+        w = m.dequantize()
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n + rows)) * 2
+        exact = x.double() @ w.double().t()
+        approx = int8_reference(x, w)
+        for isa, kern in isas.items():
+            got8 = quant.linear_for(m, kern)(x).double()
+            got32 = quant.linear_for(m, kern.with_activations("float32"))(x).double()
+            scale = exact.abs().max()
+            assert got8.shape == (rows, n) and got32.shape == (rows, n)
+            assert (got8 - approx).abs().max() <= 2e-6 * scale, (isa, name, n, k)
+            assert (got32 - exact).abs().max() <= 2e-6 * scale, (isa, name, n, k)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_every_isa_gives_the_same_bits(isas, name):
+    """Integer dot products are exact and the float steps the same: AVX2, AVX-VNNI and AVX-512 VNNI agree to the
+    bit in int8 mode (so the measured choice among them is a matter of speed only)."""
+    if len(isas) < 2:
+        pytest.skip("one ISA here")
+    n, k = 70, 512
+    m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(random_blocks(name, n, k, 11), name, n, k))
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(1))
+    outs = {isa: quant.linear_for(m, kern)(x) for isa, kern in isas.items()}
+    first = next(iter(outs.values()))
+    for isa, y in outs.items():
+        assert torch.equal(y, first), isa
+
+
+@pytest.mark.parametrize("mode", ["int8", "float32"])
+def test_a_batch_gives_each_row_what_it_gives_alone(isas, mode):
+    """A row's result does not depend on the rows batched with it (tiles keep each row's order of sums)."""
+    for name in TYPES:
+        n, k = 76, 512
+        m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(random_blocks(name, n, k, 5), name, n,
+                                                                               k))
+        x = torch.randn(13, k, generator=torch.Generator().manual_seed(9))
+        for kern in isas.values():
+            linear = quant.linear_for(m, kern.with_activations(mode))
+            together = linear(x)
+            for i in range(13):
+                assert torch.equal(linear(x[i:i + 1])[0], together[i]), (name, mode, kern.isa, i)
+
+
+def test_activations_are_quantized_as_llama_cpp_does(isas):
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2)) * 5
+    x[1, :32] = 0.0  # an all-zero block: scale 0, q 0
+    x[2, 40] = 300.0  # an outlier owning its block
+    d_ref = x.view(3, 4, 32).abs().amax(-1) / 127
+    inv = torch.where(d_ref != 0, 1.0 / d_ref, torch.zeros_like(d_ref))
+    q_ref = torch.round(x.view(3, 4, 32) * inv[..., None]).to(torch.int8).view(3, 128)
+    for kern in isas.values():
+        q, d, sums = cpu_quant.quantize_activations(kern, x)
+        assert torch.equal(d, d_ref) and torch.equal(q, q_ref), kern.isa
+        assert torch.equal(sums, q_ref.view(3, 8, 16).sum(-1, dtype=torch.int32))
+
+
+def test_q8_0_weights_at_the_int8_extremes(isas):
+    """AVX2 multiplies Q8_0's signed weights with llama.cpp's sign trick: -128 and 127 against +-127."""
+    n, k = 16, 64
+    raw = random_blocks("Q8_0", n, k, 13).reshape(-1, 34)
+    raw[:, 2:] = np.where(np.arange(32) % 2, 0x80, 0x7F).astype(np.uint8)  # -128, 127, ...
+    m = quant.BlockMatrix.from_layout("Q8_0", (n, k), cpu_layout.from_gguf(raw.reshape(n, -1), "Q8_0", n, k))
+    x = torch.full((2, k), 1.0)
+    x[1] = -1.0
+    for kern in isas.values():
+        torch.testing.assert_close(quant.linear_for(m, kern)(x).double(), int8_reference(x, m.dequantize()),
+                                   rtol=1e-6, atol=1e-6)
+
+
+# ---- the CPU's features and the libraries ---------------------------------------------------------------------
+
+def test_features_come_from_cpuid_and_agree_with_the_kernel_s_view():
+    """cpuid, not /proc/cpuinfo (a hardened unit may hide it); here both are visible, so they must agree."""
+    try:
+        info = cpu_quant.cpu_info()
+    except cpu_quant.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    names = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
+             "avx512vl": "avx512vl", "avx512vnni": "avx512_vnni", "avxvnni": "avx_vnni", "amx_int8": "amx_int8"}
+    for ours, linux in names.items():
+        assert (ours in info.features) == (linux in flags), ours
+    assert info.brand and len(info.key()) == 16
+
+
+def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
+    try:
+        real = cpu_quant.cpu_info()
+    except cpu_quant.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setattr(cpu_quant, "_cpu", [cpu_quant.CpuInfo(real.brand, frozenset({"avx2", "fma", "f16c",
+                                                                                       "os_avx"}))])
+    with pytest.raises(cpu_quant.KernelsUnavailable, match="avx512vnni"):
+        cpu_quant.kernels("avx512vnni")
+    monkeypatch.setattr(cpu_quant, "_cpu", [cpu_quant.CpuInfo(real.brand, frozenset())])
+    assert cpu_quant.library() is None
+
+
+def test_a_library_is_built_once_per_directory_and_reused(tmp_path, isas):
+    isa = next(iter(isas))
+    first = cpu_quant.kernels(isa, "int8", tmp_path)
+    built = list(tmp_path.glob(f"quant_{isa}-*.so"))
+    if not built:
+        pytest.skip("the library ships prebuilt beside its source here")
     mtime = built[0].stat().st_mtime_ns
-    assert cpu_quant.library(tmp_path) is not None and built[0].stat().st_mtime_ns == mtime
+    again = cpu_quant.kernels(isa, "int8", tmp_path)
+    assert again.path == first.path and built[0].stat().st_mtime_ns == mtime
 
 
-def test_no_compiler_means_torch_ops_and_a_logged_reason(tmp_path, monkeypatch, caplog):
-    if not cpu_quant.cpu_has_avx2():
-        pytest.skip("no AVX2: the compiler is never looked for")
+def test_no_compiler_means_no_kernels_and_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_quant, "SOURCE_DIR", tmp_path / "src")  # nothing prebuilt there
+    (tmp_path / "src").mkdir()
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))  # and no gcc either
-    with caplog.at_level("WARNING"):
-        assert cpu_quant.library(tmp_path / "build") is None
-    assert "no C compiler" in caplog.text
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    with pytest.raises(cpu_quant.KernelsUnavailable, match="no C compiler"):
+        cpu_quant.cpu_info(tmp_path / "build")
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
     monkeypatch.setenv("APPLIANCE_CPU_KERNELS", "0")
-    assert cpu_quant.library(tmp_path / "other") is None
+    with pytest.raises(cpu_quant.KernelsUnavailable, match="switched off"):
+        cpu_quant.kernels("avx2")
 
 
-def test_kernels_are_not_used_on_a_gpu_or_with_fast_torch_ops(monkeypatch, tmp_path):
-    settings = GenerativeSettings(cpu_kernel_dir=str(tmp_path))
-    assert cpu_quant_kernels(settings, "cuda:0") is None
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert cpu_quant_kernels(settings, "cpu") is None
-
-
-def test_auto_keeps_a_q4_file_quantized_only_where_quantized_matmuls_are_fast(tmp_path):
-    from test_gguf import write_tiny_gguf
-    path = tmp_path / "t.gguf"
-    write_tiny_gguf(path, tied=False)
-    assert weight_format("auto", "auto", path, "cpu", tmp_path / "c", fast_quantized=True) == ("int4", "float32")
-    assert weight_format("auto", "auto", path, "cpu", tmp_path / "c", fast_quantized=False) == (None, "float32")
-
-
-def test_a_library_shipped_beside_the_source_needs_no_compiler(tmp_path, monkeypatch):
-    """The Debian package builds it at package time (python -m kernels.cpu_quant); the box may have no cc."""
-    if not cpu_quant.cpu_has_avx2():
-        pytest.skip("no AVX2: the library is never looked for")
-    source = tmp_path / "src" / "quant_matmul.c"
-    source.parent.mkdir()
-    source.write_bytes(cpu_quant.SOURCE.read_bytes())
-    monkeypatch.setattr(cpu_quant, "SOURCE", source)
+def test_libraries_shipped_beside_the_sources_need_no_compiler(tmp_path, monkeypatch):
+    """The Debian package builds them at package time (python -m kernels.cpu_quant); the box may have no cc."""
+    shipped = tmp_path / "src"
+    shipped.mkdir()
+    for f in cpu_quant.SOURCE_DIR.iterdir():
+        if f.suffix in (".c", ".h"):
+            (shipped / f.name).write_bytes(f.read_bytes())
+    monkeypatch.setattr(cpu_quant, "SOURCE_DIR", shipped)
     try:
-        shipped = cpu_quant.build(source.parent)
+        built = cpu_quant.build_all(shipped)
     except (OSError, subprocess.SubprocessError):
-        pytest.skip("no C compiler here to make the package's library")
+        pytest.skip("no C compiler here to make the package's libraries")
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler from here on
-    lib = cpu_quant.library(tmp_path / "state-cache")
-    assert lib is not None and lib._name == str(shipped) and not (tmp_path / "state-cache").exists()
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    try:
+        kern = cpu_quant.best("int8", tmp_path / "state-cache")
+    except cpu_quant.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    assert kern.path in {str(p) for p in built} and not (tmp_path / "state-cache").exists()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.weights import FINGERPRINT_EDGE_BYTES, expected_shapes, fingerprint, load_weights
+from models.weights import expected_shapes, load_weights
 from models.llama_config import LlamaConfig
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -192,26 +192,35 @@ print(grown, rss_anon_mib() - before, total == total)
     assert 0.4 * size_mib < grown16 < 0.75 * size_mib, (grown16, size_mib)
 
 
-def test_version_is_a_fast_fingerprint(tmp_path, tiny_untied):
+def test_version_is_the_content_digest_computed_once_per_file_stamp(tmp_path, tiny_untied, monkeypatch):
+    """The version (and every cache key) is the files' full sha256: an edit anywhere in a file changes it. It is
+    computed once and remembered beside the caches while the file's size, mtime and inode agree."""
+    import hashlib
+    import os
+
+    from models import file_digest
     directory, _, _ = tiny_untied
     v = load_weights(directory).version
     assert len(v) == 12 and all(ch in "0123456789abcdef" for ch in v)
     assert load_weights(directory).version == v
 
     big = tmp_path / "w.bin"
-    data = bytearray(3 * FINGERPRINT_EDGE_BYTES)
+    data = bytearray(3 << 20)
     big.write_bytes(data)
-    base = fingerprint([big])
-    data[-1] = 1  # last MiB: seen
+    memo = tmp_path / "memo"
+    assert file_digest.file_digest(big, memo) == hashlib.sha256(data).hexdigest()
+    hashed = []
+    real = file_digest.file_sha256
+    monkeypatch.setattr(file_digest, "file_sha256", lambda p: hashed.append(p) or real(p))
+    assert file_digest.file_digest(big, memo) == hashlib.sha256(data).hexdigest() and hashed == []  # remembered
+    data[(3 << 20) // 2] = 1  # a byte in the middle
     big.write_bytes(data)
-    tail = fingerprint([big])
-    assert tail != base
-    data[FINGERPRINT_EDGE_BYTES + 5] = 1  # the middle: not read, by design
-    big.write_bytes(data)
-    assert fingerprint([big]) == tail
-    data[0] = 1  # first MiB: seen
-    big.write_bytes(data)
-    assert fingerprint([big]) != tail
+    os.utime(big, ns=(1_000_000_000, 1_000_000_000))  # a new stamp
+    assert file_digest.file_digest(big, memo) == hashlib.sha256(data).hexdigest() and len(hashed) == 1
+    replaced = tmp_path / "w2.bin"
+    replaced.write_bytes(data)
+    os.replace(replaced, big)  # another file (inode) at the same path, same bytes: hashed again
+    assert file_digest.file_digest(big, memo) == hashlib.sha256(data).hexdigest() and len(hashed) == 2
 
 
 def test_bad_directories_are_refused(tmp_path, tiny_untied):
