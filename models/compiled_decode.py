@@ -9,9 +9,10 @@ Shapes: `dynamic=True`, so one graph serves every batch of two rows or more and 
 specialises a batch of one, so that is a second graph (`compile()` makes both). Attention looks at the longest row
 rounded up to ATTENTION_ROUND positions, through a mask built here, like the eager path.
 
-The weight matmuls reach the graph as custom ops (`appliance::...`): oneDNN's packed weights and our AVX2 kernels
-(kernels/cpu_quant.py) are opaque to Inductor, which would otherwise try, and fail, to lower them. torch's own int4 /
-int8 ops are traced as they are.
+The weight matmuls reach the graph as custom ops: oneDNN's packed weights (`appliance::packed_linear`, here) and our
+CPU kernels (models/quant.py's `traceable()`) are opaque to Inductor, which would otherwise try, and fail, to lower
+them. torch's own int4 ops are traced as they are. The embedding lookup likewise, through its own `traceable()`
+where it has one.
 
 Inductor's artefacts (generated C++, compiled objects, FX graphs) are kept under `cache_dir` (the state
 directory's `cache/inductor`), so a restart loads them instead of compiling again (TORCHINDUCTOR_CACHE_DIR, set for
@@ -29,7 +30,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from models import quant
 from models.forward import forward
 from models.forward_ops import ATTENTION_ROUND, attention_length
 from models.llama import CastLinear, KVCache, Linear, LlamaModel, RefinedHead, RowStack
@@ -49,35 +49,10 @@ def _(x, packed, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
-@torch.library.custom_op("appliance::q4_linear", mutates_args=())
-def q4_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, library: str) -> torch.Tensor:
-    """library: the path of the built kernels/cpu/quant_matmul.c (kernels.cpu_quant.library_at)."""
-    from kernels import cpu_quant
-    return cpu_quant.q4_linear(cpu_quant.library_at(library), x, panels, out_features)
-
-
-@q4_linear.register_fake
-def _(x, panels, out_features, library):
-    return x.new_empty(x.shape[0], out_features)
-
-
-@torch.library.custom_op("appliance::q8_linear", mutates_args=())
-def q8_linear(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, out_features: int,
-              library: str) -> torch.Tensor:
-    from kernels import cpu_quant
-    return cpu_quant.q8_linear(cpu_quant.library_at(library), x, panels, scale, out_features)
-
-
-@q8_linear.register_fake
-def _(x, panels, scale, out_features, library):
-    return x.new_empty(x.shape[0], out_features)
-
-
 def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """x (rows, in) -> (rows, out) through ops a graph can hold, for each kind of matmul the model has: a weight's
-    own `traceable()` where it offers one (the weight interface of models/forward.py), composite
-    weights mapped part by part, oneDNN's packed weights and our CPU kernels as custom ops, torch's ops as they
-    are."""
+    own `traceable()` where it offers one (models/quant.py's block weights: our CPU kernels as custom ops, torch's
+    ops as they are), composite weights mapped part by part, oneDNN's packed weights as a custom op."""
     if hasattr(linear, "traceable"):
         return linear.traceable()
     if isinstance(linear, (RowStack, CastLinear, RefinedHead)):
@@ -86,13 +61,6 @@ def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
         if linear.packed is None:
             return lambda x: F.linear(x, linear.plain)
         return lambda x: packed_linear(x.to(linear.packed.dtype), linear.packed, linear.out_features).to(x.dtype)
-    if isinstance(linear, quant.Int4Linear) and linear.kernels is not None:
-        return lambda x: q4_linear(x.float().contiguous(), linear.panels, linear.out_features, linear.kernels._name)
-    if isinstance(linear, quant.Int8Linear) and linear.kernels is not None:
-        return lambda x: q8_linear(x.float().contiguous(), linear.panels, linear.scale, linear.out_features,
-                                   linear.kernels._name)
-    if isinstance(linear, (quant.Int4Linear, quant.Int8Linear)):
-        return linear  # torch's int4 / int8 ops: aten, traced as they are
     raise TypeError(f"no traceable form for {type(linear).__name__}")
 
 
@@ -114,7 +82,8 @@ class CompiledDecode:
         # The model's weights with every matmul in its traceable form (the tensors are the model's own).
         self.weights = replace(w, layers=[replace(lw, qkv=traceable(lw.qkv), o=traceable(lw.o),
                                                   gate_up=traceable(lw.gate_up), down=traceable(lw.down))
-                                          for lw in w.layers], head=traceable(w.head))
+                                          for lw in w.layers], head=traceable(w.head),
+                               embed=w.embed.traceable() if hasattr(w.embed, "traceable") else w.embed)
         self._cos, self._sin = model.rope_tables(cache)  # positions 0..max_seq_len: the scratch cell warm-up rows use
         self._compiled = None
         self.compile_seconds: float | None = None

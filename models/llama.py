@@ -76,16 +76,17 @@ class RowStack:
     """Matrices stacked along the output rows that cannot be fused into one (e.g. Q4_K q/k and Q6_K v in one
     layer of a Q4_K_M file): one multiply per part, outputs concatenated."""
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, out_features: int | None = None, in_features: int | None = None):
         self.parts = parts
-        self.out_features = sum(p.out_features for p in parts)
-        self.in_features = parts[0].in_features
+        self.out_features = out_features or sum(p.out_features for p in parts)
+        self.in_features = in_features or parts[0].in_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
     def map(self, fn) -> "RowStack":
-        return RowStack([fn(p) for p in self.parts])
+        """The same stack with each part replaced by fn(part) (the compiled step's traceable forms)."""
+        return RowStack([fn(p) for p in self.parts], self.out_features, self.in_features)
 
 
 @dataclass
@@ -109,11 +110,9 @@ class CastLinear:
 
 
 class RefinedHead:
-    """The lm_head of a quantized model: an approximate matmul for every logit, fp32 for the ones that matter.
-
-    The approximate matmul is bfloat16 (oneDNN-packed, on CPUs with native bf16) or int8 rows (kernels.cpu_quant, on
-    AVX2 CPUs, where bf16 matmuls are emulated: 27 ms for 8 rows against 6.6 ms for the int8 kernel on SmolLM2's
-    49,152 x 576 head). Then the REFINE highest logits are recomputed from the bfloat16 weights with fp32
+    """The bfloat16 lm_head of a quantized model whose output matrix is not kept in blocks (a GPU, or tensors built
+    by hand; a file's blocks go to quant.head_for, which refines the same way): an approximate bfloat16 matmul
+    (oneDNN-packed on CPUs) for every logit, then the REFINE highest recomputed from the bfloat16 rows with fp32
     activations and fp32 sums, so the tokens greedy decoding and top-p sampling choose among are exact. With plain
     bf16 logits SmolLM2's top-1 agreement with the fp32 path over 600 teacher-forced tokens was 97.3-97.7%; refined,
     99.7%."""
@@ -126,9 +125,7 @@ class RefinedHead:
         self.out_features, self.in_features = weight.shape
 
     @classmethod
-    def build(cls, weight: torch.Tensor, pack: bool, cpu_kernels=None) -> "RefinedHead":
-        if cpu_kernels is not None:
-            return cls(quant.Int8Linear(quant.int8_rows(quant.float_chunks(weight)), cpu_kernels), weight)
+    def build(cls, weight: torch.Tensor, pack: bool) -> "RefinedHead":
         return cls(CastLinear.of(Linear.build(weight, pack)), weight)
 
     def refine(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
@@ -181,8 +178,8 @@ class LlamaModel:
         """kernels (engine.kernels): "auto" runs decode steps through the fused Triton kernels on CUDA and through
         torch's ops elsewhere; "triton" forces the kernels (on a CPU only with TRITON_INTERPRET=1, for tests: then
         quantized matrices multiply through the Triton kernel too); "torch" keeps torch's ops everywhere.
-        cpu_kernels: kernels.cpu_quant.library() to multiply quantized weights with our CPU kernels instead of
-        torch's ops (None: torch's)."""
+        cpu_kernels: kernels.cpu_quant's kernels (an opaque object) to multiply quantized weights with our CPU
+        kernels instead of torch's ops (None: torch's)."""
         self.config = config
         self.kernels = kernels
         self.dtype = dtype
@@ -199,7 +196,7 @@ class LlamaModel:
         def quantized_linear(m):
             if triton_matmuls:
                 from models.gpu_linear import gpu_linear
-                return gpu_linear(m, self.device, dtype)
+                return gpu_linear(m, self.device, dtype, "triton" if kernels == "triton" else "auto")
             return quant.linear_for(m, cpu_kernels)
 
         def matrix(*names: str):
@@ -215,18 +212,24 @@ class LlamaModel:
             return Linear.build(torch.cat([take(n) for n in names]) if len(names) > 1 else take(names[0]), pack)
 
         self.quantized = any(isinstance(t, quant.QuantizedMatrix) for t in tensors.values())
-        if self.quantized:  # embeddings / lm_head in bfloat16 (quant.HEAD_NAMES), looked up and widened per row
-            embed_weight = tensors["model.embed_tokens.weight"].to(self.device, torch.bfloat16).contiguous()
+        embed_t = tensors["model.embed_tokens.weight"]
+        head_t = None if config.tie_word_embeddings else tensors.get("lm_head.weight")
+        head_t = embed_t if head_t is None else head_t
+        if isinstance(embed_t, quant.QuantizedMatrix) and isinstance(head_t, quant.QuantizedMatrix) \
+                and not triton_matmuls:
+            # kept in the file's blocks: exact rows looked up, the head refines its top logits from exact rows
+            embed, lm_head = quant.BlockEmbedding(embed_t, cpu_kernels), quant.head_for(head_t, cpu_kernels)
+        elif self.quantized:  # bfloat16 rows, widened per looked-up row; the head refined (RefinedHead)
+            def bf16(t) -> torch.Tensor:
+                t = quant.dequantize(t) if isinstance(t, quant.QuantizedMatrix) else t
+                return t.to(self.device, torch.bfloat16).contiguous()
+            embed_weight = bf16(embed_t)
             embed = _WidenedEmbedding(embed_weight)
-            head = tensors.get("lm_head.weight") if not config.tie_word_embeddings else None
-            head = embed_weight if head is None else head.to(self.device, torch.bfloat16).contiguous()
-            lm_head = RefinedHead.build(head, pack, None if triton_matmuls else cpu_kernels)
+            lm_head = RefinedHead.build(embed_weight if head_t is embed_t else bf16(head_t), pack)
         else:
             embed_weight = take("model.embed_tokens.weight")
             embed = _Embedding(embed_weight)
-            lm_head = Linear.build(take("lm_head.weight") if "lm_head.weight" in tensors
-                                   and not config.tie_word_embeddings else embed_weight, pack)
-        self.embed_weight = embed_weight
+            lm_head = Linear.build(embed_weight if head_t is embed_t else take("lm_head.weight"), pack)
         layers = []
         n_h, n_kv = config.num_attention_heads, config.num_key_value_heads
         for i in range(config.num_hidden_layers):

@@ -49,21 +49,27 @@ def test_kernel_matches_twin(dtype, bits, rows, out_f, in_f, group):
     assert_close(got, F.linear(x.float(), dequantize(q, scale, zero, bits, group)), dtype, "against fp32")
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
 def test_gguf_blocks_through_the_gpu_linear_equal_gguf_dequantize(qtype):
-    """A GGUF matrix read into quant's format and laid out for the GPU multiplies as gguf's own dequantization."""
-    from models.gguf_loader import _dequantize_blocks
+    """A GGUF matrix kept in its blocks (quant.BlockMatrix, the type the CPU kernels multiply) and laid out for the
+    Triton kernel multiplies as gguf's own dequantization of the same blocks."""
+    from models.gpu_linear import TritonQuantLinear
     rng = np.random.default_rng(3)
-    w = (rng.standard_normal((40, 96)) * rng.uniform(0.1, 2.0, size=(40, 1))).astype(np.float32)
-    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
+    k = 256 if qtype == "Q4_K" else 96  # K-quants come in super-blocks of 256
+    w = (rng.standard_normal((40, k)) * rng.uniform(0.1, 2.0, size=(40, 1))).astype(np.float32)
+    if qtype == "Q4_K":  # gguf cannot quantize to K-quants: random super-blocks, finite fp16 d and dmin
+        raw = rng.integers(0, 256, size=(40, k // 256, 144), dtype=np.uint8)
+        raw[..., 0:4] = np.frombuffer(rng.uniform(0.001, 0.05, size=(40, k // 256, 2)).astype(np.float16)
+                                      .tobytes(), np.uint8).reshape(40, k // 256, 4)
+        raw = raw.reshape(40, -1)
+    else:
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
     ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float32))
-    m = quant.from_gguf_blocks(raw, qtype, w.shape, "int4" if qtype.startswith("Q4") else "int8", _dequantize_blocks)
-    lin = gpu_linear(m, torch.device("cpu"), torch.float32)
-    x = torch.randn(5, 96)
-    want = F.linear(x, quant.dequantize(m))
-    torch.testing.assert_close(lin(x), want, rtol=1e-4, atol=1e-4)
-    if qtype != "Q8_0":  # Q4 blocks are taken as they are: gguf's own numbers (Q8_0 is requantized per row today)
-        torch.testing.assert_close(lin(x), F.linear(x, ref), rtol=1e-4, atol=1e-4)
+    m = quant.from_gguf_blocks(raw, qtype, w.shape)
+    lin = gpu_linear(m, torch.device("cpu"), torch.float32, backend="triton")
+    assert isinstance(lin, TritonQuantLinear) and lin.bits == (8 if qtype == "Q8_0" else 4)
+    x = torch.randn(5, k)
+    torch.testing.assert_close(lin(x), F.linear(x, ref), rtol=1e-4, atol=1e-4)
 
 
 def test_leading_dims_and_bad_shapes():
