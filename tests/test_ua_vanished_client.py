@@ -93,7 +93,9 @@ def test_an_abandoned_generation_stops_and_the_slot_is_freed_at_the_session_time
         before = generated(app)
         call_task = asyncio.create_task(call(client, "chat", "Generate", gen_args("The pump", 12000)))
         # generating: tokens flow and the session holds a slot
-        assert await wait_for(lambda: generated(app) > before + 50, 30), "the generation never started"
+        await wait_for(lambda: generated(app) > before + 50 or call_task.done(), 60)
+        assert not call_task.done(), f"the long Generate ended early: {call_task.result()}"
+        assert generated(app) > before + 50, "the generation never started"
         assert await wait_for(lambda: slots_used(app) == 1, 5)  # the worker's figures reach serve within a second
         abort_transport(client)
         dropped = time.monotonic()
@@ -154,3 +156,27 @@ def test_a_client_that_reactivates_its_session_on_a_new_channel_keeps_its_conver
 def contextlib_suppress():
     import contextlib
     return contextlib.suppress(Exception)
+
+
+def test_a_call_longer_than_the_session_timeout_is_answered(app):
+    """A session is idle only when nothing of it runs: a Generate that lasts twice the session timeout, with the
+    client sending nothing meanwhile, is answered and its session lives on."""
+    async def go():
+        client = await connect(app.endpoint, *app.plc, session_timeout_ms=int(SESSION_TIMEOUT_S * 1000))
+        try:
+            started = time.monotonic()
+            r = await call(client, "chat", "Generate", gen_args("Rate", 300))
+            assert status_name(r) == "Good"
+            per_token = (time.monotonic() - started) / r.OutputArguments[1].Value
+            tokens = min(11000, int(2 * SESSION_TIMEOUT_S / per_token) + 100)
+            started = time.monotonic()
+            r = await call(client, "chat", "Generate", gen_args("Long", tokens))
+            took = time.monotonic() - started
+            assert status_name(r) == "Good" and r.OutputArguments[1].Value == tokens, status_name(r)
+            assert took > SESSION_TIMEOUT_S, f"the call took {took:.1f} s: not longer than the session timeout"
+            r = await call(client, "chat", "Generate", gen_args("After", 3))
+            assert status_name(r) == "Good" and r.OutputArguments[4].Value is False  # the same conversation
+        finally:
+            with contextlib_suppress():
+                await client.disconnect()
+    asyncio.run(asyncio.wait_for(go(), 120))

@@ -30,6 +30,7 @@ import importlib.metadata
 import logging
 import struct
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -194,6 +195,16 @@ class ApplianceSession(InternalSession):
         self.peer: str = ""
         self.outstanding_calls = 0
         self._close_hooks_ran = False
+
+    # asyncua's session timeout loop measures inactivity from _last_activity: a session with a call running is
+    # active (a Generate may run longer than the session timeout, and closing the session would abandon it).
+    @property
+    def _last_activity(self) -> float:
+        return time.monotonic() if getattr(self, "outstanding_calls", 0) else self._activity
+
+    @_last_activity.setter
+    def _last_activity(self, value: float) -> None:
+        self._activity = value
 
     @property
     def role(self) -> str | None:
@@ -377,6 +388,17 @@ class HardenedProcessor(UaProcessor):
     guard: ChannelGuard
     _hello_seen: bool = False
     _calls: set[asyncio.Task] | None = None  # this connection's method calls in flight
+    _activity: float | None = None
+
+    # asyncua's per-connection watchdog closes the connection when the session was idle for its timeout: a
+    # connection with a call running is not idle.
+    @property
+    def session_last_activity(self) -> float | None:
+        return time.monotonic() if self._calls else self._activity
+
+    @session_last_activity.setter
+    def session_last_activity(self, value: float | None) -> None:
+        self._activity = value
 
     async def close(self) -> None:
         """The connection is gone (closed, aborted, refused): nobody can receive the answers of its calls, so
@@ -591,6 +613,7 @@ class HardenedProcessor(UaProcessor):
         finally:
             session.outstanding_calls -= 1
             session.touch()  # in use until its call ended: the session timeout counts from here, not from the call
+            self.session_last_activity = time.monotonic()
         if self._transport is None or self._transport.is_closing():
             return  # the connection went while the call ran: nobody to answer
         try:
