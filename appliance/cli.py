@@ -141,6 +141,13 @@ def cmd_plc_types(args) -> int:
 
 def cmd_models(args) -> int:
     config = load_config_arg(args.config)
+    if args.models_action == "prepare":  # touches no versions: no commissioning identity, nothing to audit
+        from .model_prepare import prepare
+        code, text = prepare(config, args.name)
+        if code:
+            return _fail(text)
+        print(text)
+        return 0
     engineer = Path(config.server.state_dir) / "clients" / "commissioning-engineer.der"
     existed = engineer.exists()
     try:
@@ -411,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("dir")
     x.add_argument("--version", help="version label (default: the first 12 hex digits of the content digest)")
     x = msub.add_parser("rollback", help="make the previous version serve again")
+    x.add_argument("name")
+    x = msub.add_parser("prepare", help="measure the weight paths on this CPU, lay out the weights and compile the "
+                        "decode step, so every start serves at full speed from Ready")
     x.add_argument("name")
     x = msub.add_parser("promote", help="send all of NAME's traffic to one of its A/B variants (Admin/PromoteVariant)")
     x.add_argument("name")

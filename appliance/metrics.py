@@ -87,8 +87,9 @@ class Metrics:
         self.heartbeat_timestamp = Gauge(
             "appliance_heartbeat_timestamp_seconds", "Unix time of the appliance loop's last tick (1 Hz): a box whose "
             "loop stalled shows an old time while its other gauges keep their last values", registry=r)
-        self.model_info = Gauge("appliance_model_info", "1 for each loaded model, labelled with version and backend",
-                                ["model", "version", "backend"], registry=r)
+        self.model_info = Gauge("appliance_model_info",
+                                "1 for each loaded model, labelled with version, backend and weight format",
+                                ["model", "version", "backend", "weight_format"], registry=r)
         self.model_ready = Gauge("appliance_model_ready", "1 when the model is Ready, else 0", ["model"], registry=r)
         self.watchdog_state = Gauge("appliance_watchdog_state", "Watchdog state: 0 Ok, 1 Warning, 2 Critical, 3 NoGpu",
                                     registry=r)
@@ -131,8 +132,9 @@ class Metrics:
         # One series per model: drop the old version's series on reload.
         for labels in [s.labels for fam in self.model_info.collect() for s in fam.samples]:
             if labels.get("model") == model:
-                self.model_info.remove(labels["model"], labels["version"], labels["backend"])
-        self.model_info.labels(model, version, backend).set(1)
+                self.model_info.remove(labels["model"], labels["version"], labels["backend"],
+                                       labels["weight_format"])
+        self.model_info.labels(model, version, backend, weight_format_of(backend)).set(1)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """Prometheus text; OpenMetrics (with the latency histogram's exemplars: the calls' correlation ids) when
@@ -142,3 +144,11 @@ class Metrics:
             from prometheus_client.openmetrics.exposition import generate_latest as om_latest
             return om_latest(self.registry), OM_TYPE
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def weight_format_of(backend: str) -> str:
+    """The weight format a generative model's Backend names (appliance/engine/weight_plan.py writes
+    "<device> <format>: <how>", e.g. "cpu Q4_K+Q6_K/int8: ..."); "" for backends that name none (tensor models)."""
+    head, sep, _ = backend.partition(": ")
+    device, _, fmt = head.partition(" ")
+    return fmt if sep and device in ("cpu", "cuda") and fmt else ""

@@ -87,6 +87,16 @@ STATE_CLASS = {"Ready": "ok", "Loading": "warn", "Starting": "warn", "Degraded":
                "Fault": "bad"}
 
 
+def _backend(backend: str) -> str:
+    """A generative model's weight format in bold, then how it was chosen (measured figures, anything faster that
+    was not available and why): appliance/engine/weight_plan.py writes "<device> <format>: <how>"."""
+    from appliance.metrics import weight_format_of
+    fmt = weight_format_of(backend)
+    if not fmt:
+        return html.escape(backend or "–")
+    return f'<b>{html.escape(fmt)}</b><div class="muted">{html.escape(backend.partition(": ")[2])}</div>'
+
+
 def render(status: dict, history: StatusHistory) -> str:
     """The page for one status snapshot (appliance.daemon.Appliance.status_snapshot)."""
     e = html.escape
@@ -98,7 +108,7 @@ def render(status: dict, history: StatusHistory) -> str:
         rows.append(
             f'<tr><td><b>{e(m["name"])}</b><div class="muted">{e(m["kind"])}</div></td>'
             f'<td class="{STATE_CLASS.get(m["state"], "")}">{e(m["state"])}{reason}</td>'
-            f'<td>{e(m["version"] or "–")}</td><td>{e(m["backend"] or "–")}</td>'
+            f'<td>{e(m["version"] or "–")}</td><td>{_backend(m["backend"])}</td>'
             f'<td>{m["requests"]} / {m["errors"]}</td>'
             f'<td>{_sparkline(rates, unit=" /s")}</td>'
             f'<td>{_sparkline([p * 1000 for p in p99s], unit=" ms")}</td>'

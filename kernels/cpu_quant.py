@@ -116,34 +116,95 @@ def _targets() -> dict[str, tuple[str, list[str]]]:
 def build(directory: Path, stem: str) -> Path:
     """Compile one library into directory (built aside, renamed: a reader never sees half); raises OSError /
     SubprocessError where it cannot."""
-    source, flags = _targets()[stem]
+    return build_many(directory, [stem])[0]
+
+
+def build_many(directory: Path, stems: list[str]) -> list[Path]:
+    """Compile several libraries at once (one compiler process each: the first start builds every ISA's library
+    the measurement needs, in the time of the slowest)."""
     cc = compiler()
     if cc is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    target = Path(directory) / library_name(source, flags)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        subprocess.run([cc, *flags, "-o", str(out), str(SOURCE_DIR / f"{source}.c")], check=True,
-                       capture_output=True, timeout=300)
-        os.replace(out, target)
-    return target
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    targets = []
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        procs = []
+        for stem in stems:
+            source, flags = _targets()[stem]
+            target = directory / library_name(source, flags)
+            out = Path(tmp) / target.name
+            procs.append((subprocess.Popen([cc, *flags, "-o", str(out), str(SOURCE_DIR / f"{source}.c")],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE), out, target))
+        failure = None
+        for proc, out, target in procs:
+            try:
+                _stdout, stderr = proc.communicate(timeout=600)
+            except subprocess.TimeoutExpired as exc:
+                proc.kill()
+                proc.communicate()
+                failure = failure or exc
+                continue
+            if proc.returncode != 0:
+                failure = failure or subprocess.CalledProcessError(proc.returncode, proc.args, stderr=stderr)
+                continue
+            os.replace(out, target)
+            targets.append(target)
+            _share(target)
+        if failure is not None:
+            raise failure
+    return targets
+
+
+def _share(built: Path) -> None:
+    """A copy in the user's cache too, where other state directories (tests, a second appliance) find it: the name
+    carries the sources' digest, so a copy is never stale. Best effort."""
+    shared = default_build_dir() / built.name
+    if shared.exists() or shared.parent == built.parent:
+        return
+    try:
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        tmp = shared.with_suffix(f".tmp{os.getpid()}")
+        shutil.copyfile(built, tmp)
+        os.replace(tmp, shared)
+    except OSError:
+        pass
+
+
+def _find(stem: str, build_dir: Path) -> Path | None:
+    """A library already built: beside the sources (the Debian package), in build_dir, or in the user's cache (the
+    same digest means the same sources and flags)."""
+    source, flags = _targets()[stem]
+    name = library_name(source, flags)
+    for candidate in (SOURCE_DIR / name, Path(build_dir) / name, default_build_dir() / name):
+        if candidate.exists():
+            return candidate
+    return None
 
 
 def _find_or_build(stem: str, build_dir: Path) -> Path:
-    """The library's path: prebuilt beside the sources (the Debian package), or built into build_dir once."""
-    source, flags = _targets()[stem]
-    name = library_name(source, flags)
-    for candidate in (SOURCE_DIR / name, Path(build_dir) / name):
-        if candidate.exists():
-            return candidate
+    """The library's path, built into build_dir once where none exists."""
+    found = _find(stem, build_dir)
+    if found is not None:
+        return found
     try:
         return build(build_dir, stem)
     except FileNotFoundError as exc:
         raise KernelsUnavailable(str(exc)) from exc
     except (OSError, subprocess.SubprocessError) as exc:
         detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
-        raise KernelsUnavailable(f"building {source}.c failed: {detail[-1] if detail else exc}") from exc
+        raise KernelsUnavailable(f"building {_targets()[stem][0]}.c failed: {detail[-1] if detail else exc}") from exc
+
+
+def ensure_built(isas: list[str], build_dir: Path | None = None) -> None:
+    """Build the libraries of `isas` that do not exist yet, together; a failure is left for `kernels` to report."""
+    build_dir = Path(build_dir) if build_dir else default_build_dir()
+    missing = [f"quant_{isa}" for isa in isas if _find(f"quant_{isa}", build_dir) is None]
+    if len(missing) > 1 and compiler() is not None:
+        try:
+            build_many(build_dir, missing)
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("building our kernels failed (%s); each is tried again on its own", exc)
 
 
 def library_at(path: str) -> ctypes.CDLL:
@@ -237,6 +298,19 @@ def matmul(path: str, isa: str, exact: bool, x: torch.Tensor, data: torch.Tensor
     return y
 
 
+def usable_isas(build_dir: Path | None = None) -> tuple[CpuInfo | None, list[str], str | None]:
+    """(this CPU, the ISAs our kernels may run on it, why none may): what a caller shows when it falls back."""
+    try:
+        info = cpu_info(build_dir)
+    except KernelsUnavailable as exc:
+        return None, [], str(exc)
+    if os.environ.get("APPLIANCE_CPU_KERNELS", "1") == "0":
+        return info, [], "our CPU kernels are switched off (APPLIANCE_CPU_KERNELS=0)"
+    if not info.isas:
+        return info, [], "the CPU has no AVX2 with FMA and F16C (cpuid)"
+    return info, info.isas, None
+
+
 def kernels(isa: str, activations: str = "int8", build_dir: Path | None = None) -> CpuKernels:
     """The library of one ISA in one activation mode; KernelsUnavailable (with the reason) where it cannot run."""
     if os.environ.get("APPLIANCE_CPU_KERNELS", "1") == "0":
@@ -301,7 +375,7 @@ def quantize_activations(k: CpuKernels, x: torch.Tensor) -> tuple[torch.Tensor, 
 
 def build_all(directory: Path) -> list[Path]:
     """Every library (the probe and each ISA's) into directory: the package build ships them."""
-    return [build(directory, stem) for stem in _targets()]
+    return build_many(directory, list(_targets()))
 
 
 if __name__ == "__main__":  # python -m kernels.cpu_quant [DIR]: build every library (default: beside the sources)

@@ -148,6 +148,8 @@ def decide(inputs: Inputs, paths: list[PathName], setting: str, cpu: cpu_quant.C
     unavailable = dict(inputs.unavailable)
     parts: dict[str, StepMatmuls] = {}
     runnable: dict[str, PathName] = {}
+    cpu_quant.ensure_built(sorted({p.kernels for p in paths if p.quantized and p.kernels != "torch"}),
+                           inputs.kernel_dir)
     for p in paths:
         try:
             parts[str(p)] = step_matmuls(p, inputs, kernels_for(p, inputs.kernel_dir))
@@ -157,8 +159,9 @@ def decide(inputs: Inputs, paths: list[PathName], setting: str, cpu: cpu_quant.C
     if not runnable:
         raise cpu_quant.KernelsUnavailable("; ".join(f"{k}: {v}" for k, v in unavailable.items())
                                            or "no path can run this model here")
-    torch.set_num_threads(inputs.threads) if inputs.threads > 0 else None
+    built = time.monotonic()
     timings = measure(parts, inputs.slots)
+    timed = time.monotonic()
     exact = _exact_reference(runnable)
     accuracy: dict[str, dict] = {}
     kl_fn = kl or (lambda p, i, e: kl_to_exact(p, i, e, dense_loader))
@@ -178,6 +181,8 @@ def decide(inputs: Inputs, paths: list[PathName], setting: str, cpu: cpu_quant.C
     chosen = path_choice.choose(timings, accurate)
     if chosen is None:
         chosen = str(exact)
+    log.info("path choice for %s: %.1f s building the paths' matmuls, %.1f s timing them, %.1f s checking accuracy",
+             inputs.path.name, built - started, timed - built, time.monotonic() - timed)
     record = Record(digest=inputs.digest, cpu_key=cpu.key() if cpu else "unknown",
                     cpu=cpu.brand if cpu else "unknown", setting=setting, slots=inputs.slots,
                     threads=inputs.threads, chosen=chosen,

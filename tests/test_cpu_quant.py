@@ -215,7 +215,8 @@ def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
     assert cpu_quant.library() is None
 
 
-def test_a_library_is_built_once_per_directory_and_reused(tmp_path, isas):
+def test_a_library_is_built_once_per_directory_and_reused(tmp_path, isas, monkeypatch):
+    monkeypatch.setattr(cpu_quant, "default_build_dir", lambda: tmp_path / "user-cache")
     isa = next(iter(isas))
     first = cpu_quant.kernels(isa, "int8", tmp_path)
     built = list(tmp_path.glob(f"quant_{isa}-*.so"))
@@ -224,6 +225,7 @@ def test_a_library_is_built_once_per_directory_and_reused(tmp_path, isas):
     mtime = built[0].stat().st_mtime_ns
     again = cpu_quant.kernels(isa, "int8", tmp_path)
     assert again.path == first.path and built[0].stat().st_mtime_ns == mtime
+    assert (tmp_path / "user-cache" / built[0].name).exists()  # shared with other state directories
 
 
 def test_no_compiler_means_no_kernels_and_the_reason(tmp_path, monkeypatch):

@@ -211,7 +211,8 @@ def test_service_serves_onnx_and_torch_export_alike(tmp_path):
     assert onnx_svc.kind == "tensor" and onnx_svc.state == "Ready" and onnx_svc.failure_reason is None
     assert onnx_svc.request_count == 13 and onnx_svc.error_count == 0 and onnx_svc.last_latency_ms > 0
     assert metrics.registry.get_sample_value(
-        "appliance_model_info", {"model": "m", "version": v_onnx, "backend": "onnxruntime-cpu"}) == 1
+        "appliance_model_info", {"model": "m", "version": v_onnx, "backend": "onnxruntime-cpu",
+                                 "weight_format": ""}) == 1
     assert metrics.registry.get_sample_value("appliance_batch_size_count", {"model": "m"}) < 13  # merged
 
 

@@ -181,9 +181,15 @@ class EngineConfig:
     slot_policy: str = setting("evict_lru", choice("evict_lru", "reject"))
     prefill_chunk: int = setting(256, integer(1))
     dtype: str = setting("auto", choice("auto", "float32", "bfloat16", "float16"))
-    # generative: weights kept as the file has them (auto: a Q4_0/Q4_1 GGUF as int4, Q8_0 as int8, float files as
-    # `dtype`), or converted at load; quantized weights are cached under state_dir/cache/weights
-    weights: str = setting("auto", choice("auto", "float32", "bfloat16", "int8", "int4"))
+    # generative, CPU: how weights are held. auto: for a GGUF file with quantized blocks, the fastest of its own
+    # blocks (our kernels), torch's int4 op and dense float32/bfloat16, measured on this CPU at the first load and
+    # recorded (appliance models prepare measures again); float files as `dtype`. blocks: the file's own GGUF blocks;
+    # int8 / int4: requantized to Q8_0 / 4-bit blocks. Laid-out weights are cached under state_dir/cache/weights
+    weights: str = setting("auto", choice("auto", "float32", "bfloat16", "int8", "int4", "blocks"))
+    # quantized weights' activations: int8 (per block of 32, integer dot products) or float32 (exact); auto: measured
+    activations: str = setting("auto", choice("auto", "int8", "float32"))
+    # who multiplies quantized weights: our kernels for one instruction set, or torch's ops; auto: measured
+    quant_kernels: str = setting("auto", choice("auto", "avx512vnni", "avxvnni", "avx2", "torch"))
     kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16"))  # auto: bfloat16 with quantized weights
     prefix_cache_entries: int = setting(8, integer(0, 4096))  # shared prompt prefixes kept (0: no prefix sharing)
     park_memory_mb: int = setting(256, integer(0, 1 << 20))  # evicted sessions' KV parked in host memory (0: dropped)

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from appliance.engine.llm_settings import COMPILE, DTYPES, MEMORY_HEADROOM, WEIGHTS, GenerativeSettings
+from appliance.engine.llm_settings import (ACTIVATIONS, COMPILE, DTYPES, MEMORY_HEADROOM, QUANT_KERNELS, WEIGHTS,
+                                           GenerativeSettings)
 from appliance.engine.slots import POLICIES
 from appliance.engine.thread_reply import Reply
+from appliance.engine.weight_plan import plan_weights
 from appliance.errors import ApplianceError, EngineFailure
 
 log = logging.getLogger(__name__)
@@ -35,52 +37,40 @@ class LoadedEngine:
     backend: str
     max_seq_len: int
     compiled_decode: Any = None  # models.compiled_decode.CompiledDecode, ready once compiled; None: eager decode
+    weight_format: str = ""  # e.g. "Q4_1+Q8_0/int8" (appliance_model_info's weight_format label)
+    path_record: Any = None  # models.path_choice.Record when the path was measured
+    compile_marker: Path | None = None  # exists once this decode step has compiled on this box (compile_marker)
 
 
 def load_engine(name: str, path: Path, settings: GenerativeSettings, version_label: str | None,
-                current: LoadedEngine | None) -> LoadedEngine:
-    """Load the model at path (runs in a load thread). The current engine's cache is reused when its shape fits."""
+                current: LoadedEngine | None, measure: Callable | None = None,
+                remeasure: bool = False, kl: Callable | None = None) -> LoadedEngine:
+    """Load the model at path (runs in a load thread). The current engine's cache is reused when its shape fits.
+    measure / kl: path_choice.measure's and path_build.kl_to_exact's stand-ins (tests force timings and accuracy
+    through them); remeasure: measure the weight paths again even where a record of them exists (`appliance models
+    prepare`)."""
     import torch
 
-    from models.llama import KVCache, LlamaModel
-    from models.weights import load_weights
+    from models.llama import KVCache
 
     s = settings
-    if s.slot_policy not in POLICIES:
-        raise EngineFailure(f"slot_policy must be one of {', '.join(POLICIES)}")
-    if s.dtype not in DTYPES:
-        raise EngineFailure(f"dtype must be one of {', '.join(DTYPES)}")
-    if s.weights not in WEIGHTS:
-        raise EngineFailure(f"weights must be one of {', '.join(WEIGHTS)}")
-    if s.compile not in COMPILE:
-        raise EngineFailure(f"compile must be one of {', '.join(COMPILE)}")
-    if min(s.kv_slots, s.max_seq_len, s.max_new_tokens, s.prefill_chunk, s.max_text_chars) < 1:
-        raise EngineFailure("kv_slots, max_seq_len, max_new_tokens, prefill_chunk and max_text_chars must be "
-                            "positive")
+    check_settings(s)
     device = s.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineFailure("device cuda was asked for but no GPU is available")
-    cache_dir = Path(s.weight_cache_dir) if s.weight_cache_dir else None
-    cpu_kernels = cpu_quant_kernels(s, device)
-    quantized, dtype_name = weight_format(s.weights, s.dtype, Path(path), device, cache_dir,
-                                          fast_quantized=cpu_kernels is not None or torch_quantized_ops_are_fast())
-    dtype = getattr(torch, dtype_name)
-    kv_dtype = getattr(torch, s.kv_dtype if s.kv_dtype != "auto" else "bfloat16" if quantized else dtype_name)
     if s.threads > 0:
         torch.set_num_threads(s.threads)
-
-    loaded = load_weights(path, dtype, quantized, cache_dir)
-    config = loaded.config
+    plan = plan_weights(Path(path), s, device, measure, remeasure, kl)
+    model, config, tokenizer, version = plan.model, plan.config, plan.tokenizer, plan.version
+    kv_dtype = getattr(torch, s.kv_dtype if s.kv_dtype != "auto" else "bfloat16" if plan.quantized
+                       else plan.compute_dtype)
     max_seq_len = s.max_seq_len
     if max_seq_len > config.max_position_embeddings:
         log.warning("model %s: max_seq_len %d exceeds the model's %d positions; using %d", name,
                     max_seq_len, config.max_position_embeddings, config.max_position_embeddings)
         max_seq_len = config.max_position_embeddings
-    model = LlamaModel(config, loaded.tensors, dtype=dtype, device=device, kernels=s.kernels,
-                       cpu_kernels=cpu_kernels if quantized else None)
-    del loaded.tensors
     cache = None
     if current is not None and _same_cache_shape(current.cache, config, s.kv_slots, max_seq_len, kv_dtype, device):
         cache = current.cache  # every slot is dropped at the swap; no need for a second cache
@@ -93,22 +83,73 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
                 f"{need / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of memory is available; "
                 "lower kv_slots or max_seq_len")
         cache = KVCache(config, s.kv_slots, max_seq_len, kv_dtype, device)
-    backend = ("torch-cuda" if device.startswith("cuda") else "torch-cpu") + (f"-{quantized}" if quantized else "")
-    if quantized and cpu_kernels is not None:
-        backend += "+avx2"
-    compiled = None
+    log.info("model %s: %s", name, plan.backend)
+    compiled, marker = None, None
     if s.compile != "off" and device == "cpu":
         from models.compiled_decode import CompiledDecode
         compiled = CompiledDecode(model, cache, Path(s.compile_cache_dir) if s.compile_cache_dir else None)
-        if s.compile == "on":
-            compile_decode(name, compiled)  # auto: compile_in_background, once the model is Ready
-    return LoadedEngine(model, cache, loaded.tokenizer, version_label or loaded.version, backend, max_seq_len,
-                        compiled)
+        marker = compile_marker(s, plan.version, plan.weight_format, max_seq_len, kv_dtype)
+        if s.compile == "on" or (marker is not None and marker.exists()):
+            # on, or compiled on this box before (a start after the first, or `appliance models prepare`): from
+            # Inductor's cache, before Ready, so the box never serves eager decode while a compile takes a core
+            compile_decode(name, compiled, marker)
+    return LoadedEngine(model, cache, tokenizer, version_label or version, plan.backend, max_seq_len, compiled,
+                        plan.weight_format, plan.record, marker)
+
+
+def prepare_model(name: str, path: Path, settings: GenerativeSettings) -> LoadedEngine:
+    """`appliance models prepare NAME` (and the package's postinst): measure the weight paths on this CPU, lay the
+    chosen weights out in the weight cache and compile the decode step into Inductor's cache, so that every start
+    after this one serves at full speed from Ready."""
+    from dataclasses import replace
+    engine = load_engine(name, path, replace(settings, compile="off"), None, None, remeasure=True)
+    if settings.compile != "off" and engine.model.device.type == "cpu":
+        from models.compiled_decode import CompiledDecode
+        engine.compiled_decode = CompiledDecode(engine.model, engine.cache,
+                                                Path(settings.compile_cache_dir) if settings.compile_cache_dir
+                                                else None)
+        kv = engine.cache.kv.dtype
+        engine.compile_marker = compile_marker(settings, engine.version, engine.weight_format, engine.max_seq_len, kv)
+        compile_decode(name, engine.compiled_decode, engine.compile_marker)
+    return engine
+
+
+def check_settings(s: GenerativeSettings) -> None:
+    if s.slot_policy not in POLICIES:
+        raise EngineFailure(f"slot_policy must be one of {', '.join(POLICIES)}")
+    if s.dtype not in DTYPES:
+        raise EngineFailure(f"dtype must be one of {', '.join(DTYPES)}")
+    if s.weights not in WEIGHTS:
+        raise EngineFailure(f"weights must be one of {', '.join(WEIGHTS)}")
+    if s.activations not in ACTIVATIONS:
+        raise EngineFailure(f"activations must be one of {', '.join(ACTIVATIONS)}")
+    if s.quant_kernels not in QUANT_KERNELS:
+        raise EngineFailure(f"quant_kernels must be one of {', '.join(QUANT_KERNELS)}")
+    if s.compile not in COMPILE:
+        raise EngineFailure(f"compile must be one of {', '.join(COMPILE)}")
+    if min(s.kv_slots, s.max_seq_len, s.max_new_tokens, s.prefill_chunk, s.max_text_chars) < 1:
+        raise EngineFailure("kv_slots, max_seq_len, max_new_tokens, prefill_chunk and max_text_chars must be "
+                            "positive")
+
+
+def compile_marker(s: GenerativeSettings, version: str, weight_format: str, max_seq_len: int,
+                   kv_dtype: Any) -> Path | None:
+    """The file that says this decode step (model content, weight path, cache shape, torch) has compiled in
+    s.compile_cache_dir before: Inductor's artefacts are there, and compiling again takes their load only."""
+    if not s.compile_cache_dir:
+        return None
+    import hashlib
+
+    import torch
+    key = f"{version}|{weight_format}|{s.kv_slots}|{max_seq_len}|{kv_dtype}|{torch.__version__}"
+    return Path(s.compile_cache_dir) / f"prepared-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
 
 
 def compile_in_background(name: str, engine: LoadedEngine) -> None:
-    """engine.compile: auto: compile the decode step in a short-lived thread of its own (see in_fresh_thread) after
-    a pause that lets Ready reach the serve process; the engine decodes eagerly until it is done."""
+    """engine.compile: auto at the first start of a model on a box that was never prepared (`appliance models
+    prepare`): compile the decode step in a short-lived thread of its own (see in_fresh_thread) after a pause that
+    lets Ready reach the serve process; the engine decodes eagerly until it is done. Every later start compiles
+    from Inductor's cache before Ready (load_engine)."""
     compiled = engine.compiled_decode
     if compiled is None or compiled.ready:
         return
@@ -119,65 +160,27 @@ def compile_in_background(name: str, engine: LoadedEngine) -> None:
         except OSError:
             pass
         time.sleep(BACKGROUND_COMPILE_DELAY_S)
-        compile_decode(name, compiled)
+        compile_decode(name, compiled, engine.compile_marker)
     threading.Thread(target=body, name=f"compile-{name}", daemon=True).start()
 
 
-def compile_decode(name: str, compiled: Any) -> None:
-    """Compile the decode step; where torch cannot, say why and leave decode eager."""
+def compile_decode(name: str, compiled: Any, marker: Path | None = None) -> None:
+    """Compile the decode step (and mark it compiled on this box); where torch cannot, say why and leave decode
+    eager."""
     from models.compiled_decode import CompileUnavailable
     log.info("model %s: compiling the decode step", name)
     try:
         compiled.compile()
     except CompileUnavailable as exc:
         log.warning("model %s: decode stays eager: %s", name, exc)
-    else:
-        log.info("model %s: decode step compiled in %.1f s", name, compiled.compile_seconds)
-
-
-def weight_format(weights: str, dtype: str, path: Path, device: str, cache_dir: Path | None = None,
-                  fast_quantized: bool = True) -> tuple[str | None, str]:
-    """(quantized format or None, compute dtype) for `engine.weights` / `engine.dtype` on this file and device.
-
-    auto keeps a GGUF file's quantization on a CPU where quantized matmuls are fast (fast_quantized: torch's ops on
-    AVX-512, our kernels on AVX2): Q4_0 / Q4_1 run as int4 (the file's own numbers, exactly), Q8_0 as int8. Float
-    files, GPUs and CPUs without either take `dtype` (auto: float32 on CPU, where bf16 greedy output diverges from
-    the reference within a few tokens; bfloat16 on CUDA). On an AVX2-only EPYC torch's own int4 / int8 weight ops
-    took 123 / 69 ms per SmolLM2 decode step at 1 sequence and ~1 s at 8, against 48 and 64 ms for fp32; with our
-    AVX2 kernels int4 generated 35.5 / 112.1 tokens/s at 1 / 8 sequences against fp32's 20.5 / 100.3
-    (bench/generate.py, one run)."""
-    on_gpu = device.startswith("cuda")
-    compute = dtype if dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-    if weights in ("float32", "bfloat16"):
-        return None, weights
-    if weights in ("int8", "int4"):
-        if on_gpu:
-            raise EngineFailure(f"weights: {weights} runs on the CPU only; use bfloat16 (or auto) on a GPU")
-        return weights, "float32"
-    if on_gpu or not (path.is_file() and path.suffix == ".gguf") or not fast_quantized:
-        return None, compute
-    from models.weight_cache import gguf_matrix_types
-    types = gguf_matrix_types(path, cache_dir)
-    if types & {"Q4_0", "Q4_1"}:
-        return "int4", "float32"
-    if "Q8_0" in types:
-        return "int8", "float32"
-    return None, compute
-
-
-def torch_quantized_ops_are_fast() -> bool:
-    """torch's CPU int4 / int8 weight matmuls have vectorised kernels for AVX-512 (and newer), not for AVX2."""
-    import torch
-    capability = torch.backends.cpu.get_cpu_capability()
-    return capability.startswith("AVX512") or "AMX" in capability
-
-
-def cpu_quant_kernels(settings: GenerativeSettings, device: str):
-    """Our AVX2 quantized matmuls (kernels.cpu_quant), on a CPU where torch's own are slow, or None."""
-    if device.startswith("cuda") or torch_quantized_ops_are_fast():
-        return None
-    from kernels import cpu_quant
-    return cpu_quant.library(Path(settings.cpu_kernel_dir) if settings.cpu_kernel_dir else None)
+        return
+    log.info("model %s: decode step compiled in %.1f s", name, compiled.compile_seconds)
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{compiled.compile_seconds:.1f}\n", encoding="utf-8")
+        except OSError as exc:
+            log.warning("model %s: could not mark the compiled step in %s: %s", name, marker.parent, exc)
 
 
 async def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:

@@ -8,7 +8,9 @@ MAX_PROMPT_BYTES = 16 * 1024
 MAX_TEMPERATURE = 2.0
 MEMORY_HEADROOM = 0.8  # the KV cache may take at most this share of the memory available at load
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4")
+WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4", "blocks")
+ACTIVATIONS = ("auto", "int8", "float32")  # our quantized kernels' activations (kernels/cpu/quant_kernels.h)
+QUANT_KERNELS = ("auto", "avx512vnni", "avxvnni", "avx2", "torch")  # who multiplies quantized weights on a CPU
 COMPILE = ("auto", "on", "off")
 
 
@@ -28,10 +30,12 @@ class GenerativeSettings:
     top_p: float = 0.95
     max_queue_size: int = 64
     kernels: str = "auto"  # auto: fused Triton kernels for decode on CUDA, eager torch elsewhere | triton | torch
-    weights: str = "auto"  # auto | float32 | bfloat16 | int8 | int4 (see llm_loading.weight_format)
+    weights: str = "auto"  # auto (measured, see weight_plan) | float32 | bfloat16 | int8 | int4 | blocks
+    activations: str = "auto"  # auto (measured) | int8 (per block of 32) | float32 (exact)
+    quant_kernels: str = "auto"  # auto (measured) | avx512vnni | avxvnni | avx2 | torch
     kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the compute dtype) | float32 | bfloat16
     weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
-    cpu_kernel_dir: str | None = None  # our AVX2 quantized matmuls built here (kernels/cpu_quant.py)
+    cpu_kernel_dir: str | None = None  # our quantized matmuls built here (kernels/cpu_quant.py)
     compile: str = "off"  # the CPU decode step compiled: auto (in the background after load) | on (before) | off
     compile_cache_dir: str | None = None  # Inductor's artefacts (models/compiled_decode.py)
     prefix_cache_entries: int = 8  # shared prompt prefixes kept in host memory (0: none)

@@ -24,6 +24,7 @@
 #endif
 #define NVP (PANEL / LANES) /* vectors per panel: 1 (512-bit) or 2 (256-bit) */
 #define CHUNK_COLS 4        /* vector columns per cache chunk */
+#define PARALLEL_MACS (1 << 18) /* multiply-adds below which one thread does the product */
 
 typedef struct {
     int8_t *q;    /* rows x k */
@@ -275,10 +276,32 @@ typedef void (*tile_f32_fn)(const uint8_t *, size_t, int, int, const float *, in
                                float *y, int ldy) {                                                         \
         tile_f32(F, T, w, ps, c0, nrec, x, r0, k, y, ldy);                                                  \
     }
+/* Only the tile shapes this ISA's width_for asks for are made (each is fully unrolled: compile time). */
+#if VMAX_I8(1) >= 4
+#define DEF_I8_WIDE(F, T) DEF_I8(F, T, 4)
+#define I8_WIDE(F, T) ti8_##F##_##T##_4
+#else
+#define DEF_I8_WIDE(F, T)
+#define I8_WIDE(F, T) 0
+#endif
+#if VMAX_I8(3) >= 2
+#define DEF_I8_TALL(F, T) DEF_I8(F, T, 2)
+#define I8_TALL(F, T) ti8_##F##_##T##_2
+#else
+#define DEF_I8_TALL(F, T)
+#define I8_TALL(F, T) 0
+#endif
+#if TMAX_F32 >= 3
+#define DEF_F32_TALL(F) DEF_F32(F, 3) DEF_F32(F, 4)
+#define F32_TALL(F) tf32_##F##_3, tf32_##F##_4
+#else
+#define DEF_F32_TALL(F)
+#define F32_TALL(F) 0, 0
+#endif
 #define DEF_FMT(F)                                                                                          \
-    DEF_I8(F, 1, 1) DEF_I8(F, 1, 2) DEF_I8(F, 1, 4) DEF_I8(F, 2, 1) DEF_I8(F, 2, 2) DEF_I8(F, 2, 4)          \
-    DEF_I8(F, 3, 1) DEF_I8(F, 3, 2) DEF_I8(F, 4, 1) DEF_I8(F, 4, 2)                                          \
-    DEF_F32(F, 1) DEF_F32(F, 2) DEF_F32(F, 3) DEF_F32(F, 4)
+    DEF_I8(F, 1, 1) DEF_I8(F, 1, 2) DEF_I8_WIDE(F, 1) DEF_I8(F, 2, 1) DEF_I8(F, 2, 2) DEF_I8_WIDE(F, 2)      \
+    DEF_I8(F, 3, 1) DEF_I8_TALL(F, 3) DEF_I8(F, 4, 1) DEF_I8_TALL(F, 4)                                      \
+    DEF_F32(F, 1) DEF_F32(F, 2) DEF_F32_TALL(F)
 DEF_FMT(1) /* Q4_0 and Q4_1 share one kernel (Q4_0's m is -8 d) */
 DEF_FMT(2)
 DEF_FMT(3)
@@ -288,12 +311,12 @@ DEF_FMT(5)
 /* [fmt][T][V]: V 1, 2, 4 at index 0, 1, 2 (0 where the tile shape is not made) */
 #define I8_ROW(F)                                                                                           \
     {{0, 0, 0},                                                                                             \
-     {ti8_##F##_1_1, ti8_##F##_1_2, ti8_##F##_1_4},                                                         \
-     {ti8_##F##_2_1, ti8_##F##_2_2, ti8_##F##_2_4},                                                         \
-     {ti8_##F##_3_1, ti8_##F##_3_2, 0},                                                                     \
-     {ti8_##F##_4_1, ti8_##F##_4_2, 0}}
+     {ti8_##F##_1_1, ti8_##F##_1_2, I8_WIDE(F, 1)},                                                         \
+     {ti8_##F##_2_1, ti8_##F##_2_2, I8_WIDE(F, 2)},                                                         \
+     {ti8_##F##_3_1, I8_TALL(F, 3), 0},                                                                     \
+     {ti8_##F##_4_1, I8_TALL(F, 4), 0}}
 static const tile_i8_fn TILES_I8[F_COUNT][5][3] = {I8_ROW(1), I8_ROW(1), I8_ROW(2), I8_ROW(3), I8_ROW(4), I8_ROW(5)};
-#define F32_ROW(F) {0, tf32_##F##_1, tf32_##F##_2, tf32_##F##_3, tf32_##F##_4}
+#define F32_ROW(F) {0, tf32_##F##_1, tf32_##F##_2, F32_TALL(F)}
 static const tile_f32_fn TILES_F32[F_COUNT][5] = {F32_ROW(1), F32_ROW(1), F32_ROW(2), F32_ROW(3), F32_ROW(4),
                                                   F32_ROW(5)};
 
@@ -341,7 +364,10 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
         quantize_rows(x, rows, k, &a, threads);
     }
     const int tiles = (rows + tmax - 1) / tmax; /* row tiles as even as they can be */
-#pragma omp parallel num_threads(threads)
+    /* a small product runs on one thread: waking a second costs more than it saves (and, on a shared CPU, a
+     * descheduled thread holds the barrier for a time slice) */
+    const int parallel = threads > 1 && (double)rows * n * k >= PARALLEL_MACS;
+#pragma omp parallel num_threads(threads) if (parallel)
     {
         int nt = 1, id = 0;
 #ifdef _OPENMP
