@@ -15,6 +15,8 @@ inputs keeps its weights as group rows; 4-bit values are packed two to a byte: b
 bytes, fp16 little-endian, `o` the 16 outputs):
 
   Q4_0, Q4_1  SB 32, RB 320:  q[4][64] nibbles | d fp16[o] | m fp16[o]        w = d q + m   (Q4_0: m = -8 d, exact)
+  Q5_0, Q5_1  SB 32, RB 384:  Q4's record | qh[64]: byte [4 o + i] bit j = bit 4 of group j's value, bit 4 + j that
+                               of group j + 4's (j = 0..3)                 w = d q + m   (Q5_0: m = -16 d, exact)
   Q8_0        SB 32, RB 544:  q[8][64] u8 = q + 128 (group j: inputs 4 j..4 j + 3) | d fp16[o]    w = d (u - 128)
   Q4_K        SB 256, RB 2368: q[8 blocks][4][64] | d fp16[o] | dmin fp16[o] | sc u8[8][o] | m u8[8][o]
                                w = (d sc_b) q - (dmin m_b)   (gguf's own order of operations)
@@ -53,6 +55,8 @@ FORMATS = {f.name: f for f in (
     Format("Q4_0", 0, QK, 320, 18),
     Format("Q4_1", 1, QK, 320, 20),
     Format("Q8_0", 2, QK, 544, 34),
+    Format("Q5_0", 6, QK, 384, 22),
+    Format("Q5_1", 7, QK, 384, 24),
     Format("Q4_K", 3, QK_K, 2368, 144),
     Format("Q5_K", 4, QK_K, 2880, 176),
     Format("Q6_K", 5, QK_K, 3360, 210),
@@ -92,6 +96,19 @@ def decode_blocks(rows: np.ndarray, name: str, n: int, k: int) -> dict[str, np.n
         d = _f16(blocks[..., 0:2])
         if name == "Q4_0":
             m = (-8.0 * d.view(np.float16).astype(np.float32)).astype(np.float16).view(np.uint16)
+        else:
+            m = _f16(blocks[..., 2:4])
+        return {"q": q.reshape(n, k), "d": d, "m": m}
+    if name in ("Q5_0", "Q5_1"):
+        off = 2 if name == "Q5_0" else 4
+        qh = np.ascontiguousarray(blocks[..., off:off + 4]).view(np.uint32)  # bit j: element j's 5th bit
+        packed = blocks[..., off + 4:off + 20]
+        low = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = low | (bits << 4)
+        d = _f16(blocks[..., 0:2])
+        if name == "Q5_0":
+            m = (-16.0 * d.view(np.float16).astype(np.float32)).astype(np.float16).view(np.uint16)
         else:
             m = _f16(blocks[..., 2:4])
         return {"q": q.reshape(n, k), "d": d, "m": m}
@@ -148,6 +165,13 @@ def _per_panel(a: np.ndarray, panels: int) -> np.ndarray:
     return np.moveaxis(a, 1, -1)
 
 
+def _fifth_bits(groups: np.ndarray) -> np.ndarray:
+    """(..., 8, 64) values -> (..., 64): bit j of byte [4 o + i] = bit 4 of group j's value (j = 0..7)."""
+    bit4 = ((groups >> 4) & 1).astype(np.uint16)
+    weights = (1 << np.arange(8, dtype=np.uint16))[:, None]
+    return (bit4 * weights).sum(axis=-2).astype(np.uint8)
+
+
 def pack(parts: dict[str, np.ndarray], name: str, n: int, k: int) -> np.ndarray:
     """The integer parts (decode_blocks) as panels: (panels, records, RB) uint8."""
     f = FORMATS[name]
@@ -157,8 +181,10 @@ def pack(parts: dict[str, np.ndarray], name: str, n: int, k: int) -> np.ndarray:
     records = k // f.super_block
     groups = _group_rows(p["q"], panels)  # (P, blocks, 8, 64)
     as_bytes = lambda a: np.ascontiguousarray(a).view(np.uint8).reshape(panels, records, -1)  # noqa: E731
-    if name in ("Q4_0", "Q4_1"):
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         pieces = [_nibbles(groups), _per_panel(p["d"], panels), _per_panel(p["m"], panels)]
+        if name in ("Q5_0", "Q5_1"):
+            pieces.append(_fifth_bits(groups))
     elif name == "Q8_0":
         pieces = [groups, _per_panel(p["d"], panels)]
     else:
@@ -168,9 +194,7 @@ def pack(parts: dict[str, np.ndarray], name: str, n: int, k: int) -> np.ndarray:
             pieces = [low4, _per_panel(p["d"], panels), _per_panel(p["dmin"], panels), _per_panel(p["sc"], panels),
                       _per_panel(p["m"], panels)]
             if name == "Q5_K":
-                bit4 = (per_rec >> 4) & 1  # (P, R, block, 8, 64)
-                weights = (1 << np.arange(8, dtype=np.uint16))[:, None]  # group j low: bit j; group j + 4: bit 4 + j
-                pieces.append((bit4.astype(np.uint16) * weights).sum(axis=-2).astype(np.uint8))
+                pieces.append(_fifth_bits(per_rec))
         else:
             hi2 = (per_rec >> 4) & 3  # (P, R, block, 8, 64)
             shifts = (2 * np.arange(4, dtype=np.uint16))[:, None]
@@ -211,6 +235,11 @@ def _unnibble(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-2)
 
 
+def _unfifth(qh: np.ndarray) -> np.ndarray:
+    """(..., 1, 64) fifth-bit bytes -> (..., 8, 64) values 0 or 16 per group."""
+    return ((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4
+
+
 def _outputs(a: np.ndarray) -> np.ndarray:
     """(P, R, [x,] 16) -> (P*16, R[, x])."""
     a = np.moveaxis(a, -1, 1)
@@ -222,8 +251,11 @@ def dequantize(data: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     f = FORMATS[name]
     p, r = data.shape[:2]
     f32 = lambda bits: bits.view(np.float16).astype(np.float32)  # noqa: E731
-    if name in ("Q4_0", "Q4_1"):
-        q = _values(_unnibble(_take(data, 0, 256, np.uint8, (4, 64)))).astype(np.float32)
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        groups = _unnibble(_take(data, 0, 256, np.uint8, (4, 64)))
+        if name in ("Q5_0", "Q5_1"):
+            groups = groups | _unfifth(_take(data, 320, 64, np.uint8, (1, 64)))
+        q = _values(groups).astype(np.float32)
         d = _outputs(f32(_take(data, 256, 32, np.uint16, (16,))))
         m = _outputs(f32(_take(data, 288, 32, np.uint16, (16,))))
         w = np.repeat(d, QK, axis=1) * q + np.repeat(m, QK, axis=1)
@@ -234,9 +266,7 @@ def dequantize(data: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     elif name in ("Q4_K", "Q5_K"):
         low = _unnibble(_take(data, 0, 2048, np.uint8, (8, 4, 64)))  # (P, R, 8 blocks, 8, 64)
         if name == "Q5_K":
-            qh = _take(data, 2368, 512, np.uint8, (8, 1, 64))
-            bits = (qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # (P, R, 8, 8, 64): bit j -> group j
-            low = low | (bits << 4)
+            low = low | _unfifth(_take(data, 2368, 512, np.uint8, (8, 1, 64)))
         q = _values(low.reshape(p, r * 8, 8, 64)).astype(np.float32)
         d = _outputs(f32(_take(data, 2048, 32, np.uint16, (16,))))  # (N, R)
         dmin = _outputs(f32(_take(data, 2080, 32, np.uint16, (16,))))
@@ -264,8 +294,11 @@ def unpack(data: np.ndarray, name: str, n: int, k: int) -> dict[str, np.ndarray]
     """The integer parts of a matrix in the layout (the inverse of `pack`): to stack or reorder rows, then pack."""
     p, r = data.shape[:2]
     u16 = lambda start: _outputs(_take(data, start, 32, np.uint16, (16,)))[:n]  # noqa: E731
-    if name in ("Q4_0", "Q4_1"):
-        q = _values(_unnibble(_take(data, 0, 256, np.uint8, (4, 64))))
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        groups = _unnibble(_take(data, 0, 256, np.uint8, (4, 64)))
+        if name in ("Q5_0", "Q5_1"):
+            groups = groups | _unfifth(_take(data, 320, 64, np.uint8, (1, 64)))
+        q = _values(groups)
         parts = {"d": u16(256), "m": u16(288)}
     elif name == "Q8_0":
         q = _values(_take(data, 0, 512, np.uint8, (8, 64)))
@@ -273,8 +306,7 @@ def unpack(data: np.ndarray, name: str, n: int, k: int) -> dict[str, np.ndarray]
     elif name in ("Q4_K", "Q5_K"):
         low = _unnibble(_take(data, 0, 2048, np.uint8, (8, 4, 64)))
         if name == "Q5_K":
-            qh = _take(data, 2368, 512, np.uint8, (8, 1, 64))
-            low = low | (((qh >> np.arange(8, dtype=np.uint8)[:, None]) & 1) << 4)
+            low = low | _unfifth(_take(data, 2368, 512, np.uint8, (8, 1, 64)))
         q = _values(low.reshape(p, r * 8, 8, 64))
         parts = {"d": u16(2048), "dmin": u16(2080), "sc": _outputs(_take(data, 2112, 128, np.uint8, (8, 16)))[:n],
                  "m": _outputs(_take(data, 2240, 128, np.uint8, (8, 16)))[:n]}

@@ -1,5 +1,5 @@
 """Weights kept quantized: one type, `BlockMatrix`, for every GGUF block format the CPU kernels serve (Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K), holding the file's own numbers in the kernels' panel layout (kernels/cpu_layout.py), and
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), holding the file's own numbers in the kernels' panel layout (kernels/cpu_layout.py), and
 the layers that multiply by it.
 
 `engine.weights` formats that keep matrices quantized (FORMATS):

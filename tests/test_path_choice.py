@@ -187,17 +187,28 @@ def test_no_compiler_and_no_prebuilt_library_is_named_too(q4_file, tmp_path, mon
     assert "our kernels unavailable: no C compiler (cc/gcc) on PATH" in engine.backend
 
 
-def test_a_file_type_without_a_kernel_is_named(tmp_path):
-    saved = dict(test_gguf.TYPES)
-    test_gguf.TYPES.update({"o_proj": test_gguf.QT.Q5_0})
-    try:
-        test_gguf.write_tiny_gguf(tmp_path / "q5.gguf", tied=True)
-    finally:
-        test_gguf.TYPES.clear()
-        test_gguf.TYPES.update(saved)
-    engine = load_engine("m", tmp_path / "q5.gguf", settings(tmp_path, weights="blocks", activations="float32"),
+def test_a_file_type_without_a_kernel_is_named(tmp_path, monkeypatch):
+    """A Q2_K matrix (no kernel of ours) in a file otherwise kept in its blocks: requantized to Q8_0, and said."""
+    import numpy as np
+
+    import test_quantized
+    real = test_quantized.random_blocks
+
+    def blocks(name, n, k, seed, scale=0.02):
+        if name != "Q2_K":
+            return real(name, n, k, seed, scale)
+        rng = np.random.default_rng(seed)  # Q2_K: scales[16], qs[64], d fp16, dmin fp16 per 256 inputs
+        raw = rng.integers(0, 256, size=(n * k // 256, 84), dtype=np.uint8)
+        for off in (80, 82):
+            raw[:, off:off + 2] = (rng.standard_normal(len(raw)) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return raw.reshape(n, -1)
+    monkeypatch.setattr(test_quantized, "random_blocks", blocks)
+    monkeypatch.setitem(test_quantized.KQUANT_TYPES, "attn_output", test_gguf.QT.Q2_K)
+    monkeypatch.setitem(test_quantized.SCALES, test_gguf.QT.Q2_K, 1e-3)
+    write_kquant_gguf(tmp_path / "q2.gguf")
+    engine = load_engine("m", tmp_path / "q2.gguf", settings(tmp_path, weights="blocks", activations="float32"),
                          None, None)
-    assert "no kernel for Q5_0: those matrices requantized to Q8_0" in engine.backend
+    assert "no kernel for Q2_K: those matrices requantized to Q8_0" in engine.backend
     assert engine.model.layers[0].o.matrix.type_name == "Q8_0"
 
 

@@ -52,7 +52,7 @@ static inline int32_t load_i32(const void *p) {
             const VI w_ = LOADB((q) + (j) * 64);                                                                  \
             lo = ANDB(w_, SET1B(0x0F));                                                                           \
             hi = ANDB(SRL16(w_, 4), SET1B(0x0F));                                                                 \
-            if ((FMT) == F_Q5_K) {                                                                                \
+            if ((FMT) == F_Q5_K || IS_Q5(FMT)) {                                                                  \
                 lo = ORB(lo, ANDB(SLL16((qh)[0], 4 - (j)), SET1B(0x10)));                                         \
                 hi = ORB(hi, ANDB(SRL16((qh)[0], (j)), SET1B(0x10)));                                             \
             } else if ((FMT) == F_Q6_K) {                                                                         \
@@ -96,6 +96,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
                 const uint8_t *rec = pb[v] + (size_t)s * rb;
                 qb[v] = rec + b * 256 + hv[v] * VBYTES;
                 if (fmt == F_Q5_K) qh[v][0] = LOADB(rec + QK5_H + b * 64 + hv[v] * VBYTES);
+                if (IS_Q5(fmt)) qh[v][0] = LOADB(rec + Q5_H + hv[v] * VBYTES);
                 if (fmt == F_Q6_K) {
                     qh[v][0] = LOADB(rec + QK6_H + b * 128 + hv[v] * VBYTES);
                     qh[v][1] = LOADB(rec + QK6_H + b * 128 + 64 + hv[v] * VBYTES);
@@ -130,7 +131,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
                 const uint8_t *rec = pb[v] + (size_t)s * rb;
                 const int o = hv[v] * LANES;
                 VF D, M, DB;
-                if (fmt == F_Q4_0 || fmt == F_Q4_1) {
+                if (IS_Q4(fmt) || IS_Q5(fmt)) {
                     D = LOADH(rec + Q4_D + 2 * o);
                     M = LOADH(rec + Q4_M + 2 * o);
                 } else if (fmt == F_Q8_0) {
@@ -159,7 +160,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
                         isumb[t][v] = ZEROI();
                     } else {
                         acc[t][v] = FMA(CVT(isum[t][v]), MUL(D, dx), acc[t][v]);
-                        if (fmt == F_Q4_0 || fmt == F_Q4_1)
+                        if (IS_Q4(fmt) || IS_Q5(fmt))
                             acc[t][v] = FMA(M, SET1F(a->dm[ri]), acc[t][v]);
                         else
                             acc[t][v] = FNMA(M, SET1F(a->dm[ri]), acc[t][v]);
@@ -202,13 +203,14 @@ static inline __attribute__((always_inline)) void tile_f32(const int fmt, const 
             const uint8_t *qb = rec + b * 256 + hv * VBYTES;
             VI qh[2];
             if (fmt == F_Q5_K) qh[0] = LOADB(rec + QK5_H + b * 64 + hv * VBYTES);
+            if (IS_Q5(fmt)) qh[0] = LOADB(rec + Q5_H + hv * VBYTES);
             if (fmt == F_Q6_K) {
                 qh[0] = LOADB(rec + QK6_H + b * 128 + hv * VBYTES);
                 qh[1] = LOADB(rec + QK6_H + b * 128 + 64 + hv * VBYTES);
             }
             /* w = D q + M for the low groups (inputs 0..15) and Dh q + Mh for the high ones (16..31) */
             VF D, M, Dh, Mh;
-            if (fmt == F_Q4_0 || fmt == F_Q4_1) {
+            if (IS_Q4(fmt) || IS_Q5(fmt)) {
                 D = Dh = LOADH(rec + Q4_D + 2 * o);
                 M = Mh = LOADH(rec + Q4_M + 2 * o);
             } else if (fmt == F_Q8_0) {
@@ -302,11 +304,12 @@ typedef void (*tile_f32_fn)(const uint8_t *, size_t, int, int, const float *, in
     DEF_I8(F, 1, 1) DEF_I8(F, 1, 2) DEF_I8_WIDE(F, 1) DEF_I8(F, 2, 1) DEF_I8(F, 2, 2) DEF_I8_WIDE(F, 2)      \
     DEF_I8(F, 3, 1) DEF_I8_TALL(F, 3) DEF_I8(F, 4, 1) DEF_I8_TALL(F, 4)                                      \
     DEF_F32(F, 1) DEF_F32(F, 2) DEF_F32_TALL(F)
-DEF_FMT(1) /* Q4_0 and Q4_1 share one kernel (Q4_0's m is -8 d) */
+DEF_FMT(1) /* Q4_0 and Q4_1 share one kernel (Q4_0's m is -8 d), Q5_0 and Q5_1 another */
 DEF_FMT(2)
 DEF_FMT(3)
 DEF_FMT(4)
 DEF_FMT(5)
+DEF_FMT(6)
 
 /* [fmt][T][V]: V 1, 2, 4 at index 0, 1, 2 (0 where the tile shape is not made) */
 #define I8_ROW(F)                                                                                           \
@@ -315,10 +318,11 @@ DEF_FMT(5)
      {ti8_##F##_2_1, ti8_##F##_2_2, I8_WIDE(F, 2)},                                                         \
      {ti8_##F##_3_1, I8_TALL(F, 3), 0},                                                                     \
      {ti8_##F##_4_1, I8_TALL(F, 4), 0}}
-static const tile_i8_fn TILES_I8[F_COUNT][5][3] = {I8_ROW(1), I8_ROW(1), I8_ROW(2), I8_ROW(3), I8_ROW(4), I8_ROW(5)};
+static const tile_i8_fn TILES_I8[F_COUNT][5][3] = {I8_ROW(1), I8_ROW(1), I8_ROW(2), I8_ROW(3),
+                                                   I8_ROW(4), I8_ROW(5), I8_ROW(6), I8_ROW(6)};
 #define F32_ROW(F) {0, tf32_##F##_1, tf32_##F##_2, F32_TALL(F)}
 static const tile_f32_fn TILES_F32[F_COUNT][5] = {F32_ROW(1), F32_ROW(1), F32_ROW(2), F32_ROW(3), F32_ROW(4),
-                                                  F32_ROW(5)};
+                                                  F32_ROW(5), F32_ROW(6), F32_ROW(6)};
 
 static void quantize_rows(const float *x, int rows, int k, acts_t *a, int threads) {
     const int nb = k / QK;

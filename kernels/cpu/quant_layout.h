@@ -12,12 +12,15 @@
 #define QK 32
 #define QK_K 256
 
-enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F_COUNT = 6 };
+enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F_Q5_0 = 6, F_Q5_1 = 7, F_COUNT = 8 };
 
 /* Q4_0, Q4_1: q[4][64] | d fp16[16] | m fp16[16]                       w = d q + m */
 #define Q4_RB 320
 #define Q4_D 256
 #define Q4_M 288
+/* Q5_0, Q5_1: Q4's record | qh[64] (bit j: 5th bit of group j's value)   w = d q + m (Q5_0: m = -16 d) */
+#define Q5_RB 384
+#define Q5_H 320
 /* Q8_0: q[8][64] (u8 = q + 128) | d fp16[16]                          w = d (u - 128) */
 #define Q8_RB 544
 #define Q8_D 512
@@ -37,8 +40,10 @@ enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F
 #define QK6_D 3072
 #define QK6_SC 3104
 
-static const int RECORD_BYTES[F_COUNT] = {Q4_RB, Q4_RB, Q8_RB, QK4_RB, QK5_RB, QK6_RB};
-static const int SUPER_BLOCK[F_COUNT] = {QK, QK, QK, QK_K, QK_K, QK_K};
+static const int RECORD_BYTES[F_COUNT] = {Q4_RB, Q4_RB, Q8_RB, QK4_RB, QK5_RB, QK6_RB, Q5_RB, Q5_RB};
+static const int SUPER_BLOCK[F_COUNT] = {QK, QK, QK, QK_K, QK_K, QK_K, QK, QK};
+#define IS_Q4(F) ((F) == F_Q4_0 || (F) == F_Q4_1)
+#define IS_Q5(F) ((F) == F_Q5_0 || (F) == F_Q5_1)
 
 /* fp16 bits -> float (scalar, exact) */
 static inline float half_to_float(uint16_t h) {
@@ -74,9 +79,12 @@ static inline float weight_at(int fmt, const uint8_t *rec, int b, int o, int i) 
     int q;
     switch (fmt) {
     case F_Q4_0:
-    case F_Q4_1: {
+    case F_Q4_1:
+    case F_Q5_0:
+    case F_Q5_1: {
         const uint8_t byte = rec[(g & 3) * 64 + lane];
         q = g < 4 ? byte & 0x0F : byte >> 4;
+        if (fmt == F_Q5_0 || fmt == F_Q5_1) q |= ((rec[Q5_H + lane] >> g) & 1) << 4;
         return half_to_float(rd16(rec + Q4_D + 2 * o)) * (float)q + half_to_float(rd16(rec + Q4_M + 2 * o));
     }
     case F_Q8_0:
