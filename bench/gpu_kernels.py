@@ -58,11 +58,11 @@ def ops(shape, c, backend, fresh: bool = True):
     copy = (lambda t: t.clone()) if fresh else (lambda t: t)
     s = shape
     cos, sin = kernels.rotary_tables(s["hd"], 4096, 10000.0, DEVICE)
-    # models/quant.py's formats (what the engine keeps), in the layout the Triton kernel reads
-    k = c["wmat"].shape[1]
-    m8, m4 = quant.quantize(c["wmat"].cpu(), "int8"), quant.quantize(c["wmat"].cpu(), "int4")
-    q8 = dict(q=m8.q.to(DEVICE), scale=m8.scale.reshape(-1, 1).to(DEVICE), zero=None, bits=8, group=k)
-    q4 = dict(q=kernels.pack_int4(m4.q).to(DEVICE), scale=m4.scale.to(DEVICE), zero=m4.zero.to(DEVICE), bits=4,
+    # models/quant.py's block weights (what the engine keeps: Q8_0, Q4_1), in the form the Triton kernel reads
+    q8_q, q8_scale = quant.quantize(c["wmat"].cpu(), "int8").int8_blocks()
+    q4_q, q4_scale, q4_zero = quant.quantize(c["wmat"].cpu(), "int4").int4_groups()
+    q8 = dict(q=q8_q.to(DEVICE), scale=q8_scale.to(DEVICE), zero=None, bits=8, group=quant.GROUP)
+    q4 = dict(q=kernels.pack_int4(q4_q).to(DEVICE), scale=q4_scale.to(DEVICE), zero=q4_zero.to(DEVICE), bits=4,
               group=quant.GROUP)
     kc, vc = c["kv"][0, 0], c["kv"][1, 0]
     h = s["heads"]

@@ -39,6 +39,14 @@ def vocab_for(variant: str) -> dict:
     return byte_level_vocab("qwen2" if variant.startswith("qwen") else "llama-bpe")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_compiler():
+    """This module compiles decode steps of models unlike the rest of the suite's: Dynamo counts recompilations
+    of the one compiled function per process (8 at most), so later modules start from a clean slate."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """variant -> (HF model, path of its GGUF), built once per module."""
