@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from models import packed_rows
 from models.forward import forward
 from models.forward_ops import ATTENTION_ROUND, attention_length
 from models.llama import CastLinear, KVCache, Linear, LlamaModel, RefinedHead, RowStack
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 @torch.library.custom_op("appliance::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return packed_rows.linear(x, packed)  # at the eager path's row counts, sharing its oneDNN kernels
 
 
 @packed_linear.register_fake

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from models import quant
+from models import packed_rows, quant
 from models.forward import LayerWeights, ModelWeights, Rows, forward
 from models.forward_ops import KernelOps, TorchOps
 from models.llama_config import LlamaConfig
@@ -65,9 +65,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.packed, bias, "none",
-                                                   [], "")
+        if self.packed is not None:  # at a bounded set of row counts: oneDNN keeps a kernel per count
+            y = packed_rows.linear(x.reshape(rows, self.in_features), self.packed, bias)
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.plain, bias)
 
