@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from . import logs
 from .config import ApplianceConfig
 from .metrics import Metrics
 
@@ -147,7 +148,8 @@ class Appliance:
         policy = WorkerPolicy(timeout_s=eng.worker_timeout_s, memory_mb=eng.worker_memory_mb,
                               max_restarts=eng.worker_max_restarts, restart_window_s=eng.worker_restart_window_s,
                               backoff_s=eng.worker_restart_backoff_s, backoff_max_s=eng.worker_restart_backoff_max_s,
-                              threads=eng.threads, log_level=self.config.logging.level)
+                              threads=eng.threads, log_level=self.config.logging.level,
+                              log_format=self.config.logging.format)
         groups: dict[str, list] = {}
         for name, m in self.config.models.items():
             groups.setdefault(m.worker or name, []).append(m)
@@ -518,44 +520,8 @@ class Appliance:
                 pass
 
 
-class CorrelationFilter(logging.Filter):
-    """Puts the correlation id of the call being served (if any) on every log record: `correlation_id`, and
-    `correlation` (" [cid=...]" or "") for the text format."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        from uaserver.session import correlation_id
-        cid = correlation_id.get()
-        record.correlation_id = cid
-        record.correlation = f" [cid={cid}]" if cid else ""
-        return True
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line (logging.format: json): time, level, logger, message, correlation_id when the line
-    is about a call, exception when there is one."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        import json
-        doc = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
-               "message": record.getMessage()}
-        if getattr(record, "correlation_id", ""):
-            doc["correlation_id"] = record.correlation_id
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, ensure_ascii=False)
-
-
 def configure_logging(config: ApplianceConfig) -> None:
-    level = getattr(logging, config.logging.level)
-    handler = logging.StreamHandler()
-    handler.addFilter(CorrelationFilter())
-    if config.logging.format == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s%(correlation)s"))
-    logging.basicConfig(level=level, handlers=[handler], force=True)
-    # asyncua logs every request at INFO.
-    logging.getLogger("asyncua").setLevel(max(level, logging.WARNING))
+    logs.configure_logging(config.logging.level, config.logging.format)
 
 
 async def serve(config: ApplianceConfig) -> int:

@@ -294,7 +294,7 @@ def test_log_lines_about_a_call_carry_its_correlation_id_as_json():
     import io
     import logging
 
-    from appliance.daemon import CorrelationFilter, JsonFormatter
+    from appliance.logs import CorrelationFilter, JsonFormatter
     from uaserver.session import correlation_id
 
     stream = io.StringIO()

@@ -39,6 +39,7 @@ class Start(_Msg):
     memory_mb: int  # 0: no limit
     threads: int  # torch / ONNX Runtime intra-op threads, 0: the library's default
     log_level: str
+    log_format: str = "text"  # text | json
 
 
 class Infer(_Msg):

@@ -49,6 +49,7 @@ class WorkerPolicy:
     backoff_max_s: float = 30.0
     threads: int = 0
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json, as the YAML's logging.format
 
     @property
     def ping_interval_s(self) -> float:
@@ -214,7 +215,8 @@ class WorkerSupervisor:
             child_sock.close()
         self._channel = await p.Channel.open(parent_sock, p.FromWorker)
         self._channel.send(p.Start(models=self.specs, memory_mb=self.policy.memory_mb,
-                                   threads=self.policy.threads, log_level=self.policy.log_level))
+                                   threads=self.policy.threads, log_level=self.policy.log_level,
+                                   log_format=self.policy.log_format))
         for name in self.snapshots:
             self.snapshots[name] = p.ModelSnapshot(name, "Loading")
         self.up = True

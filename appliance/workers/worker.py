@@ -30,9 +30,11 @@ import numpy as np
 from appliance.engine.engine_metrics import EngineMetrics
 from appliance.engine.liveness import Liveness
 from appliance.errors import ApplianceError, InvalidArgument
+from appliance.logs import configure_logging
 from appliance.workers import protocol as p
 
 log = logging.getLogger("appliance.worker")
+_group = ""  # this process's worker group (--group), named on its log lines
 
 MEMORY_EXIT = 75  # exit status: the worker exceeded its memory limit
 PR_SET_PDEATHSIG = 1
@@ -173,6 +175,8 @@ class WorkerHost:
 
     async def _start_service(self, svc) -> None:
         await svc.start()  # ends Ready or Failed, never raises
+        if svc.state == "Ready":
+            log.info("model %s is Ready: version %s on %s", svc.name, svc.version, svc.backend_name)
         self._push_state()
 
     def _keep(self, coro) -> None:
@@ -281,7 +285,7 @@ async def _main(fd: int) -> None:
     start = await channel.receive()
     if not isinstance(start, p.Start):
         raise SystemExit("the first message must be Start")
-    logging.getLogger().setLevel(getattr(logging, start.log_level, logging.INFO))
+    configure_logging(start.log_level, start.log_format, worker=_group)
     host = WorkerHost(channel, start)
     await host.run()
 
@@ -301,8 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     # The loop shares the GIL with the engine thread; 5 ms switches would add to every call (see daemon.serve).
     sys.setswitchinterval(0.0005)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s worker[{args.group}] %(name)s: %(message)s")
+    global _group
+    _group = args.group
+    configure_logging("INFO", "text", worker=args.group)  # until Start says what the YAML asks for
     try:
         asyncio.run(_main(args.fd))
     except EOFError:
