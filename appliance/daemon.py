@@ -12,13 +12,17 @@ import ipaddress
 import logging
 import signal
 import socket
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 from . import logs
 from .config import ApplianceConfig
+from .device import on_gpu, resolve_device
 from .metrics import Metrics
+from .model_port import GenerativeModel, TensorModel
+from .model_specs import model_spec
+from .supervision import Supervision
+from .systemd_loop import tell_systemd
 
 log = logging.getLogger(__name__)
 
@@ -50,96 +54,25 @@ def certificate_names(config: ApplianceConfig) -> tuple[list[str], list[str]]:
     return sorted(hostnames), sorted(ips)
 
 
-def resolve_device(requested: str) -> str:
-    """'cpu' or 'cuda:N NAME'; torch is only imported when a GPU could be there (it costs the serve process ~2 s)."""
-    if requested == "cpu" or not Path("/dev/nvidiactl").exists():
-        if requested.startswith("cuda"):
-            log.warning("CUDA was asked for but no NVIDIA device is present; running on the CPU")
-        return "cpu"
-    try:
-        import torch
-        if torch.cuda.is_available():
-            index = int(requested.split(":")[1]) if ":" in requested else 0
-            return f"cuda:{index} {torch.cuda.get_device_name(index)}"
-    except Exception:
-        pass
-    if requested.startswith("cuda"):
-        log.warning("CUDA was asked for but is not available; running on the CPU")
-    return "cpu"
-
-
-def model_spec(m, engine, device: str, state_dir: Path, version: str | None = None, candidate: bool = False):
-    """What a worker needs to serve one configured model (plain values: it crosses the process boundary). A model
-    deployed with `appliance models deploy` serves its `current` version (or `version`; or, with `candidate`, the
-    version a deploy in progress checks, if any), from the version's own folder; one whose `current` points nowhere
-    is refused (Failed, with what to do)."""
-    from .model_store import ModelStore, ModelStoreError
-    from .workers.protocol import ModelSpec
-    path, refused, label = str(m.resolved_path), "", m.version
-    store = ModelStore(state_dir)
-    if version is None and candidate:
-        version = store.candidate_version(m.name)
-    if version is not None or store.deployed(m.name):
-        try:
-            version = version or store.current_version(m.name)
-            path = str(store.version_path(m.name, version, m.kind))
-            label = m.version or version
-        except ModelStoreError as e:
-            refused = str(e)
-            log.error("%s", refused)
-    if m.kind == "tensor":
-        delay_ms = m.max_queue_delay_ms if m.max_queue_delay_ms is not None else engine.max_queue_delay_ms
-        # The YAML's device as written: "auto" resolves per backend in the worker (ONNX Runtime uses CUDA only when
-        # its package has the provider), not once for all models.
-        settings = {"backend": m.backend, "device": engine.device, "max_samples": m.max_samples,
-                    "tensorrt_cache_dir": str(state_dir / "tensorrt"), "tensorrt_fp16": engine.tensorrt_fp16,
-                    "max_batch_size": m.max_batch_size or engine.max_batch_size,
-                    "max_queue_delay_s": delay_ms / 1000.0, "max_queue_size": engine.max_queue_size}
-    else:
-        settings = {"kv_slots": engine.kv_slots, "max_seq_len": engine.max_seq_len,
-                    "max_new_tokens": engine.max_new_tokens, "slot_policy": engine.slot_policy,
-                    "prefill_chunk": engine.prefill_chunk, "dtype": engine.dtype, "device": device,
-                    "seed": engine.seed, "max_text_chars": m.max_text_chars, "system_prompt": m.system_prompt,
-                    "top_p": m.top_p, "max_queue_size": engine.max_queue_size, "kernels": engine.kernels,
-                    "weights": engine.weights, "activations": engine.activations,
-                    "quant_kernels": engine.quant_kernels, "kv_dtype": engine.kv_dtype,
-                    "weight_cache_dir": str(state_dir / "cache" / "weights" / m.name),
-                    "cpu_kernel_dir": str(state_dir / "cache" / "kernels"),
-                    "compile": engine.compile, "compile_cache_dir": str(state_dir / "cache" / "inductor"),
-                    "prefix_cache_entries": engine.prefix_cache_entries, "park_memory_mb": engine.park_memory_mb,
-                    "conversation_dir": str(state_dir / "conversations" / m.name),
-                    "conversation_ttl_s": engine.conversation_ttl_s}
-    return ModelSpec(name=m.name, kind=m.kind, path=path, version_label=label, settings=settings,
-                     refused=refused)
-
-
-def _on_gpu(spec) -> bool:
-    """The model's worker uses the GPU (its device names CUDA, or it builds TensorRT engines)."""
-    return str(spec.settings.get("device", "cpu")).startswith("cuda") or spec.settings.get("backend") == "tensorrt"
-
-
-ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical", "AuditLogFailed",
-          "AuditLogTorn")
-
-
 class Appliance:
     def __init__(self, config: ApplianceConfig):
         self.config = config
-        self.services: dict = {}  # name -> RemoteModel (appliance.model_port)
-        self.variant_services: dict = {}  # model -> {A/B variant -> RemoteModel}
+        # the models as the UA layer reaches them (appliance.model_port), each answered by its worker (RemoteModel)
+        self.services: dict[str, TensorModel | GenerativeModel] = {}
+        self.variant_services: dict[str, dict[str, TensorModel | GenerativeModel]] = {}  # model -> {variant -> it}
         self.supervisors: list = []
         self.ua = None
         self.http = None
         self.watchdog = None
         self.audit = None
         self.metrics: Metrics | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._watchdog_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # short tasks (a prompt publish, a GPU worker's stop), kept
-        self._supervision_task: asyncio.Task | None = None
+        self.supervision = Supervision(self)  # the 1 Hz tick, alarms, readiness, status
         self._stopping = False
         self.gpu_fault: str | None = None  # the watchdog stopped the GPU workers: State Fault
 
-    def build_services(self, device: str) -> dict:
+    def build_services(self, device: str) -> dict[str, TensorModel | GenerativeModel]:
         """One supervised worker per model, or per `worker` group of models."""
         from .workers.remote import RemoteModel
         from .workers.supervisor import WorkerPolicy, WorkerSupervisor
@@ -216,77 +149,6 @@ class Appliance:
                            "answered unaudited") + " until it can" if failing else "Audit log is written again",
                            severity=900 if failing else 300)
 
-    def readiness(self) -> tuple[bool, list[str]]:
-        reasons = []
-        for name, model in self.services.items():
-            st = model.status()
-            if st.state != "Ready":
-                reasons.append(f"model {name} is {st.state}" + (f": {st.failure_reason}" if st.failure_reason
-                                                                 else " (its worker is restarting)"
-                                                                 if st.restarting else ""))
-            elif not model.supervisor.answering():
-                reasons.append(f"model {name}: its worker does not answer liveness checks")
-        if self.ua is None or self.ua.server is None:
-            reasons.append("OPC UA server is not running")
-        if self.watchdog is not None and self.watchdog.state == "Critical":
-            reasons.append("watchdog is Critical")
-        if not self.supervision_alive():
-            reasons.append("worker supervision has stopped")
-        return (not reasons), reasons
-
-    def supervision_alive(self) -> bool:
-        """The appliance's own 1 Hz loop and every worker's supervision run (Appliance/Heartbeat follows this)."""
-        task = self._supervision_task
-        if task is None or task.done() or time.monotonic() - self._last_supervision_tick > 2.5:
-            return False
-        return all(s._task is not None and not s._task.done() for s in self.supervisors)
-
-    def alarms(self) -> dict[str, bool]:
-        statuses = [m.status() for m in self.services.values()]
-        wd = self.watchdog.state if self.watchdog is not None else "NoGpu"
-        audit_failed = self.ua is not None and self.ua.handlers.audit_failing()
-        return {"EngineFault": self.gpu_fault is not None, "WorkerRestarting": any(st.restarting for st in statuses),
-                "ModelFailed": any(st.state == "Failed" for st in statuses), "GpuWarning": wd == "Warning",
-                "GpuCritical": wd == "Critical", "AuditLogFailed": bool(audit_failed),
-                "AuditLogTorn": bool(self.audit is not None and self.audit.torn)}
-
-    async def _supervision_loop(self) -> None:
-        """1 Hz: each model's Heartbeat, the worker gauges and the alarm gauges."""
-        while True:
-            self._last_supervision_tick = time.monotonic()
-            for model in self.services.values():
-                model.tick_heartbeat()
-            if self.metrics is not None:
-                self._publish_model_metrics()
-            await asyncio.sleep(1.0)
-
-    def _publish_model_metrics(self) -> None:
-        m = self.metrics
-        m.heartbeat_timestamp.set_to_current_time()  # this tick of the supervision loop (a stall rule watches it)
-        slots_total = slots_used = parked = 0
-        for name, model in self.services.items():
-            st = model.status()
-            m.queue_depth.labels(name).set(st.queue_depth)
-            m.model_ready.labels(name).set(1 if st.state == "Ready" else 0)
-            m.worker_up.labels(name).set(1 if st.worker_up else 0)
-            if st.version:
-                m.set_model_info(name, st.version, st.backend)
-            slots_total += st.slots_total
-            slots_used += st.slots_in_use
-            parked += st.conversations_parked
-        m.conversations_parked.set(parked)
-        m.kv_slots_total.set(slots_total)
-        m.kv_slots_used.set(slots_used)
-        for alarm, active in self.alarms().items():
-            m.alarm_active.labels(alarm).set(1 if active else 0)
-
-    def health(self) -> dict:
-        wd = self.watchdog
-        if wd is None:
-            return {"WatchdogState": "NoGpu", "GpuTemperatureC": 0.0, "GpuMemoryUsedBytes": 0, "GpuEccErrors": 0}
-        return {"WatchdogState": wd.state, "GpuTemperatureC": wd.temperature_c,
-                "GpuMemoryUsedBytes": wd.memory_used_bytes, "GpuEccErrors": wd.ecc_errors}
-
     async def start(self) -> None:
         from certs.pki import PKI
         from certs.validate import TrustList
@@ -320,7 +182,7 @@ class Appliance:
         self.watchdog = Watchdog.from_config(backend, wd, metrics=self.metrics, on_state=self._watchdog_event,
                                              on_fault=self._watchdog_fault)
         self.watchdog.poll()
-        self._tasks.append(asyncio.create_task(self.watchdog.run(wd.interval_s)))
+        self._watchdog_task = asyncio.create_task(self.watchdog.run(wd.interval_s), name="watchdog")
 
         self.services = self.build_services(device)
         for sup in self.supervisors:  # workers start loading while the server comes up
@@ -328,28 +190,28 @@ class Appliance:
                 sup.begin_stop()  # SIGTERM came while starting: start no worker
             else:
                 await sup.start()
-        self._last_supervision_tick = time.monotonic()
-        self._supervision_task = asyncio.create_task(self._supervision_loop())
+        self.supervision.start()
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
-                                    metrics=self.metrics, audit=self.audit, device=device, health=self.health,
-                                    supervision_alive=self.supervision_alive, alarms=self.alarms,
+                                    metrics=self.metrics, audit=self.audit, device=device, health=self.supervision.health,
+                                    supervision_alive=self.supervision.alive, alarms=self.supervision.alarms,
                                     variants=self.variant_services)
         await self.ua.start()
         if self.audit is not None and self.audit.torn:
             self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)
-        if self.metrics.server_cert_expiring._value.get():
+        if self.supervision.cert_expiry_s < cfg.security.cert_expiry_warning_days * 86400:
             self.ua.emit_event("The server certificate expires within "
                                f"{cfg.security.cert_expiry_warning_days} days: renew it with "
                                "`appliance certs init --force`", severity=700)
         if cfg.metrics.enabled:
-            self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics, self.readiness,
-                                         status=self.status_snapshot)
+            self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics,
+                                         self.supervision.readiness, status=self.supervision.status_snapshot)
             await self.http.start()
 
     def _watch_certificate(self, pki) -> None:
         from datetime import datetime, timezone
         left = (pki.server_cert_not_after() - datetime.now(timezone.utc)).total_seconds()
         self.metrics.server_cert_expiry.set(left)
+        self.supervision.cert_expiry_s = left
         expiring = left < self.config.security.cert_expiry_warning_days * 86400
         self.metrics.server_cert_expiring.set(1 if expiring else 0)
         if expiring:
@@ -364,7 +226,7 @@ class Appliance:
         if self.ua is not None:
             self.ua.emit_event(f"Watchdog fault: {message}; models on the GPU stopped", severity=1000)
         for sup in self.supervisors:
-            if any(_on_gpu(spec) for spec in sup.specs):
+            if any(on_gpu(spec) for spec in sup.specs):
                 self._keep(sup.give_up(f"stopped by the GPU watchdog: {message}"))  # Failed, with why
 
     def _watchdog_event(self, state: str, previous: str, message: str) -> None:
@@ -385,69 +247,6 @@ class Appliance:
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError("models did not finish loading")
-
-    def status_snapshot(self) -> dict:
-        """What the status page shows (no secrets: no paths, thumbprints or user names)."""
-        statuses = [m.status() for m in self.services.values()]
-        buckets: dict[str, dict[float, float]] = {}
-        for family in self.metrics.request_duration.collect():
-            for sample in family.samples:
-                if sample.name.endswith("_bucket"):
-                    le = float(sample.labels["le"])
-                    per = buckets.setdefault(sample.labels["model"], {})
-                    per[le] = per.get(le, 0.0) + sample.value
-        return {
-            "state": self.ua.state if self.ua is not None else "Starting",
-            "device": self.ua.device if self.ua is not None else "",
-            "heartbeat": self.ua.heartbeat if self.ua is not None else 0,
-            "models": [{"name": st.name, "kind": st.kind, "state": st.state, "version": st.version,
-                        "backend": st.backend, "requests": st.request_count, "errors": st.error_count,
-                        "last_latency_ms": st.last_latency_ms, "worker_up": st.worker_up,
-                        "restarting": st.restarting, "worker_restarts": st.worker_restarts,
-                        "heartbeat": st.heartbeat, "failure_reason": st.failure_reason} for st in statuses],
-            "engine": {"queue_depth": sum(st.queue_depth for st in statuses),
-                       "slots_total": sum(st.slots_total for st in statuses),
-                       "slots_in_use": sum(st.slots_in_use for st in statuses)},
-            "alarms": self.alarms(),
-            "certificate_expiry_s": self.metrics.server_cert_expiry._value.get(),
-            "calls": {st.name: float(st.request_count) for st in statuses},
-            "latency_buckets": {m: sorted(b.items()) for m, b in buckets.items()},
-        }
-
-    def status_line(self) -> str:
-        """One line for `systemctl status`: the appliance's state and each model's."""
-        state = self.ua.state if self.ua is not None else "Starting"
-        models = ", ".join(f"{n} {m.status().state}" + (" (worker restarting)" if m.status().restarting else "")
-                           for n, m in self.services.items())
-        return f"{state}: {models}"
-
-    async def tell_systemd(self, notifier, load_extension_s: float = 60.0) -> None:
-        """READY=1 once no model is Loading (each is Ready or Failed); EXTEND_TIMEOUT_USEC while they load;
-        WATCHDOG=1 only while this loop turns and the supervision of the workers runs; STATUS= as things change."""
-        if not notifier.enabled:
-            return
-        loop = asyncio.get_running_loop()
-        last_extend = last_ping = 0.0
-        ready = False
-        last_status = ""
-        while True:
-            now = loop.time()
-            loading = any(m.status().state == "Loading" for m in self.services.values())
-            if not ready and loading and now - last_extend > load_extension_s / 3:
-                notifier.extend_timeout(load_extension_s)  # a first start may compile or dequantise for a while
-                last_extend = now
-            if not ready and not loading:
-                notifier.ready(self.status_line())
-                ready = True
-            line = self.status_line()
-            if ready and line != last_status:
-                notifier.status(line)
-            last_status = line
-            interval = notifier.watchdog_interval_s
-            if interval and now - last_ping >= interval and self.supervision_alive():
-                notifier.watchdog()
-                last_ping = now
-            await asyncio.sleep(min(0.5, interval or 0.5))
 
     async def reload_config(self, notifier) -> None:
         """SIGHUP (`systemctl reload`): re-read what can change live: the log level and the rate limits (the trust
@@ -471,7 +270,7 @@ class Appliance:
             log.warning("configuration re-read from %s: logging and rate limits applied; other changes need a "
                         "restart", self.config.source)
         finally:
-            notifier.ready(self.status_line())
+            notifier.ready(self.supervision.status_line())
 
     async def drain(self) -> None:
         """Stop taking calls; let those in flight finish within server.drain_timeout_s; answer the rest BadTimeout."""
@@ -507,17 +306,13 @@ class Appliance:
         if self.http is not None:
             await self.http.stop()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors), return_exceptions=True)
-        if self._supervision_task is not None:
-            self._supervision_task.cancel()
-            await asyncio.gather(self._supervision_task, return_exceptions=True)
-        for task in [*self._tasks, *self._background]:
+        await self.supervision.stop()
+        tasks = [t for t in (self._watchdog_task, *self._background) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
-        if self.watchdog is not None and getattr(self.watchdog, "backend", None) is not None:
-            try:
-                self.watchdog.backend.close()
-            except Exception:
-                pass
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.watchdog is not None and self.watchdog.backend is not None:
+            self.watchdog.backend.close()  # each backend's close handles its own errors
 
 
 def configure_logging(config: ApplianceConfig) -> None:
@@ -553,7 +348,7 @@ async def serve(config: ApplianceConfig) -> int:
     print(f"appliance: OPC UA on {config.server.endpoint}"
           + (f", monitoring on http://{config.metrics.listen}" if config.metrics.enabled else "")
           + f", state in {config.server.state_dir}", flush=True)
-    systemd = asyncio.create_task(app.tell_systemd(notifier))
+    systemd = asyncio.create_task(tell_systemd(app, notifier), name="systemd")
     try:
         await stop.wait()
     finally:

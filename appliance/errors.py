@@ -92,3 +92,12 @@ def error_from(reason: str, message: str, index: int = 0, kind: str = OUT_OF_RAN
     if reason == INVALID_INPUT:
         return InvalidArgument(message, index, kind if kind in ARGUMENT_KINDS else OUT_OF_RANGE)
     return _BY_REASON.get(reason, EngineFailure)(message)
+
+
+_PATH = __import__("re").compile(r"(?<![\w.])(?:/[^\s/:'\"()]+)+/([^\s/:'\"()]*)")
+
+
+def without_paths(text: str) -> str:
+    """A reason as monitoring and clients may see it: every absolute path shortened to its last part (the log keeps
+    the whole reason)."""
+    return _PATH.sub(lambda m: m.group(1) or "/", text)

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 
 def prepare(config, name: str) -> tuple[int, str]:
     """(exit status, what to print)."""
-    from appliance.daemon import model_spec, resolve_device
+    from appliance.device import resolve_device
+    from appliance.model_specs import model_spec
     from appliance.engine.llm_loading import prepare_model
     from appliance.engine.llm_settings import GenerativeSettings
     from appliance.errors import ApplianceError

@@ -147,7 +147,7 @@ def test_the_cli_deploys_lists_and_rolls_back_and_audits_it(tmp_path, capsys):
 
 
 def test_a_candidate_is_checked_beside_current_and_withdrawn_without_a_trace(tmp_path):
-    from appliance.daemon import model_spec
+    from appliance.model_specs import model_spec
     state = tmp_path / "state"
     store = ModelStore(state)
     store.deploy("te", version_dir(tmp_path, "a", "a\n"), version="v1")
@@ -187,3 +187,32 @@ def test_a_candidate_is_checked_beside_current_and_withdrawn_without_a_trace(tmp
     store.switch("te", "v3", keep=5)
     assert (store.serving_version("te"), store.previous_version("te"), store.candidate_version("te")) == \
         ("v3", "v1", None)
+
+
+def test_a_refused_model_shows_its_reason_without_paths_to_monitoring(tmp_path):
+    """/readyz and the status page name why a model is Failed, never a path of the box (the log has it all)."""
+    import shutil
+    import urllib.error
+    import urllib.request
+
+    from harness import RunningAppliance
+    from onnx_models import affine_model
+    state = tmp_path / "state"
+    store = ModelStore(state)
+    model = affine_model(tmp_path / "affine.onnx")
+    source = tmp_path / "v1"
+    source.mkdir()
+    shutil.copy(model, source / "affine.onnx")
+    store.deploy("affine", source, version="v1")
+    shutil.rmtree(store.model_dir("affine") / "v1")  # `current` now points nowhere: the model is refused
+    app = RunningAppliance(state, {"affine": {"kind": "tensor", "path": str(model)}})
+    try:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(app.metrics_url + "/readyz", timeout=10)
+        body = info.value.read().decode()
+        page = urllib.request.urlopen(app.metrics_url + "/", timeout=10).read().decode()
+        assert "model affine is Failed" in body and "current" in body, body
+        for text in (body, page):
+            assert str(tmp_path) not in text and "/models/" not in text, text
+    finally:
+        app.stop()

@@ -66,6 +66,8 @@ def test_worker_restarting_lasts_from_the_kill_until_the_model_is_ready_again(tm
                         sent = time.time()
                         r = await call(c, "chat", "Generate", generate_args("Hello"))
                         calls.append((sent, time.time(), status_name(r)))
+                        if status_name(r) == "Good" and r.OutputArguments[3].Value > 256:
+                            await call(c, "chat", "ResetContext", [])  # a PLC's conversation never fills up
                         await asyncio.sleep(0.05)
                 caller = asyncio.create_task(plc_loop())
                 await asyncio.sleep(0.5)

@@ -19,7 +19,7 @@ from asyncua.crypto import security_policies
 from cryptography import x509
 
 from appliance import NAMESPACE_URI
-from appliance.model_port import ServedModel
+from appliance.model_port import GenerativeModel, TensorModel
 from appliance.rate_limit import RateLimiter
 from appliance.tasks import TaskSet
 
@@ -56,11 +56,11 @@ MODES = {"SignAndEncrypt": ua.MessageSecurityMode.SignAndEncrypt, "Sign": ua.Mes
 
 
 class ApplianceUaServer:
-    def __init__(self, config, *, pki, trust_list, user_store, services: dict[str, ServedModel], metrics=None,
-                 audit=None, device: str = "cpu", health: Callable[[], dict] | None = None,
+    def __init__(self, config, *, pki, trust_list, user_store, services: dict[str, TensorModel | GenerativeModel],
+                 metrics=None, audit=None, device: str = "cpu", health: Callable[[], dict] | None = None,
                  supervision_alive: Callable[[], bool] | None = None,
                  alarms: Callable[[], dict[str, bool]] | None = None,
-                 variants: dict[str, dict[str, ServedModel]] | None = None):
+                 variants: dict[str, dict[str, TensorModel | GenerativeModel]] | None = None):
         self.config = config
         self.pki = pki
         self.trust_list = trust_list

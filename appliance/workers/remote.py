@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from appliance.errors import EngineFailure, NotReady, ResourceUnavailable
+from appliance.errors import EngineFailure, NotReady, ResourceUnavailable, without_paths
 from appliance.model_port import CONVERSATION_PREFIX, GenerateResult, InferResult, ModelStatus
 from appliance.workers import protocol as p
 from appliance.workers.supervisor import WorkerSupervisor
@@ -52,7 +52,7 @@ class RemoteModel:
             request_count=self.request_count, error_count=self.error_count, last_latency_ms=self.last_latency_ms,
             heartbeat=self.heartbeat, worker_restarts=sup.restarts,
             worker_up=sup.up and not sup.restarting_model(self.name), restarting=sup.restarting_model(self.name),
-            failure_reason=(snap.failure_reason or (sup.death_reason if sup.failed else "")),
+            failure_reason=without_paths(snap.failure_reason or (sup.death_reason if sup.failed else "")),
             queue_depth=snap.queue_depth, input_shape=tuple(snap.input_shape), output_shape=tuple(snap.output_shape),
             max_samples=self.max_samples, slots_total=snap.slots_total, slots_in_use=snap.slots_in_use,
             conversations_parked=snap.conversations_parked)

@@ -107,6 +107,11 @@ class WorkerSupervisor:
     def restarting(self) -> bool:
         return any(self.restarting_model(name) for name in self.snapshots)
 
+    @property
+    def supervising(self) -> bool:
+        """Its supervision task runs (started, not ended)."""
+        return self._task is not None and not self._task.done()
+
     def answering(self) -> bool:
         """The worker answers liveness checks: its loop answered within `answer_window_s` and its engine made
         progress within `timeout_s`."""
