@@ -140,7 +140,7 @@ class WorkerSupervisor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._fail_pending(NotReady("the appliance is shutting down"))
+        self.fail_pending(NotReady("the appliance is shutting down"))
 
     async def give_up(self, reason: str) -> None:
         """The models are Failed with `reason` (the GPU watchdog stopped the engine) and the worker stops."""
@@ -149,7 +149,11 @@ class WorkerSupervisor:
         await self.stop()
 
     def fail_pending(self, error: Exception) -> None:
-        self._fail_pending(error)
+        """Every call waiting for the worker's answer ends with `error` (shutdown, or the worker died)."""
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(error)
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -313,7 +317,7 @@ class WorkerSupervisor:
         """The worker died or is being killed: its calls in flight are answered now and, unless the appliance
         stops, its models restart from this moment until the replacement has loaded them."""
         was_up, self.up = self.up, False
-        self._fail_pending(EngineFailure("the model's worker stopped while running this request"))
+        self.fail_pending(EngineFailure("the model's worker stopped while running this request"))
         if self._stopping:
             return
         restarting = set(self.snapshots) - self._recovering
@@ -372,12 +376,6 @@ class WorkerSupervisor:
                 self.on_event(name, kind, message)
             except Exception:  # noqa: BLE001 - a broken listener must not stop the supervision; logged
                 log.exception("event listener failed")
-
-    def _fail_pending(self, error: Exception) -> None:
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
 
     # ---- calls ----
 
