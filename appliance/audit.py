@@ -409,23 +409,3 @@ def count_records(path: Path) -> tuple[int, int]:
         with open(p, "rb") as fh:
             records += sum(1 for line in fh if line.strip())
     return records, len(files)
-
-
-def cmd_audit_verify(path: Path) -> int:
-    """`appliance audit verify`: "OK: N records in K files", or every problem; exit 0 or 2."""
-    path = Path(path)
-    if not _chain_files(path):
-        print(f"error: no audit log at {path}")
-        return 2
-    problems, tears = verify_report(path)
-    records, files = count_records(path)
-    for tear in tears:
-        print(f"TORN: {tear}")
-    if not problems:
-        print(f"OK: {records} records in {files} files" + (f", {len(tears)} torn line(s) acknowledged"
-                                                           if tears else ""))
-        return 0
-    for problem in problems:
-        print(problem)
-    print(f"FAILED: {len(problems)} problem(s) in {records} records in {files} files")
-    return 2

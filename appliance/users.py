@@ -8,14 +8,12 @@ Accounts come from two places:
   so CLI edits take effect in a running server without a restart;
 - the YAML `users:` section, read-only here (the CLI refuses to change those and says to edit the file).
 
-The CLI reads passwords with getpass (twice), or from the environment variable APPLIANCE_PASSWORD when it is set
-(for scripts and tests; it is visible to other processes of the same user, so prefer the prompt interactively).
+`appliance users ...` is appliance/cli/users.py.
 """
 from __future__ import annotations
 
 import base64
 import contextlib
-import getpass
 import hashlib
 import hmac
 import json
@@ -23,7 +21,6 @@ import logging
 import os
 import re
 import secrets
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +30,6 @@ from typing import Callable, Iterable
 log = logging.getLogger("appliance.users")
 
 ROLES = ("monitor", "operator", "engineer")
-PASSWORD_ENV = "APPLIANCE_PASSWORD"
 MIN_PASSWORD_CHARS = 8
 MAX_PASSWORD_CHARS = 1024  # bounds the hashing work one login attempt can cause
 # Letters, digits and a few separators: safe in a PLC's STRING, a shell and a log line (same rule as the YAML).
@@ -249,6 +245,12 @@ class UserStore:
 
     # ---- administration (the CLI) ------------------------------------------------------------------------------
 
+    def check_new(self, name: str, role: str) -> None:
+        """UserError when `add(name, role, ...)` would refuse the name or the role (asked before a password is)."""
+        _check_name(name)
+        _check_role(role)
+        self.refuse_configured(name)
+
     def add(self, name: str, role: str, password: str) -> None:
         _check_name(name)
         _check_role(role)
@@ -348,64 +350,3 @@ class UserStore:
         for src, st in list(self._sources.items()):
             if st.holders == 0 and now >= st.blocked_until + self.backoff_max_s:
                 del self._sources[src]
-
-
-# ---- `appliance users ...` --------------------------------------------------------------------------------------
-
-def _read_new_password(prompt: Callable[[str], str]) -> str:
-    env = os.environ.get(PASSWORD_ENV)
-    if env is not None:
-        return env
-    first = prompt("Password: ")
-    if first != prompt("Repeat password: "):
-        raise UserError("the passwords do not match")
-    return first
-
-
-def cmd_users(state_dir: Path, configured: Iterable[tuple[str, str, str]], action: str, name: str | None,
-              role: str | None, password_source: Callable[[str], str] | None = None) -> int:
-    """`appliance users add NAME --role ROLE | passwd NAME | remove NAME | list`; returns 0, or 2 with a message.
-
-    `password_source` prompts for a password (default getpass.getpass); APPLIANCE_PASSWORD, when set, wins.
-    """
-    prompt = password_source or getpass.getpass
-    try:
-        store = UserStore(Path(state_dir), configured)
-        if action == "list":
-            rows = store.list()
-            if not rows:
-                print("no user accounts (create one with `appliance users add NAME --role ROLE`)")
-            for user, user_role, source in rows:
-                print(f"{user:<24} {user_role:<10} {'configuration file' if source == 'config' else 'users.json'}")
-            return 0
-        if action not in ("add", "passwd", "remove"):
-            raise UserError(f"unknown action {action!r}: add, passwd, remove or list")
-        if not name:
-            raise UserError(f"`users {action}` needs a user name")
-        if action == "add":
-            if not role:
-                raise UserError(f"`users add` needs --role ({', '.join(ROLES)})")
-            _check_name(name)
-            _check_role(role)
-            store.refuse_configured(name)
-            store.add(name, role, _read_new_password(prompt))
-            print(f"user {name!r} added with role {role}")
-        elif action == "passwd":
-            store.refuse_configured(name)
-            if store.role_of(name) is None:
-                raise UserError(f"no user {name!r}")
-            store.passwd(name, _read_new_password(prompt))
-            print(f"password of user {name!r} changed")
-        else:
-            store.remove(name)
-            print(f"user {name!r} removed")
-        return 0
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (EOFError, KeyboardInterrupt):
-        print("error: no password given", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"error: cannot update the accounts file: {exc.strerror or exc}", file=sys.stderr)
-        return 2

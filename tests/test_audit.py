@@ -9,7 +9,8 @@ import threading
 
 import numpy as np
 
-from appliance.audit import GENESIS, AuditLog, cmd_audit_verify, digest, verify
+from appliance.audit import GENESIS, AuditLog, digest, verify
+from appliance.cli.audit import cmd_audit_verify
 from appliance.metrics import Metrics
 
 

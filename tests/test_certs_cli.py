@@ -8,7 +8,8 @@ import pytest
 from cryptography import x509
 
 from certs import PKI, TrustList
-from certs.cli import cmd_export_server, cmd_init, cmd_issue, cmd_list, cmd_reject, cmd_revoke, cmd_trust
+from appliance.cli.certs import (cmd_export_server, cmd_init, cmd_issue, cmd_list, cmd_reject, cmd_revoke,
+                                 cmd_trust)
 from certificates import make_test_certificate
 
 URI = "urn:line3:appliance"

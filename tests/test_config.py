@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from appliance import config as config_module
+from appliance.cli.serve import check_config_main
 from appliance.config import (
-    ApplianceConfig, ConfigError, EngineConfig, check_config_main, demo_config, demo_yaml_text, load_config,
-    load_config_text,
+    ApplianceConfig, ConfigError, EngineConfig, demo_config, demo_yaml_text, load_config, load_config_text,
 )
 
 CONFIGS = Path(__file__).parent / "data" / "configs"

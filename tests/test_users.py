@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from appliance.users import (PASSWORD_ENV, ROLES, UserError, UserStore, cmd_users, hash_password,
-                             is_password_hash, verify_password)
+from appliance.cli.users import PASSWORD_ENV, cmd_users
+from appliance.users import ROLES, UserError, UserStore, hash_password, is_password_hash, verify_password
 
 
 class FakeClock:

@@ -13,7 +13,7 @@ The package, by role (each module imports only those above it):
     builtin.py    the models that ship with the appliance (`path: builtin:NAME`)
     schema.py     every section, key, default and rule (ServerConfig, SecurityConfig, EngineConfig, ModelConfig, ...)
     checks.py     checks across settings: model files and labels, fallbacks, mailboxes, limits, max_samples
-    loader.py     the whole file: sections, users, models, mailboxes, then the checks; the demo; check-config
+    loader.py     the whole file: sections, users, models, mailboxes, then the checks; the demo
 
 Other modules import from `appliance.config`, which re-exports the public names below.
 """
@@ -24,7 +24,7 @@ import importlib.metadata  # noqa: F401 - tests patch appliance.config.importlib
 from .builtin import BUILTIN_MODELS, SMOLLM2_PACKAGE, resolve_builtin
 from .checks import CALL_OVERHEAD_BYTES, onnx_output_width, onnx_sample_floats
 from .loader import (
-    DEFAULT_CONFIG_PATH, check_config_main, demo_config, demo_yaml_text, load_config, load_config_text,
+    DEFAULT_CONFIG_PATH, demo_config, demo_yaml_text, load_config, load_config_text,
 )
 from .rules import (
     INVALID, CertificateRoles, LabelsRule, ListOf, NestedSection, Scalar, Section, boolean, choice, integer,
@@ -46,7 +46,7 @@ __all__ = [
     "LabelsRule", "LimitsConfig", "ListOf", "LoggingConfig", "MailboxConfig", "MetricsConfig", "ModelConfig",
     "NestedSection", "RateLimit", "RateLimitsConfig", "Scalar", "Section", "SecurityConfig", "ServerConfig",
     "UserConfig", "VariantConfig", "VariantsRule", "WatchdogConfig",
-    "boolean", "check_config_main", "choice", "demo_config", "demo_yaml_text", "integer", "load_config",
+    "boolean", "choice", "demo_config", "demo_yaml_text", "integer", "load_config",
     "load_config_text", "normalize_thumbprint", "number", "onnx_output_width", "onnx_sample_floats", "optional",
     "required", "resolve_builtin", "setting", "subject_key", "text",
 ]

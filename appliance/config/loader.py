@@ -1,10 +1,9 @@
-"""Reading a whole file: the top-level sections, users, models and mailboxes, then the checks; the demo;
-`appliance check-config`."""
+"""Reading a whole file: the top-level sections, users, models and mailboxes, then the checks; the demo.
+(`appliance check-config` is appliance/cli/serve.py.)"""
 from __future__ import annotations
 
 import dataclasses
 import importlib.resources
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -168,19 +167,3 @@ def demo_config(state_dir: Path | None = None) -> ApplianceConfig:
         audit = dataclasses.replace(cfg.audit, path=None)  # re-derived from the new state_dir
         cfg = dataclasses.replace(cfg, server=server, audit=audit)
     return cfg
-
-
-def check_config_main(path: str) -> int:
-    """`appliance check-config FILE`: 0 and an OK line, or 2 with every problem on stderr."""
-    try:
-        cfg = load_config(path)
-    except ConfigError as e:
-        for line in e.errors:
-            print(line, file=sys.stderr)
-        count = len(e.errors)
-        print(f"{path}: {count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
-        return 2
-    names = ", ".join(cfg.models)
-    count = len(cfg.models)
-    print(f"OK: {path} ({count} model{'s' if count != 1 else ''}: {names})")
-    return 0

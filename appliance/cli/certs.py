@@ -1,18 +1,83 @@
-"""`appliance certs ...`: each function takes parsed arguments, prints what it did, returns the exit code
-(0 done, 2 refused, with the reason and the file concerned on stderr)."""
+"""`appliance certs init | issue | list | trust | reject | revoke | export-server`: the appliance's PKI.
+
+Each cmd_* function takes plain arguments, prints what it did and returns the exit code (0 done, 2 refused, with
+the reason and the file concerned on stderr); certs.pki does the work. Every action but list and export-server
+is recorded in the administrative audit trail.
+"""
 from __future__ import annotations
 
 import functools
+import socket
 import sys
 from pathlib import Path
 
 from cryptography import x509
 
-from .pki import PKI, PKIError
-from .validate import TrustList
-from .x509io import parse_certificates, san_uris
+from certs.pki import PKI, PKIError
+from certs.rolemap import ROLES
+from certs.validate import TrustList
+from certs.x509io import parse_certificates, san_uris
+
+from .common import audit_admin, load_config_arg
 
 OK, ERROR = 0, 2
+
+
+def register(sub) -> None:
+    c = sub.add_parser("certs", help="manage the PKI")
+    csub = c.add_subparsers(dest="certs_action", required=True)
+    x = csub.add_parser("init", help="create the CA and the server certificate")
+    x.add_argument("--force", action="store_true", help="replace the server certificate (the CA is kept)")
+    x.add_argument("--new-ca", action="store_true", help="with --force: also replace the CA (every client must "
+                   "trust the new one and be issued anew)")
+    x = csub.add_parser("issue", help="issue a client certificate, trusted and mapped to a role")
+    x.add_argument("name")
+    x.add_argument("--role", required=True, choices=ROLES)
+    x.add_argument("--out")
+    x.add_argument("--password", help="encrypt the key and the PKCS#12 file with it")
+    csub.add_parser("list", help="trusted, issuer and rejected certificates")
+    x = csub.add_parser("trust", help="trust a client certificate file")
+    x.add_argument("file")
+    x = csub.add_parser("reject", help="move a trusted certificate to rejected")
+    x.add_argument("file")
+    x = csub.add_parser("revoke", help="revoke an issued certificate (takes effect at once)")
+    x.add_argument("name")
+    x = csub.add_parser("export-server", help="the server certificate and CA as DER and PEM")
+    x.add_argument("--out")
+    for action_parser in csub.choices.values():
+        action_parser.add_argument("--config")
+    c.set_defaults(func=run_certs)
+
+
+def run_certs(args) -> int:
+    config = load_config_arg(args.config)
+    code = _dispatch(args, config)
+    if args.certs_action not in ("list", "export-server"):
+        subject = getattr(args, "name", None) or getattr(args, "file", None) or ""
+        role = f" role={args.role}" if getattr(args, "role", None) else ""
+        audit_admin(config, f"certs {args.certs_action}", f"{subject}{role}", code)
+    return code
+
+
+def _dispatch(args, config) -> int:
+    state_dir = Path(config.server.state_dir)
+    action = args.certs_action
+    if action == "init":
+        from ..daemon import certificate_names
+        hostnames, ips = certificate_names(config)
+        return cmd_init(state_dir, config.server.application_uri, hostnames, ips, args.force, new_ca=args.new_ca)
+    if action == "issue":
+        out = Path(args.out) if args.out else None
+        return cmd_issue(state_dir, args.name, args.role, out, socket.gethostname(), args.password)
+    if action == "list":
+        return cmd_list(state_dir)
+    if action == "trust":
+        return cmd_trust(state_dir, Path(args.file))
+    if action == "reject":
+        return cmd_reject(state_dir, Path(args.file))
+    if action == "revoke":
+        return cmd_revoke(state_dir, args.name)
+    return cmd_export_server(state_dir, Path(args.out) if args.out else Path.cwd())  # the parser allows no other
 
 
 def _reports_errors(fn):
@@ -126,4 +191,3 @@ def cmd_export_server(state_dir: Path, out_dir: Path) -> int:
         print(path)
     print("Import appliance-server.der (TIA Portal) or appliance-ca.der into the PLC's certificate manager.")
     return OK
-
