@@ -317,3 +317,14 @@ def test_log_lines_about_a_call_carry_its_correlation_id_as_json():
     first, second = (json.loads(line) for line in stream.getvalue().splitlines())
     assert first["correlation_id"] == "0123456789abcdef0123456789abcdef" and first["message"] == "Infer on te refused"
     assert "correlation_id" not in second and second["level"] == "WARNING"
+
+
+def test_verify_names_a_file_of_the_chain_it_cannot_read(tmp_path, capsys):
+    from appliance.cli.audit import cmd_audit_verify
+    log = AuditLog(tmp_path / "audit.jsonl")
+    log.record(event="call", action="Infer", session="s", client="c", user="u", role="operator", status="Good")
+    log.close()
+    (tmp_path / "audit.jsonl.1").mkdir()  # a rotated file that is a folder
+    assert cmd_audit_verify(tmp_path / "audit.jsonl") == 2
+    out = capsys.readouterr().out
+    assert "audit.jsonl.1" in out and "Traceback" not in out

@@ -31,11 +31,15 @@ def cmd_audit_verify(path: Path) -> int:
     """"OK: N records in K files", or every problem; exit 0 or 2."""
     from ..audit import count_records, verify_report
     path = Path(path)
-    records, files = count_records(path)
-    if not files:
-        print(f"error: no audit log at {path}")
+    try:
+        records, files = count_records(path)
+        if not files:
+            print(f"error: no audit log at {path}")
+            return 2
+        problems, tears = verify_report(path)
+    except OSError as e:  # a file of the chain that cannot be read (a folder, no permission)
+        print(f"error: {e.filename or path}: {e.strerror or e}")
         return 2
-    problems, tears = verify_report(path)
     for tear in tears:
         print(f"TORN: {tear}")
     if not problems:
