@@ -7,6 +7,8 @@ package was built on. Every ISA's library computes the same numbers in int8 mode
 the float steps are the same), so the choice among them is a matter of speed alone.
 
     ISA          instruction                         needs (cpuid + the OS's XCR0)
+    amx          tdpbsud on 16-row tiles, else as    avx512vnni's + AMX tile and int8, the tile state granted
+                 avx512vnni
     avx512vnni   vpdpbusd, 16 outputs per vector     AVX-512 F/BW/VL/DQ + VNNI, F16C, FMA
     avxvnni      vpdpbusd (VEX), 8 per vector        AVX2 + AVX-VNNI, F16C, FMA
     avx2         maddubs + madd, 8 per vector        AVX2, F16C, FMA
@@ -41,21 +43,24 @@ log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("cpu")
 COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+    "amx": _AVX512 + ["-mamx-tile", "-mamx-int8"],
+    "avx512vnni": _AVX512,
     "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 ISAS = tuple(ISA_FLAGS)  # fastest first, as a rule; `auto` measures
 ACTIVATIONS = ("int8", "float32")
-HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_vec256.h")
+HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_vec256.h", "quant_vec512.h")
 
 # cpu_features() bits (kernels/cpu/cpu_features.c)
 _BITS = ("avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni",
          "avx512bf16", "avx512fp16", "amx_tile", "amx_int8", "amx_bf16", "os_avx", "os_avx512", "os_amx")
+_AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "fma", "f16c", "os_avx", "os_avx512"}
 _NEEDS = {
-    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "fma", "f16c", "os_avx",
-                   "os_avx512"},
+    "amx": _AVX512_NEEDS | {"amx_tile", "amx_int8", "os_amx"},
+    "avx512vnni": _AVX512_NEEDS,
     "avxvnni": {"avx2", "avxvnni", "fma", "f16c", "os_avx"},
     "avx2": {"avx2", "fma", "f16c", "os_avx"},
 }
@@ -84,6 +89,7 @@ _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}  # by path
 _cpu: list = []  # [CpuInfo | KernelsUnavailable], once per process
 _logged: set[str] = set()
+_ops: list[bool] = []  # [whether torch.ops.quant_cpu is loaded], once per process
 
 
 def default_build_dir() -> Path:
@@ -91,26 +97,45 @@ def default_build_dir() -> Path:
     return Path(base) / "opcua-appliance" / "kernels"
 
 
-def compiler() -> str | None:
+def compiler(cpp: bool = False) -> str | None:
+    if cpp:
+        return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def library_name(stem: str, flags: list[str]) -> str:
-    """`stem`-<digest of the sources and flags>.so: an edited source or header is never run stale."""
-    h = hashlib.sha256(" ".join(flags).encode())
-    for name in (f"{stem}.c", *HEADERS):
+def library_name(source: str, flags: list[str]) -> str:
+    """`source`'s stem-<digest of the sources and flags>.so: an edited source or header is never run stale."""
+    # the flags' absolute paths (torch's, the sources') are not part of the name: a package built in a scratch root
+    # finds its libraries where it is installed
+    text = " ".join(flags).replace(str(Path(torch.__file__).parent), "<torch>").replace(str(SOURCE_DIR), "<src>")
+    h = hashlib.sha256(text.encode())
+    for name in (source, *HEADERS):
         path = SOURCE_DIR / name
         if path.exists():
             h.update(name.encode() + b"\0" + path.read_bytes())
-    return f"{stem}-{h.hexdigest()[:16]}.so"
+    return f"{Path(source).stem}-{h.hexdigest()[:16]}.so"
 
 
 def _targets() -> dict[str, tuple[str, list[str]]]:
-    """library stem -> (source stem, flags): the feature probe and one library per ISA."""
-    out = {"cpu_features": ("cpu_features", ["-O2", "-shared", "-fPIC", "-std=gnu11"])}
+    """library stem -> (source file, flags): the feature probe, one library per ISA, and the torch operators."""
+    out = {"cpu_features": ("cpu_features.c", ["-O2", "-shared", "-fPIC", "-std=gnu11"])}
     for isa, flags in ISA_FLAGS.items():
-        out[f"quant_{isa}"] = (f"quant_{isa}", COMMON + flags)
+        out[f"quant_{isa}"] = (f"quant_{isa}.c", COMMON + flags)
+    out["quant_op"] = ("quant_op.cpp", _torch_op_flags())
     return out
+
+
+def _torch_op_flags() -> list[str]:
+    """Compiler flags of kernels/cpu/quant_op.cpp: torch's headers and libraries (and its version, so a different
+    torch builds its own)."""
+    root = Path(torch.__file__).parent
+    # no rpath (torch's libraries are loaded before ours) and __FILE__ relative: the package build moves the tree,
+    # and no built file may name the directory it was built in
+    return ["-O2", "-shared", "-fPIC", "-std=c++17", f"-DAPPLIANCE_TORCH_VERSION=\"{torch.__version__}\"",
+            f"-ffile-prefix-map={SOURCE_DIR}=kernels/cpu", f"-ffile-prefix-map={root}=torch",
+            "-isystem", str(root / "include"),
+            "-isystem", str(root / "include" / "torch" / "csrc" / "api" / "include"),
+            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu"]
 
 
 def build(directory: Path, stem: str) -> Path:
@@ -122,9 +147,6 @@ def build(directory: Path, stem: str) -> Path:
 def build_many(directory: Path, stems: list[str]) -> list[Path]:
     """Compile several libraries at once (one compiler process each: the first start builds every ISA's library
     the measurement needs, in the time of the slowest)."""
-    cc = compiler()
-    if cc is None:
-        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     targets = []
@@ -132,9 +154,13 @@ def build_many(directory: Path, stems: list[str]) -> list[Path]:
         procs = []
         for stem in stems:
             source, flags = _targets()[stem]
+            cc = compiler(source.endswith(".cpp"))
+            if cc is None:
+                raise FileNotFoundError("no C++ compiler (c++/g++) on PATH" if source.endswith(".cpp")
+                                        else "no C compiler (cc/gcc) on PATH")
             target = directory / library_name(source, flags)
             out = Path(tmp) / target.name
-            procs.append((subprocess.Popen([cc, *flags, "-o", str(out), str(SOURCE_DIR / f"{source}.c")],
+            procs.append((subprocess.Popen([cc, str(SOURCE_DIR / source), "-o", str(out), *flags],
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE), out, target))
         failure = None
         for proc, out, target in procs:
@@ -193,13 +219,15 @@ def _find_or_build(stem: str, build_dir: Path) -> Path:
         raise KernelsUnavailable(str(exc)) from exc
     except (OSError, subprocess.SubprocessError) as exc:
         detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()
-        raise KernelsUnavailable(f"building {_targets()[stem][0]}.c failed: {detail[-1] if detail else exc}") from exc
+        raise KernelsUnavailable(f"building {_targets()[stem][0]} failed: {detail[-1] if detail else exc}") from exc
 
 
 def ensure_built(isas: list[str], build_dir: Path | None = None) -> None:
     """Build the libraries of `isas` that do not exist yet, together; a failure is left for `kernels` to report."""
     build_dir = Path(build_dir) if build_dir else default_build_dir()
     missing = [f"quant_{isa}" for isa in isas if _find(f"quant_{isa}", build_dir) is None]
+    if isas and _find("quant_op", build_dir) is None and compiler(True) is not None:
+        missing.append("quant_op")
     if len(missing) > 1 and compiler() is not None:
         try:
             build_many(build_dir, missing)
@@ -263,20 +291,27 @@ class CpuKernels:
     activations: str  # "int8" | "float32"
     path: str  # the built library (the compiled decode step's custom op names it)
     lib: ctypes.CDLL = field(compare=False, repr=False)
+    op: bool = False  # torch.ops.quant_cpu is loaded: calls go through torch's dispatcher, not ctypes
 
     @property
     def label(self) -> str:
         return f"{self.isa}/{self.activations}"
 
     def with_activations(self, activations: str) -> "CpuKernels":
-        return CpuKernels(self.isa, activations, self.path, self.lib)
+        return CpuKernels(self.isa, activations, self.path, self.lib, self.op)
 
     def matmul(self, x: torch.Tensor, data: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
         """x (rows, K) float32 contiguous @ W^T, W (n, K) in format fmt laid out in `data` -> (rows, n)."""
+        if self.op:
+            return torch.ops.quant_cpu.block_matmul.default(x, data, cpu_layout.FORMATS[fmt].code, n, self.path,
+                                                            self.isa, self.activations == "float32")
         return matmul(self.path, self.isa, self.activations == "float32", x, data, fmt, n)
 
     def rows(self, data: torch.Tensor, fmt: str, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         """float32 (len(ids), k): rows ids of W, gguf's numbers exactly."""
+        if self.op:
+            return torch.ops.quant_cpu.block_rows.default(data, cpu_layout.FORMATS[fmt].code, n, k, ids, self.path,
+                                                          self.isa)
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), k, dtype=torch.float32)
         rc = getattr(self.lib, f"{self.isa}_rows")(cpu_layout.FORMATS[fmt].code, data.data_ptr(), n, k,
@@ -296,6 +331,36 @@ def matmul(path: str, isa: str, exact: bool, x: torch.Tensor, data: torch.Tensor
     if rc != 0:
         raise RuntimeError(f"{isa} matmul failed ({rc}) for a ({rows}, {k}) input and a {fmt} ({n}, {k}) matrix")
     return y
+
+
+def torch_ops(build_dir: Path | None = None) -> bool:
+    """Load kernels/cpu/quant_op.cpp's operators (torch.ops.quant_cpu.*) once per process; False (the reason logged
+    once) where they cannot be built: the callers then reach the kernels through ctypes (slower per call)."""
+    with _lock:
+        if _ops:
+            return _ops[0]
+    try:
+        path = _find_or_build("quant_op", Path(build_dir) if build_dir else default_build_dir())
+        torch.ops.load_library(str(path))
+        _register_fakes()
+        ok = True
+    except (KernelsUnavailable, OSError, RuntimeError) as exc:
+        log.warning("our kernels' torch operators are not available (%s); calls go through ctypes", exc)
+        ok = False
+    with _lock:
+        _ops[:] = [ok]
+    return ok
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing."""
+    @torch.library.register_fake("quant_cpu::block_matmul")
+    def _(x, data, fmt, n, library, isa, exact):
+        return x.new_empty(x.shape[0], n, dtype=torch.float32)
+
+    @torch.library.register_fake("quant_cpu::block_rows")
+    def _(data, fmt, n, k, ids, library, isa):
+        return data.new_empty(ids.numel(), k, dtype=torch.float32)
 
 
 def usable_isas(build_dir: Path | None = None) -> tuple[CpuInfo | None, list[str], str | None]:
@@ -329,7 +394,7 @@ def kernels(isa: str, activations: str = "int8", build_dir: Path | None = None) 
         lib = library_at(path)
     except OSError as exc:
         raise KernelsUnavailable(f"loading {Path(path).name} failed: {exc}") from exc
-    return CpuKernels(isa, activations, path, lib)
+    return CpuKernels(isa, activations, path, lib, torch_ops(build_dir))
 
 
 def best(activations: str = "int8", build_dir: Path | None = None) -> CpuKernels:

@@ -189,7 +189,7 @@ class EngineConfig:
     # quantized weights' activations: int8 (per block of 32, integer dot products) or float32 (exact); auto: measured
     activations: str = setting("auto", choice("auto", "int8", "float32"))
     # who multiplies quantized weights: our kernels for one instruction set, or torch's ops; auto: measured
-    quant_kernels: str = setting("auto", choice("auto", "avx512vnni", "avxvnni", "avx2", "torch"))
+    quant_kernels: str = setting("auto", choice("auto", "amx", "avx512vnni", "avxvnni", "avx2", "torch"))
     kv_dtype: str = setting("auto", choice("auto", "float32", "bfloat16"))  # auto: bfloat16 with quantized weights
     prefix_cache_entries: int = setting(8, integer(0, 4096))  # shared prompt prefixes kept (0: no prefix sharing)
     park_memory_mb: int = setting(256, integer(0, 1 << 20))  # evicted sessions' KV parked in host memory (0: dropped)

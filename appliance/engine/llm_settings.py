@@ -10,7 +10,7 @@ MEMORY_HEADROOM = 0.8  # the KV cache may take at most this share of the memory 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 WEIGHTS = ("auto", "float32", "bfloat16", "int8", "int4", "blocks")
 ACTIVATIONS = ("auto", "int8", "float32")  # our quantized kernels' activations (kernels/cpu/quant_kernels.h)
-QUANT_KERNELS = ("auto", "avx512vnni", "avxvnni", "avx2", "torch")  # who multiplies quantized weights on a CPU
+QUANT_KERNELS = ("auto", "amx", "avx512vnni", "avxvnni", "avx2", "torch")  # who multiplies quantized weights on a CPU
 COMPILE = ("auto", "on", "off")
 
 
@@ -32,7 +32,7 @@ class GenerativeSettings:
     kernels: str = "auto"  # auto: fused Triton kernels for decode on CUDA, eager torch elsewhere | triton | torch
     weights: str = "auto"  # auto (measured, see weight_plan) | float32 | bfloat16 | int8 | int4 | blocks
     activations: str = "auto"  # auto (measured) | int8 (per block of 32) | float32 (exact)
-    quant_kernels: str = "auto"  # auto (measured) | avx512vnni | avxvnni | avx2 | torch
+    quant_kernels: str = "auto"  # auto (measured) | amx | avx512vnni | avxvnni | avx2 | torch
     kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the compute dtype) | float32 | bfloat16
     weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
     cpu_kernel_dir: str | None = None  # our quantized matmuls built here (kernels/cpu_quant.py)

@@ -26,13 +26,6 @@
 #define CHUNK_COLS 4        /* vector columns per cache chunk */
 #define PARALLEL_MACS (1 << 18) /* multiply-adds below which one thread does the product */
 
-typedef struct {
-    int8_t *q;    /* rows x k */
-    float *d;     /* rows x nb: the block's scale */
-    float *dm;    /* rows x nb: scale x sum of the block's q */
-    int32_t *s;   /* rows x nb: sum of the block's q */
-    int32_t *s16; /* rows x 2 nb: sums of its two halves */
-} acts_t;
 
 static inline int32_t load_i32(const void *p) {
     int32_t v;
@@ -339,6 +332,11 @@ static void quantize_rows(const float *x, int rows, int k, acts_t *a, int thread
         }
 }
 
+#ifndef BIG_ROWS /* no 16-row tiles in this ISA */
+#define BIG_ROWS(fmt, mode, rows) 0
+#define BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, a, big, k, y, n) (void)0
+#endif
+
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -367,7 +365,9 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
         a.q = (int8_t *)(a.s16 + 2 * nb);
         quantize_rows(x, rows, k, &a, threads);
     }
-    const int tiles = (rows + tmax - 1) / tmax; /* row tiles as even as they can be */
+    /* an ISA with 16-row tiles (AMX) takes the rows in whole 16s; the rest go through the vector tiles */
+    const int big = BIG_ROWS(fmt, mode, rows), rest = rows - big;
+    const int tiles = rest > 0 ? (rest + tmax - 1) / tmax : 0; /* row tiles as even as they can be */
     /* a small product runs on one thread: waking a second costs more than it saves (and, on a shared CPU, a
      * descheduled thread holds the barrier for a time slice) */
     const int parallel = threads > 1 && (double)rows * n * k >= PARALLEL_MACS;
@@ -379,10 +379,11 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
         id = omp_get_thread_num();
 #endif
         const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
-        for (int cc = cbeg; cc < cend; cc += CHUNK_COLS) {
+        if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, &a, big, k, y, n);
+        for (int cc = cbeg; cc < cend && tiles > 0; cc += CHUNK_COLS) {
             const int cstop = cc + CHUNK_COLS < cend ? cc + CHUNK_COLS : cend;
-            for (int i = 0, r0 = 0; i < tiles; i++) {
-                const int t = rows / tiles + (i < rows % tiles);
+            for (int i = 0, r0 = big; i < tiles; i++) {
+                const int t = rest / tiles + (i < rest % tiles);
                 for (int c = cc; c < cstop;) {
                     int v = width_for(mode, t);
                     while (v > cstop - c) v >>= 1;

@@ -40,6 +40,15 @@ enum { F_Q4_0 = 0, F_Q4_1 = 1, F_Q8_0 = 2, F_Q4_K = 3, F_Q5_K = 4, F_Q6_K = 5, F
 #define QK6_D 3072
 #define QK6_SC 3104
 
+/* Activations quantized per block of 32 (llama.cpp's scheme): what the int8 kernels multiply by. */
+typedef struct {
+    int8_t *q;    /* rows x k */
+    float *d;     /* rows x nb: the block's scale (amax / 127) */
+    float *dm;    /* rows x nb: scale x sum of the block's q */
+    int32_t *s;   /* rows x nb: sum of the block's q */
+    int32_t *s16; /* rows x 2 nb: sums of its two halves */
+} acts_t;
+
 static const int RECORD_BYTES[F_COUNT] = {Q4_RB, Q4_RB, Q8_RB, QK4_RB, QK5_RB, QK6_RB, Q5_RB, Q5_RB};
 static const int SUPER_BLOCK[F_COUNT] = {QK, QK, QK, QK_K, QK_K, QK_K, QK, QK};
 #define IS_Q4(F) ((F) == F_Q4_0 || (F) == F_Q4_1)

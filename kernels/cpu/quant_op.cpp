@@ -1,0 +1,69 @@
+/* Our kernels as torch operators (quant_cpu::block_matmul, quant_cpu::block_rows): a compiled decode step calls
+ * them through torch's dispatcher in about 3 us each, where a Python custom op around the ctypes call took 15-17
+ * us (121 matmuls per SmolLM2 step: ~2 ms of a ~5 ms step). The ISA libraries (quant_<isa>.c) stay plain C; this
+ * file only finds their entry points (dlopen, once per library) and hands them tensors' memory.
+ * Built by kernels/cpu_quant.py with the C++ compiler against the installed torch's headers, cached under a name
+ * that carries its source's digest and torch's version (a different torch builds its own). */
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+#include <torch/library.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+namespace {
+
+typedef int (*matmul_fn)(int, int, const float *, int, int, const uint8_t *, int, float *, int);
+typedef int (*rows_fn)(int, const uint8_t *, int, int, const int64_t *, int, float *);
+
+void *symbol(const std::string &library, const std::string &name) {
+    static std::mutex lock;
+    static std::unordered_map<std::string, void *> found;
+    std::lock_guard<std::mutex> guard(lock);
+    const std::string key = library + '\0' + name;
+    auto it = found.find(key);
+    if (it != found.end()) return it->second;
+    void *handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+    TORCH_CHECK(handle, "cannot load ", library, ": ", dlerror());
+    void *fn = dlsym(handle, name.c_str());
+    TORCH_CHECK(fn, "no ", name, " in ", library);
+    found[key] = fn;
+    return fn;
+}
+
+at::Tensor block_matmul(const at::Tensor &x, const at::Tensor &data, int64_t fmt, int64_t n,
+                        const std::string &library, const std::string &isa, bool exact) {
+    TORCH_CHECK(x.dim() == 2 && data.scalar_type() == at::kByte && data.is_contiguous(), "block_matmul: bad arguments");
+    const at::Tensor xc = x.to(at::kFloat).contiguous();
+    at::Tensor y = at::empty({xc.size(0), n}, xc.options());
+    const auto fn = reinterpret_cast<matmul_fn>(symbol(library, isa + "_matmul"));
+    const int rc = fn((int)fmt, exact ? 1 : 0, xc.data_ptr<float>(), (int)xc.size(0), (int)xc.size(1),
+                      data.data_ptr<uint8_t>(), (int)n, y.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(rc == 0, "block_matmul failed (", rc, ") for a (", xc.size(0), ", ", xc.size(1), ") input");
+    return y;
+}
+
+at::Tensor block_rows(const at::Tensor &data, int64_t fmt, int64_t n, int64_t k, const at::Tensor &ids,
+                      const std::string &library, const std::string &isa) {
+    const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+    at::Tensor out = at::empty({flat.numel(), k}, data.options().dtype(at::kFloat));
+    const auto fn = reinterpret_cast<rows_fn>(symbol(library, isa + "_rows"));
+    const int rc = fn((int)fmt, data.data_ptr<uint8_t>(), (int)n, (int)k, flat.data_ptr<int64_t>(), (int)flat.numel(),
+                      out.data_ptr<float>());
+    TORCH_CHECK(rc == 0, "block_rows failed (", rc, "): an id outside 0..", n - 1);
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(quant_cpu, m) {
+    m.def("block_matmul(Tensor x, Tensor data, int fmt, int n, str library, str isa, bool exact) -> Tensor");
+    m.def("block_rows(Tensor data, int fmt, int n, int k, Tensor ids, str library, str isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(quant_cpu, CPU, m) {
+    m.impl("block_matmul", block_matmul);
+    m.impl("block_rows", block_rows);
+}
