@@ -1,11 +1,17 @@
 """The demo appliance's start and memory: `appliance serve` (the built-in demo configuration, or --config) to
-`/readyz` 200, first start (empty state directory: PKI made, weights quantized and cached) and second start (the
-same state directory), and the memory of the appliance and all its processes at Ready (PSS: shared pages split
-between the processes that map them, so the sum is what the appliance costs the machine; RSS for comparison). With
-`engine.compile: auto` the decode step compiles in the background after Ready: the benchmark then also waits for the
-log's "decode step compiled" and gives the time and the memory at that point.
+`/readyz` 200, first start (empty state directory: PKI made, the weight paths measured on this CPU, weights laid out
+and cached) and second start (the same state directory), and the memory of the appliance and all its processes at
+Ready (PSS: shared pages split between the processes that map them, so the sum is what the appliance costs the
+machine; RSS for comparison). With `engine.compile: auto` the first start compiles the decode step in the background
+after Ready, every later start before Ready (from Inductor's cache): the benchmark gives when the log says "decode
+step compiled" and the memory then.
 
-    python bench/startup.py [--config FILE] [--starts 2]
+With --generate N, right after each Ready one OPC UA session (SignAndEncrypt, a certificate issued by `appliance
+certs issue`) calls Generate for N tokens on the first generative model; its tokens/s are set against the engine
+driven directly (GenerativeModelService in this process, same settings, its decode step compiled from the same
+cache), measured after the starts.
+
+    python bench/startup.py [--config FILE] [--starts 2] [--generate 64]
 """
 from __future__ import annotations
 
@@ -63,7 +69,62 @@ def memory(pid: int) -> dict:
     return {"pss_mb": sum(m[0] for m in mem) / 1024, "rss_mb": sum(m[1] for m in mem) / 1024, "processes": len(pids)}
 
 
-def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600) -> dict:
+PROMPT = "What is a centrifugal pump? Answer in three sentences."
+
+
+def ua_generate(endpoint: str, cert: Path, key: Path, model: str, tokens: int) -> tuple[float, int]:
+    """(generated tokens/s, tokens) of one Generate call over one session."""
+    import asyncio
+
+    from asyncua import ua
+
+    from appliance.client import call_method, connect, model_node
+
+    async def run() -> tuple[float, int]:
+        client = await connect(endpoint, cert, key, timeout=600)
+        try:
+            node, ns = await model_node(client, model)
+            method = await node.get_child(f"{ns}:Generate")
+            t0 = time.perf_counter()
+            r = await call_method(client, node, method, [ua.Variant(PROMPT, ua.VariantType.String),
+                                                         ua.Variant(tokens, ua.VariantType.UInt32),
+                                                         ua.Variant(0.0, ua.VariantType.Float)])
+            if not r.StatusCode.is_good():
+                raise SystemExit(f"Generate answered {r.StatusCode.name}")
+            count = int(r.OutputArguments[1].Value)
+            return count / (time.perf_counter() - t0), count
+        finally:
+            await client.disconnect()
+    return asyncio.run(run())
+
+
+def direct_generate(config, model: str, tokens: int) -> float:
+    """tokens/s of the same Generate through the engine in this process, compiled as a later start compiles it."""
+    import asyncio
+
+    from appliance.device import resolve_device
+    from appliance.engine.llm_service import GenerativeModelService
+    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.model_specs import model_spec
+    m = config.models[model]
+    spec = model_spec(m, config.engine, resolve_device(config.engine.device).split(" ")[0],
+                      Path(config.server.state_dir))
+    settings = GenerativeSettings(**{**spec.settings, "threads": config.engine.threads})
+
+    async def run() -> float:
+        svc = GenerativeModelService(model, Path(spec.path), settings, version_label=None, metrics=None)
+        await svc.start()
+        if svc.state != "Ready":
+            raise SystemExit(f"direct: {svc.failure_reason}")
+        t0 = time.perf_counter()
+        result = await svc.generate("direct", PROMPT, tokens, 0.0, time.monotonic() + 600)
+        rate = result.token_count / (time.perf_counter() - t0)
+        await svc.stop()
+        return rate
+    return asyncio.run(run())
+
+
+def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, generate=None) -> dict:
     size_before = log.stat().st_size if log.exists() else 0
     t0 = time.monotonic()
     with open(log, "ab") as out:
@@ -82,8 +143,9 @@ def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600) -> di
                 pass
             time.sleep(0.1)
         ready_s = time.monotonic() - t0
+        ua_rate = generate() if generate else None  # right after Ready, while a first start's compile runs
         time.sleep(2.0)  # let the first liveness rounds and lazy imports settle
-        row = {"ready_s": ready_s, **memory(proc.pid)}
+        row = {"ready_s": ready_s, "ua_rate": ua_rate, **memory(proc.pid)}
         compiled_s, settled = None, {}
         while time.monotonic() - t0 < timeout:  # the background compile of engine.compile: auto, if any
             text = log.read_text(errors="replace")[size_before:]
@@ -107,15 +169,40 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=None, help="default: the built-in demo configuration")
     ap.add_argument("--starts", type=int, default=2)
+    ap.add_argument("--generate", type=int, default=0, help="tokens of one Generate over OPC UA right after Ready")
     args = ap.parse_args()
     appliance = Path(sys.executable).with_name("appliance")
     work = Path(tempfile.mkdtemp(prefix="appliance-startup-"))
-    cmd = [str(appliance), "serve"] + (["--config", str(args.config.resolve())] if args.config else [])
-    rows = []
+    config_args = ["--config", str(args.config.resolve())] if args.config else []
+    cmd = [str(appliance), "serve"] + config_args
+    rows, direct = [], None
+    generate = None
+    if args.generate:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from appliance.config import load_config
+        from appliance.config.loader import demo_config
+        prev = os.getcwd()
+        os.chdir(work)  # the built-in demo's state directory is relative
+        config = load_config(args.config.resolve()) if args.config else demo_config()
+        os.chdir(prev)
+        model = next(n for n, m in config.models.items() if m.kind == "generative")
+        port = int(config.server.endpoint.rsplit(":", 1)[1])
+        clients = work / "clients"
+
+        def generate():
+            if not (clients / "bench.der").exists():
+                subprocess.run([str(appliance), "certs", "issue", "bench", "--role", "operator", "--out",
+                                str(clients), *config_args], cwd=work, check=True, capture_output=True)
+            return ua_generate(f"opc.tcp://127.0.0.1:{port}", clients / "bench.der", clients / "bench.key.pem",
+                               model, args.generate)
     try:
         for i in range(args.starts):
-            rows.append(start_once(cmd, work, work / "serve.log"))
+            rows.append(start_once(cmd, work, work / "serve.log", generate=generate))
             print(f"  start {i + 1}: Ready in {rows[-1]['ready_s']:.1f} s", flush=True)
+        if args.generate:
+            os.chdir(work)
+            direct = direct_generate(config, model, args.generate)
+            os.chdir(prev)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("| start | serve to /readyz 200 (s) | PSS at Ready, all processes (MB) | RSS sum (MB) | processes "
@@ -127,6 +214,11 @@ def main() -> None:
                     else "- | -")
         print(f"| {label} | {r['ready_s']:.1f} | {r['pss_mb']:.0f} | {r['rss_mb']:.0f} | {r['processes']} | "
               f"{compiled} |")
+    if direct:
+        for i, r in enumerate(rows):
+            rate, count = r["ua_rate"]
+            print(f"start {i + 1}: one OPC UA session right after Ready {rate:.1f} tokens/s ({count} tokens); "
+                  f"engine direct {direct:.1f}; ratio {rate / direct:.2f}")
 
 
 if __name__ == "__main__":
