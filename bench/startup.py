@@ -165,6 +165,30 @@ def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, gener
             proc.kill()
 
 
+def generate_call(args, appliance: Path, work: Path, config_args: list[str]):
+    """(a call that times one Generate over OPC UA, the configuration, the generative model's name)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from appliance.config import load_config
+    from appliance.config.loader import demo_config
+    prev = os.getcwd()
+    os.chdir(work)  # the built-in demo's state directory is relative
+    try:
+        config = load_config(args.config.resolve()) if args.config else demo_config()
+    finally:
+        os.chdir(prev)
+    model = next(n for n, m in config.models.items() if m.kind == "generative")
+    port = int(config.server.endpoint.rsplit(":", 1)[1])
+    clients = work / "clients"
+
+    def call():
+        if not (clients / "bench.der").exists():
+            subprocess.run([str(appliance), "certs", "issue", "bench", "--role", "operator", "--out", str(clients),
+                            *config_args], cwd=work, check=True, capture_output=True)
+        return ua_generate(f"opc.tcp://127.0.0.1:{port}", clients / "bench.der", clients / "bench.key.pem", model,
+                           args.generate)
+    return call, config, model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=None, help="default: the built-in demo configuration")
@@ -176,33 +200,18 @@ def main() -> None:
     config_args = ["--config", str(args.config.resolve())] if args.config else []
     cmd = [str(appliance), "serve"] + config_args
     rows, direct = [], None
-    generate = None
-    if args.generate:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from appliance.config import load_config
-        from appliance.config.loader import demo_config
-        prev = os.getcwd()
-        os.chdir(work)  # the built-in demo's state directory is relative
-        config = load_config(args.config.resolve()) if args.config else demo_config()
-        os.chdir(prev)
-        model = next(n for n, m in config.models.items() if m.kind == "generative")
-        port = int(config.server.endpoint.rsplit(":", 1)[1])
-        clients = work / "clients"
-
-        def generate():
-            if not (clients / "bench.der").exists():
-                subprocess.run([str(appliance), "certs", "issue", "bench", "--role", "operator", "--out",
-                                str(clients), *config_args], cwd=work, check=True, capture_output=True)
-            return ua_generate(f"opc.tcp://127.0.0.1:{port}", clients / "bench.der", clients / "bench.key.pem",
-                               model, args.generate)
+    make_call, config, model = generate_call(args, appliance, work, config_args) if args.generate else (None,) * 3
     try:
         for i in range(args.starts):
-            rows.append(start_once(cmd, work, work / "serve.log", generate=generate))
+            rows.append(start_once(cmd, work, work / "serve.log", generate=make_call))
             print(f"  start {i + 1}: Ready in {rows[-1]['ready_s']:.1f} s", flush=True)
         if args.generate:
-            os.chdir(work)
-            direct = direct_generate(config, model, args.generate)
-            os.chdir(prev)
+            prev = os.getcwd()
+            os.chdir(work)  # the built-in demo's state directory is relative
+            try:
+                direct = direct_generate(config, model, args.generate)
+            finally:
+                os.chdir(prev)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("| start | serve to /readyz 200 (s) | PSS at Ready, all processes (MB) | RSS sum (MB) | processes "

@@ -248,7 +248,6 @@ def _outputs(a: np.ndarray) -> np.ndarray:
 
 def dequantize(data: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
     """float32 (N, K) weights of a matrix in the kernel layout, as gguf computes them from the file's blocks."""
-    f = FORMATS[name]
     p, r = data.shape[:2]
     f32 = lambda bits: bits.view(np.float16).astype(np.float32)  # noqa: E731
     if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):

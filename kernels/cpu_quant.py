@@ -125,6 +125,15 @@ def _targets() -> dict[str, tuple[str, list[str]]]:
     return out
 
 
+def sources_digest() -> str:
+    """One digest of every kernel source (what a measurement's figures depend on)."""
+    h = hashlib.sha256()
+    for path in sorted(SOURCE_DIR.glob("*")):
+        if path.suffix in (".c", ".h", ".cpp"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _torch_op_flags() -> list[str]:
     """Compiler flags of kernels/cpu/quant_op.cpp: torch's headers and libraries (and its version, so a different
     torch builds its own)."""

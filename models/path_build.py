@@ -42,8 +42,7 @@ class Inputs:
 
 def versions() -> dict[str, str]:
     """What a record's figures depend on besides the file and the CPU."""
-    return {"torch": torch.__version__, "kernels": cpu_quant.library_name("quant_kernels", []),
-            "layout": weight_cache.LAYOUT}
+    return {"torch": torch.__version__, "kernels": cpu_quant.sources_digest(), "layout": weight_cache.LAYOUT}
 
 
 def kernels_for(path: PathName, kernel_dir: Path | None) -> cpu_quant.CpuKernels | None:

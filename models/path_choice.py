@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +266,3 @@ def dense_linear(w: torch.Tensor, dtype: torch.dtype):
     from models.llama import Linear
     lin = Linear.build(w.to(dtype).contiguous(), pack=True)
     return lambda x: lin(x)
-
-
-def plain_linear(w: torch.Tensor):
-    return lambda x: F.linear(x, w)

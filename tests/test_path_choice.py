@@ -12,7 +12,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 import test_gguf
 from appliance.engine.llm_loading import load_engine
@@ -265,7 +264,7 @@ def test_models_prepare_measures_records_and_lays_out(tmp_path, q4_file, capsys)
     out = capsys.readouterr().out
     (record_file,) = (state / "cache" / "weights" / "chat").glob("choice-*.json")
     record = json.loads(record_file.read_text())
-    assert f"chat: cpu " in out and f": {record['chosen']}" in out
+    assert "chat: cpu " in out and f": {record['chosen']}" in out
     for path in record["timings_ms"]:
         assert re.search(rf"^\s+{re.escape(path)}\s+[\d.]+\s+[\d.]+", out, re.M), (path, out)
     assert re.search(rf"{re.escape(record['chosen'])}\s+[\d.]+\s+[\d.]+.*<- chosen", out)
