@@ -9,9 +9,10 @@ step compiled" and the memory then.
 With --generate N, right after each Ready one OPC UA session (SignAndEncrypt, a certificate issued by `appliance
 certs issue`) calls Generate for N tokens on the first generative model; its tokens/s are set against the engine
 driven directly (GenerativeModelService in this process, same settings, its decode step compiled from the same
-cache), measured after the starts.
+cache), measured after the starts; then --sessions sessions (default 16) call Generate at once and the memory is
+measured again (every slot's cache filled).
 
-    python bench/startup.py [--config FILE] [--starts 2] [--generate 64]
+    python bench/startup.py [--config FILE] [--starts 2] [--generate 64] [--sessions 16]
 """
 from __future__ import annotations
 
@@ -72,15 +73,16 @@ def memory(pid: int) -> dict:
 PROMPT = "What is a centrifugal pump? Answer in three sentences."
 
 
-def ua_generate(endpoint: str, cert: Path, key: Path, model: str, tokens: int) -> tuple[float, int]:
-    """(generated tokens/s, tokens) of one Generate call over one session."""
+def ua_generate(endpoint: str, cert: Path, key: Path, model: str, tokens: int,
+                sessions: int = 1) -> tuple[float, int]:
+    """(generated tokens/s, tokens) of one Generate call on each of `sessions` sessions at once (their rates summed)."""
     import asyncio
 
     from asyncua import ua
 
     from appliance.client import call_method, connect, model_node
 
-    async def run() -> tuple[float, int]:
+    async def one() -> tuple[float, int]:
         client = await connect(endpoint, cert, key, timeout=600)
         try:
             node, ns = await model_node(client, model)
@@ -95,6 +97,10 @@ def ua_generate(endpoint: str, cert: Path, key: Path, model: str, tokens: int) -
             return count / (time.perf_counter() - t0), count
         finally:
             await client.disconnect()
+
+    async def run() -> tuple[float, int]:
+        results = await asyncio.gather(*(one() for _ in range(sessions)))
+        return sum(r[0] for r in results), sum(r[1] for r in results)
     return asyncio.run(run())
 
 
@@ -124,7 +130,8 @@ def direct_generate(config, model: str, tokens: int) -> float:
     return asyncio.run(run())
 
 
-def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, generate=None) -> dict:
+def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, generate=None,
+               sessions: int = 0) -> dict:
     size_before = log.stat().st_size if log.exists() else 0
     t0 = time.monotonic()
     with open(log, "ab") as out:
@@ -143,7 +150,7 @@ def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, gener
                 pass
             time.sleep(0.1)
         ready_s = time.monotonic() - t0
-        ua_rate = generate() if generate else None  # right after Ready, while a first start's compile runs
+        ua_rate = generate(1) if generate else None  # right after Ready, while a first start's compile runs
         time.sleep(2.0)  # let the first liveness rounds and lazy imports settle
         row = {"ready_s": ready_s, "ua_rate": ua_rate, **memory(proc.pid)}
         compiled_s, settled = None, {}
@@ -156,7 +163,10 @@ def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, gener
                     settled = memory(proc.pid)
                 break
             time.sleep(0.5)
-        return {**row, "compiled_s": compiled_s, "settled": settled}
+        busy = {}
+        if generate and sessions:  # memory once `sessions` sessions have each generated (their slots filled)
+            busy = {"rate": generate(sessions), **memory(proc.pid)}
+        return {**row, "compiled_s": compiled_s, "settled": settled, "busy": busy}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -180,12 +190,12 @@ def generate_call(args, appliance: Path, work: Path, config_args: list[str]):
     port = int(config.server.endpoint.rsplit(":", 1)[1])
     clients = work / "clients"
 
-    def call():
+    def call(sessions: int):
         if not (clients / "bench.der").exists():
             subprocess.run([str(appliance), "certs", "issue", "bench", "--role", "operator", "--out", str(clients),
                             *config_args], cwd=work, check=True, capture_output=True)
         return ua_generate(f"opc.tcp://127.0.0.1:{port}", clients / "bench.der", clients / "bench.key.pem", model,
-                           args.generate)
+                           args.generate, sessions)
     return call, config, model
 
 
@@ -194,6 +204,8 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=None, help="default: the built-in demo configuration")
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--generate", type=int, default=0, help="tokens of one Generate over OPC UA right after Ready")
+    ap.add_argument("--sessions", type=int, default=16, help="with --generate: then this many sessions at once "
+                    "(each one Generate), and the memory after them")
     args = ap.parse_args()
     appliance = Path(sys.executable).with_name("appliance")
     work = Path(tempfile.mkdtemp(prefix="appliance-startup-"))
@@ -203,7 +215,7 @@ def main() -> None:
     make_call, config, model = generate_call(args, appliance, work, config_args) if args.generate else (None,) * 3
     try:
         for i in range(args.starts):
-            rows.append(start_once(cmd, work, work / "serve.log", generate=make_call))
+            rows.append(start_once(cmd, work, work / "serve.log", generate=make_call, sessions=args.sessions))
             print(f"  start {i + 1}: Ready in {rows[-1]['ready_s']:.1f} s", flush=True)
         if args.generate:
             prev = os.getcwd()
@@ -228,6 +240,11 @@ def main() -> None:
             rate, count = r["ua_rate"]
             print(f"start {i + 1}: one OPC UA session right after Ready {rate:.1f} tokens/s ({count} tokens); "
                   f"engine direct {direct:.1f}; ratio {rate / direct:.2f}")
+            if r["busy"]:
+                total, count = r["busy"]["rate"]
+                print(f"start {i + 1}: then {args.sessions} sessions at once, {total:.1f} tokens/s together "
+                      f"({count} tokens); PSS after them {r['busy']['pss_mb']:.0f} MB (RSS sum "
+                      f"{r['busy']['rss_mb']:.0f} MB, {r['busy']['processes']} processes)")
 
 
 if __name__ == "__main__":

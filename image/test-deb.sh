@@ -52,13 +52,11 @@ chroot "$ROOT" test -L /etc/systemd/system/multi-user.target.wants/appliance.ser
 
 # Self-test: the shipped configuration on free loopback ports (the root shares this machine's network), served as
 # the service user; then each demo model is called as a commissioning client would.
-# The decode step's background compile stays off here: calls in its first minutes fail at present (BadTimeout /
-# BadInternalError, reported with issue 19); scripts/acceptance.sh runs the shipped configuration as it is.
+# The engine settings as shipped (the root has no compiler, as a box: the decode step stays eager, said at once).
 chroot "$ROOT" /opt/appliance/venv/bin/python -c "import sys, yaml
 d = yaml.safe_load(open('/etc/appliance/appliance.yaml'))
 d['server']['endpoint'] = 'opc.tcp://127.0.0.1:$UA_PORT'
 d['metrics']['listen'] = '127.0.0.1:$HTTP_PORT'
-d.setdefault('engine', {})['compile'] = 'off'
 yaml.safe_dump(d, open('/etc/appliance/selftest.yaml', 'w'))"
 chroot "$ROOT" chgrp appliance /etc/appliance/selftest.yaml
 chroot "$ROOT" setpriv --reuid appliance --regid appliance --init-groups sh -c \

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -97,6 +98,16 @@ class CompiledDecode:
         x = forward(self.weights, ops, self.cache.k_layers, self.cache.v_layers, [rows])
         return self.weights.head(x).float()
 
+    def _own_decode(self):
+        """_decode bound to self through a code object of this instance's own. Dynamo keeps its compiled entries,
+        and counts recompiles against its limit (8), per code object: with one shared code object every instance
+        (each reload of a model in a long-running worker) adds entries until compiling fails with
+        FailOnRecompileLimitHit and decode stays eager. Inductor's cache is keyed by the graphs, so a copy loses
+        nothing."""
+        fn = CompiledDecode._decode
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        return types.MethodType(own, self)
+
     def compile(self) -> None:
         """Build the graphs now (a batch of one, and of several; each over any attention length): raises
         CompileUnavailable where torch cannot."""
@@ -104,6 +115,7 @@ class CompiledDecode:
             Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
         import torch._inductor.config as inductor_config
+        from torch._inductor import cpp_builder, exc as inductor_exc
         # Compile in this process: a pool of compile workers would stay behind as children of the model's worker
         # (memory, processes), for no gain on a 2-core box whose other core is serving.
         inductor_config.compile_threads = 1
@@ -113,12 +125,16 @@ class CompiledDecode:
         # the cache) static. Warm-up rows write only the scratch cell of slot 0.
         scratch = self.cache.max_seq_len
         try:
-            compiled = torch.compile(self._decode, fullgraph=True)
+            cpp_builder.get_cpp_compiler()  # before tracing: without a compiler Inductor fails after a minute of it
+            compiled = torch.compile(self._own_decode(), fullgraph=True)
             with torch.no_grad():
                 for b, t_len in WARM_UP:  # lengths as step() makes them: never past max_seq_len
                     t_len = min(t_len, self.cache.max_seq_len)
                     compiled(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
                              torch.full((b,), scratch), torch.ones(b, 1, 1, t_len, dtype=torch.bool))
+        except inductor_exc.InvalidCxxCompiler as exc:
+            raise CompileUnavailable("no C++ compiler for Inductor (g++ or $CXX); install g++ for the compiled "
+                                     "decode step") from exc
         except Exception as exc:  # noqa: BLE001 - whatever Inductor raises, the eager path serves
             raise CompileUnavailable(f"torch.compile of the decode step failed: {type(exc).__name__}: "
                                      f"{str(exc)[:300]}") from exc

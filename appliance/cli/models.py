@@ -21,7 +21,7 @@ def register(sub) -> None:
     x.add_argument("name")
     x = msub.add_parser("prepare", help="measure the weight paths on this CPU, lay out the weights and compile the "
                         "decode step, so every start serves at full speed from Ready")
-    x.add_argument("name")
+    x.add_argument("name", nargs="?", help="default: every generative model of the configuration")
     x = msub.add_parser("promote", help="send all of NAME's traffic to one of its A/B variants (Admin/PromoteVariant)")
     x.add_argument("name")
     x.add_argument("variant", help="a variant of the YAML, 'main' for the model's own path, '' for the split again")
@@ -34,10 +34,14 @@ def run_models(args) -> int:
     config = load_config_arg(args.config)
     if args.models_action == "prepare":  # touches no versions: no commissioning identity, nothing to audit
         from ..model_prepare import prepare
-        code, text = prepare(config, args.name)
-        if code:
-            return fail(text)
-        print(text)
+        names = [args.name] if args.name else [n for n, m in config.models.items() if m.kind == "generative"]
+        if not names:
+            print(f"{config.source}: no generative model to prepare")
+        for name in names:
+            code, text = prepare(config, name)
+            if code:
+                return fail(text)
+            print(text, flush=True)
         return 0
     engineer = Path(config.server.state_dir) / "clients" / "commissioning-engineer.der"
     existed = engineer.exists()

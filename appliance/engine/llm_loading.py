@@ -145,14 +145,14 @@ def compile_marker(s: GenerativeSettings, version: str, weight_format: str, max_
     return Path(s.compile_cache_dir) / f"prepared-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
 
 
-def compile_in_background(name: str, engine: LoadedEngine) -> None:
+def compile_in_background(name: str, engine: LoadedEngine) -> threading.Thread | None:
     """engine.compile: auto at the first start of a model on a box that was never prepared (`appliance models
     prepare`): compile the decode step in a short-lived thread of its own (see in_fresh_thread) after a pause that
     lets Ready reach the serve process; the engine decodes eagerly until it is done. Every later start compiles
     from Inductor's cache before Ready (load_engine)."""
     compiled = engine.compiled_decode
     if compiled is None or compiled.ready:
-        return
+        return None
 
     def body() -> None:
         try:  # the compiler's CPU time after the models it would slow (Linux: a thread's own nice value)
@@ -161,7 +161,9 @@ def compile_in_background(name: str, engine: LoadedEngine) -> None:
             pass
         time.sleep(BACKGROUND_COMPILE_DELAY_S)
         compile_decode(name, compiled, engine.compile_marker)
-    threading.Thread(target=body, name=f"compile-{name}", daemon=True).start()
+    thread = threading.Thread(target=body, name=f"compile-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def compile_decode(name: str, compiled: Any, marker: Path | None = None) -> None:

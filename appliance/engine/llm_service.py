@@ -49,6 +49,7 @@ class GenerativeModelService(ModelStatus):
         self._engine: LoadedEngine | None = None
         self._engine_loop = EngineLoop(name, settings, metrics=metrics, liveness=self.liveness)
         self._thread: threading.Thread | None = None
+        self._compile_thread: threading.Thread | None = None  # engine.compile: auto's background compile
         self._session_locks: dict[str, list] = {}  # session -> [asyncio.Lock, users]
         self._request_counter = 0
         self._outstanding = 0  # Generate calls accepted and not yet answered
@@ -102,7 +103,7 @@ class GenerativeModelService(ModelStatus):
             self.failure_reason = None
             self._publish_loaded()
             self._set_state("Ready")
-            compile_in_background(self.name, engine)
+            self._compile_thread = compile_in_background(self.name, engine)
 
     async def reload(self) -> str:
         """New weights from the same path. Sequences running finish on the old weights; then every session's
@@ -131,7 +132,7 @@ class GenerativeModelService(ModelStatus):
             self.failure_reason = None
             self._publish_loaded()
             self._set_state("Ready")
-            compile_in_background(self.name, engine)
+            self._compile_thread = compile_in_background(self.name, engine)
             log.info("model %s now serves version %s on %s", self.name, engine.version, engine.backend)
             return engine.version
 
