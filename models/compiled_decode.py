@@ -69,6 +69,10 @@ def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
 WARM_UP = ((1, ATTENTION_ROUND), (1, 2 * ATTENTION_ROUND), (2, ATTENTION_ROUND), (3, 2 * ATTENTION_ROUND))
 
 
+# One copy of the step's code object per kind of model (see CompiledDecode._own_decode): a handful per process.
+_CODE_BY_KIND: dict[tuple, types.CodeType] = {}
+
+
 class CompileUnavailable(RuntimeError):
     """torch.compile cannot build the decode step here (no C++ compiler, an unsupported op): decode stays eager."""
 
@@ -99,13 +103,18 @@ class CompiledDecode:
         return self.weights.head(x).float()
 
     def _own_decode(self):
-        """_decode bound to self through a code object of this instance's own. Dynamo keeps its compiled entries,
-        and counts recompiles against its limit (8), per code object: with one shared code object every instance
-        (each reload of a model in a long-running worker) adds entries until compiling fails with
-        FailOnRecompileLimitHit and decode stays eager. Inductor's cache is keyed by the graphs, so a copy loses
-        nothing."""
+        """_decode bound to self through a code object of this model's kind. Dynamo keeps its compiled entries,
+        and counts recompiles against its limit (8), per code object: with one code object for all, every other
+        model compiled in a process (a worker across deploys of other models; the test suite) added entries until
+        compiling failed with FailOnRecompileLimitHit and decode stayed eager. A reload of the same kind of model
+        (same configuration, weight types and cache) shares its code object and so reuses the graphs without a
+        trace."""
+        kind = (repr(self.model.config), tuple(self.cache.kv.shape), str(self.cache.kv.dtype),
+                tuple(type(w).__name__ for w in (self.weights.embed, self.weights.head, *(
+                    m for lw in self.weights.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)))))
         fn = CompiledDecode._decode
-        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        code = _CODE_BY_KIND.setdefault(kind, fn.__code__.replace())
+        own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
         return types.MethodType(own, self)
 
     def compile(self) -> None:
