@@ -190,7 +190,9 @@ class ApplianceUaServer:
 
     @property
     def state(self) -> str:
-        return self.publisher.state
+        """The appliance's state now (the address space shows it from the next publish on): systemd's READY=1 and
+        STATUS= are sent the moment the last model is Ready, before that publish."""
+        return self.publisher.appliance_state()
 
     @property
     def heartbeat(self) -> int:
