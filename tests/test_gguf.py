@@ -131,12 +131,8 @@ def type_for(hf: str) -> QT:
     return TYPES["layernorm" if role.endswith("layernorm") else role]
 
 
-def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", extra_tensor: str | None = None):
-    """Write a Llama GGUF from random HF-order weights; return (config, HF weights, stored raw arrays)."""
-    tokens, merges, types = tiny_vocab()
-    config = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=50000.0,
-                         max_position_embeddings=512, tie_word_embeddings=tied)
+def gguf_writer(path: Path, arch: str, config: LlamaConfig, tokens, merges, types) -> gguf.GGUFWriter:
+    """A GGUFWriter with the model's header keys and a GPT-2 style vocabulary written (bos 1, eos 2)."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -153,6 +149,16 @@ def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", extra_tensor: s
     writer.add_token_types(types)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    return writer
+
+
+def write_tiny_gguf(path: Path, tied: bool, arch: str = "llama", extra_tensor: str | None = None):
+    """Write a Llama GGUF from random HF-order weights; return (config, HF weights, stored raw arrays)."""
+    tokens, merges, types = tiny_vocab()
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=50000.0,
+                         max_position_embeddings=512, tie_word_embeddings=tied)
+    writer = gguf_writer(path, arch, config, tokens, merges, types)
     writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     gen = torch.Generator().manual_seed(0)

@@ -15,7 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -27,7 +26,7 @@ from models.llama import KVCache, LlamaModel
 from models.llama_config import LlamaConfig
 from models.weights import load_weights
 from test_cpu_quant import random_blocks
-from test_gguf import gguf_name, smollm2_path, tiny_vocab, write_tiny_gguf
+from test_gguf import gguf_name, gguf_writer, smollm2_path, tiny_vocab, write_tiny_gguf
 
 REFERENCE_PROMPT = "<|im_start|>user\nWhat is a centrifugal pump?<|im_end|>\n<|im_start|>assistant\n"
 REFERENCE_ANSWER = ("A centrifugal pump is a type of mechanical pump that uses centrifugal force to remove air from "
@@ -146,20 +145,7 @@ def write_kquant_gguf(path: Path) -> LlamaConfig:
     config = LlamaConfig(vocab_size=len(tokens), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
                          max_position_embeddings=256, tie_word_embeddings=False)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = gguf_writer(path, "llama", config, tokens, merges, types)
     for i, (name, shape) in enumerate(config.tensor_shapes().items()):
         g = gguf_name(name)
         if len(shape) == 1:

@@ -115,18 +115,10 @@ def prepare_model(name: str, path: Path, settings: GenerativeSettings) -> Loaded
 
 
 def check_settings(s: GenerativeSettings) -> None:
-    if s.slot_policy not in POLICIES:
-        raise EngineFailure(f"slot_policy must be one of {', '.join(POLICIES)}")
-    if s.dtype not in DTYPES:
-        raise EngineFailure(f"dtype must be one of {', '.join(DTYPES)}")
-    if s.weights not in WEIGHTS:
-        raise EngineFailure(f"weights must be one of {', '.join(WEIGHTS)}")
-    if s.activations not in ACTIVATIONS:
-        raise EngineFailure(f"activations must be one of {', '.join(ACTIVATIONS)}")
-    if s.quant_kernels not in QUANT_KERNELS:
-        raise EngineFailure(f"quant_kernels must be one of {', '.join(QUANT_KERNELS)}")
-    if s.compile not in COMPILE:
-        raise EngineFailure(f"compile must be one of {', '.join(COMPILE)}")
+    for key, allowed in (("slot_policy", POLICIES), ("dtype", DTYPES), ("weights", WEIGHTS),
+                         ("activations", ACTIVATIONS), ("quant_kernels", QUANT_KERNELS), ("compile", COMPILE)):
+        if getattr(s, key) not in allowed:
+            raise EngineFailure(f"{key} must be one of {', '.join(allowed)}")
     if min(s.kv_slots, s.max_seq_len, s.max_new_tokens, s.prefill_chunk, s.max_text_chars) < 1:
         raise EngineFailure("kv_slots, max_seq_len, max_new_tokens, prefill_chunk and max_text_chars must be "
                             "positive")
