@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from appliance.engine.batcher import BatchPolicy
-from appliance.engine.tensor_backends import load_tensor_backend
+from appliance.engine.tensor_backends import load_tensor_backend, usable_cores
 from appliance.engine.tensor_service import TensorModelService
 from appliance.engine.versioning import content_version
 from appliance.errors import EngineFailure, InvalidArgument, NotReady
@@ -125,6 +125,26 @@ def test_onnxruntime_and_torch_export_backends_agree(tmp_path):
         assert out.dtype == np.float32 and out.shape == (5, N_OUT)
         np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ort_backend.run(x), torch_backend.run(x), rtol=1e-4, atol=1e-5)
+
+
+def test_threads_0_takes_the_thread_count_that_ran_a_full_batch_faster(tmp_path, caplog):
+    """engine.threads 0 on ONNX Runtime's CPU provider: one intra-op thread or all cores, measured at load on a
+    batch of the model's max_batch_size; an explicit count is taken as it is, unmeasured."""
+    w = make_weights(3, hidden=64)
+    path = save_onnx(tmp_path / "m.onnx", w, layers=4)
+    with caplog.at_level("INFO", logger="appliance.engine.tensor_backends"):
+        auto = load_tensor_backend(path, threads=0, timing_batch=16)
+    x = np.random.default_rng(4).standard_normal((3, N_IN)).astype(np.float32)
+    np.testing.assert_allclose(auto.run(x), reference(w, x, layers=4), rtol=1e-4, atol=1e-5)
+    if usable_cores() < 2:
+        assert auto.threads == 1 and auto.timing == {}
+    else:
+        t = auto.timing
+        assert t["batch"] == 16 and t["one_thread_ms"] > 0 and t["all_cores_ms"] > 0
+        assert auto.threads == (1 if t["one_thread_ms"] <= t["all_cores_ms"] else 0)
+        assert "ONNX Runtime on" in caplog.text and "a batch of 16" in caplog.text
+    fixed = load_tensor_backend(path, threads=2)
+    assert fixed.threads == 2 and fixed.timing == {}
 
 
 def test_onnx_with_batch_fixed_at_one_runs_samples_one_by_one(tmp_path):

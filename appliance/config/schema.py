@@ -170,7 +170,7 @@ class UserConfig:
 @dataclass
 class EngineConfig:
     device: str = setting("auto", text("auto, cpu, cuda or cuda:N", lambda v: bool(_DEVICE.fullmatch(v))))
-    threads: int = setting(0, integer(0, 1024))  # 0: all cores
+    threads: int = setting(0, integer(0, 1024))  # 0: all cores (ONNX: one or all, measured at load)
     max_batch_size: int = setting(32, integer(1, 65536))
     max_queue_delay_ms: float = setting(0.0, number(0, 1000))  # 0: batches form from requests that arrive while one runs
     max_queue_size: int = setting(256, integer(1))  # requests (not samples) waiting per model

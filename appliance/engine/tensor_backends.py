@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -95,11 +97,13 @@ _PROVIDER_NAMES = {"CUDAExecutionProvider": "onnxruntime-cuda", "TensorrtExecuti
 
 
 def load_tensor_backend(path: Path, backend: str = "auto", device: str = "auto", threads: int = 0, *,
-                        tensorrt: "TensorRtSettings | None" = None) -> TensorBackend:
+                        tensorrt: "TensorRtSettings | None" = None, timing_batch: int = 1) -> TensorBackend:
     """Load the model file at `path` with the backend asked for; EngineFailure (path-free message) if it cannot.
 
     `device` should be the YAML's engine.device as written ("auto" resolves per backend here, not once for all
-    models). `tensorrt` carries the engine cache directory and batch profile for backend "tensorrt"."""
+    models). `tensorrt` carries the engine cache directory and batch profile for backend "tensorrt". `threads` 0
+    on ONNX Runtime's CPU provider: one intra-op thread or all cores, whichever runs a batch of `timing_batch`
+    samples faster here (see _load_onnx_measured)."""
     path = Path(path)
     if backend not in BACKEND_CHOICES:
         raise EngineFailure(f"unknown backend '{backend}'; expected one of {', '.join(BACKEND_CHOICES)}")
@@ -125,9 +129,15 @@ def load_tensor_backend(path: Path, backend: str = "auto", device: str = "auto",
         raise EngineFailure(f"the {backend} backend cannot load {what} ({suffix}); use backend '{kind}' or 'auto'")
     if not path.is_file():
         raise EngineFailure("the model file does not exist or is not a file")
-    loaded = _load_onnx(path, device, threads) if kind == "onnxruntime" else _load_exported(path, device, threads)
-    _probe(loaded)
-    return loaded
+    if kind == "onnxruntime":
+        return _load_onnx_measured(path, device, timing_batch) if threads == 0 else _probed(
+            _load_onnx(path, device, threads))
+    return _probed(_load_exported(path, device, threads))
+
+
+def _probed(backend: TensorBackend) -> TensorBackend:
+    _probe(backend)
+    return backend
 
 
 def _probe(backend: TensorBackend) -> None:
@@ -165,7 +175,9 @@ class OnnxRuntimeBackend:
     output_name: str
     input_dtype: Any
     one_at_a_time: bool  # the graph's batch dimension is fixed at 1
+    threads: int = 0  # intra-op threads (0: ONNX Runtime's default, all cores)
     note: str = ""  # why this backend serves instead of the one asked for (TensorRT fallback)
+    timing: dict = field(default_factory=dict)  # threads 0: what the measured choice saw (see _load_onnx_measured)
 
     def run(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=self.input_dtype)
@@ -175,6 +187,43 @@ class OnnxRuntimeBackend:
         else:
             out = self.session.run([self.output_name], {self.input_name: x})[0]
         return np.asarray(out, dtype=np.float32)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _load_onnx_measured(path: Path, device: str, timing_batch: int) -> OnnxRuntimeBackend:
+    """engine.threads 0: ONNX Runtime with one intra-op thread or with all cores, whichever runs a full batch faster
+    on this machine. A small model (the TE classifier: 30 us a sample) runs slower on two threads than on one at
+    every batch size on a 2-core box (the second thread's wake-up and hand-off cost more than it computes), and the
+    core it leaves free is the one the serve process needs; a large model on many cores gains from them. So it is
+    measured, at load, on zeros of the model's input shape."""
+    single = _probed(_load_onnx(path, device, 1))
+    if single.name != "onnxruntime-cpu" or usable_cores() < 2:
+        return single  # a GPU provider, or one core: nothing to choose
+    multi = _probed(_load_onnx(path, device, 0))
+    batch = np.zeros((max(1, timing_batch), *single.input_shape), dtype=np.float32)
+    one_s, all_s = _seconds_per_run(single, batch), _seconds_per_run(multi, batch)
+    chosen = single if one_s <= all_s else multi
+    log.info("model %s: ONNX Runtime on %s (a batch of %d: %.3f ms on one thread, %.3f ms on all %d cores)",
+             path.name, "one thread" if chosen is single else "all cores", len(batch), one_s * 1e3, all_s * 1e3,
+             usable_cores())
+    chosen.timing = {"batch": len(batch), "one_thread_ms": round(one_s * 1e3, 3),
+                     "all_cores_ms": round(all_s * 1e3, 3)}
+    return chosen
+
+
+def _seconds_per_run(backend: "OnnxRuntimeBackend", batch: np.ndarray, budget_s: float = 0.5) -> float:
+    """Median of up to 7 runs (after one to warm up) within about `budget_s`: a slow model is timed fewer times."""
+    backend.run(batch)
+    runs: list[float] = []
+    end = time.perf_counter() + budget_s
+    while len(runs) < 7 and (len(runs) < 2 or time.perf_counter() < end):
+        started = time.perf_counter()
+        backend.run(batch)
+        runs.append(time.perf_counter() - started)
+    return float(np.median(runs))
 
 
 def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
@@ -221,7 +270,7 @@ def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
         name=_PROVIDER_NAMES.get(running, "onnxruntime-cpu"),
         input_shape=tuple(sample_dims), output_shape=declared_out, session=session,
         input_name=graph_in.name, output_name=graph_out.name, input_dtype=_ORT_FLOAT_TYPES[graph_in.type],
-        one_at_a_time=batch_dim == 1)
+        one_at_a_time=batch_dim == 1, threads=threads)
 
 
 def _cuda_index(device: str) -> int:

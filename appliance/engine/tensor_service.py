@@ -169,7 +169,7 @@ class TensorModelService(ModelStatus):
         unless the file is replaced in between (replace files atomically: write beside, then rename)."""
         version = self.version_label or content_version(self.path)
         backend = load_tensor_backend(self.path, self.backend_choice, self.device, self.threads,
-                                      tensorrt=self.tensorrt)
+                                      tensorrt=self.tensorrt, timing_batch=self.policy.max_batch_size)
         return _Loaded(backend, version)
 
     def _publish_loaded(self) -> None:
