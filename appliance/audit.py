@@ -49,6 +49,18 @@ def _canonical(obj: dict) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+def _storable(text: str) -> str:
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _with_hash(canonical: bytes, digest_hex: str) -> bytes:
+    """_canonical(record | {"hash": digest_hex}) from _canonical(record), without encoding the record twice: "hash"
+    sorts between "event" and "input_digest", and `,"input_digest":` can only be that key (inside a JSON string
+    every quote is escaped)."""
+    at = canonical.index(b',"input_digest":')
+    return canonical[:at] + b',"hash":"' + digest_hex.encode() + b'"' + canonical[at:]
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -66,10 +78,25 @@ def digest(data: bytes | str | list[float] | np.ndarray) -> str:
     elif isinstance(data, str):
         encoded = b"str\0" + data.encode("utf-8", "surrogatepass")
     else:
-        values = np.asarray(data, dtype="<f8").ravel()
-        values = np.where(np.isnan(values), np.nan, values)  # one NaN bit pattern
-        encoded = b"f64\0" + values.astype("<f8").tobytes()
+        values = np.ascontiguousarray(data, dtype="<f8").ravel()
+        if np.isnan(values).any():
+            values = np.where(np.isnan(values), np.nan, values)  # one NaN bit pattern
+        hashed = hashlib.sha256(b"f64\0")
+        hashed.update(values)
+        return "sha256:" + hashed.hexdigest()[:32]
     return "sha256:" + hashlib.sha256(encoded).hexdigest()[:32]
+
+
+class DigestOf:
+    """digest(data), computed when the record is written (str() of it): on the audit writer's thread, not on the
+    event loop that answers the call. `data` must not change after: an array from the network or the engine."""
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes | str | list[float] | np.ndarray):
+        self.data = data
+
+    def __str__(self) -> str:
+        return digest(self.data)
 
 
 def _rotated(path: Path, index: int) -> Path:
@@ -185,10 +212,11 @@ class AuditLog:
     # ---- writing ------------------------------------------------------------------------------------------------
 
     def record(self, *, action: str, session: str = "", client: str = "", user: str = "", role: str = "",
-               model: str = "", version: str = "", input_digest: str = "", output_digest: str = "", status: str,
+               model: str = "", version: str = "", input_digest: str | DigestOf = "",
+               output_digest: str | DigestOf = "", status: str,
                latency_ms: float = 0.0, detail: str = "", event: str = "", correlation_id: str = "",
                audit_entry_id: str = "") -> bool:
-        """True when the record reached the file (flushed to the OS)."""
+        """True when the record reached the file (flushed to the OS). The digests may be DigestOf: computed here."""
         try:
             latency = round(float(latency_ms), 3)
             text = {"event": event or "call", "action": action, "correlation_id": correlation_id,
@@ -196,7 +224,7 @@ class AuditLog:
                     "role": role, "model": model, "version": version, "input_digest": input_digest,
                     "output_digest": output_digest, "status": status, "detail": detail}
             # Text from clients may hold lone surrogates (undecodable bytes): store them as U+FFFD, not lose the record.
-            fields = {k: str(v).encode("utf-8", "replace").decode("utf-8") for k, v in text.items()}
+            fields = {k: _storable(str(v)) for k, v in text.items()}
             fields["latency_ms"] = latency if math.isfinite(latency) else -1.0
             with self._lock:
                 if self._closed:
@@ -226,8 +254,9 @@ class AuditLog:
 
     def _write_locked(self, fields: dict) -> None:
         rec = {"seq": self._seq + 1, "time": _utc_now(), **fields, "prev": self._prev}
-        rec["hash"] = _sha256(_canonical(rec))
-        line = _canonical(rec)
+        unhashed = _canonical(rec)
+        rec["hash"] = _sha256(unhashed)
+        line = _with_hash(unhashed, rec["hash"])
         if self._fh.tell() > 0 and self._fh.tell() + len(line) + 1 > self.max_bytes:
             self._rotate_locked()
         self._fh.write(line + b"\n")

@@ -61,6 +61,10 @@ class ServedModel(Protocol):
     name: str
     kind: str
 
+    @property
+    def state(self) -> str:
+        """status().state (Loading | Ready | Failed) without building the whole status: asked on every call."""
+
     def status(self) -> ModelStatus: ...
 
     async def reload(self) -> str:
@@ -69,6 +73,10 @@ class ServedModel(Protocol):
 
 @runtime_checkable
 class TensorModel(ServedModel, Protocol):
+    @property
+    def max_floats(self) -> int:
+        """The most floats one call may carry: MaxSamples x the sample's size (0 while the shape is unknown)."""
+
     async def infer(self, samples: np.ndarray, deadline: float) -> InferResult:
         """samples: 1-D float32, k samples back to back; deadline: time.monotonic() seconds."""
 

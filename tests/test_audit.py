@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from appliance.audit import GENESIS, AuditLog, digest, verify
+from appliance.audit import GENESIS, AuditLog, DigestOf, digest, verify
 from appliance.cli.audit import cmd_audit_verify
 from appliance.metrics import Metrics
 
@@ -273,6 +273,25 @@ def test_digest_is_canonical():
     assert digest("abc") != digest(b"abc")
     assert digest("abc") == digest("abc")
     assert digest([float("nan")]) == digest(np.array([np.nan], dtype=np.float32))
+
+
+def test_a_line_is_the_canonical_json_of_its_record_whatever_the_text(tmp_path):
+    """The writer splices "hash" into the record's canonical JSON instead of encoding it twice: the line must still
+    be exactly the canonical encoding, also with client text that quotes the next key, backslashes, non-ASCII and
+    lone surrogates; digests given as DigestOf are hashed when written, as digest() does."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    tricky = ['we\\",\\"input_digest\\":"x', ',"input_digest":', "\\", 'ü "q"', "bad \udcff byte", ""]
+    samples = np.array([0.5, float("nan"), -2.0], dtype=np.float32)
+    for text in tricky:
+        assert log.record(action="Infer", status="Good", user=f"user:{text}", detail=text,
+                          input_digest=DigestOf(samples), output_digest=DigestOf(text))
+    log.close()
+    for line, text in zip(lines_of(path), tricky):
+        rec = json.loads(line)
+        assert json.dumps(rec, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() == line
+        assert rec["input_digest"] == digest(samples) and rec["output_digest"] == digest(text)
+    assert verify(path) == (True, [])
 
 
 def test_cmd_audit_verify(tmp_path, capsys):

@@ -191,6 +191,7 @@ class ApplianceSession(InternalSession):
             self.iserver.register_external_session(self)
         self.key = self.session_id.Identifier.hex()  # stable printable key (KV slots, audit)
         self.channel_certificate: bytes | None = None  # DER of the secure channel's client certificate
+        self._thumbprint, self._thumbprint_of = "", object()  # client_thumbprint and the certificate it is of
         self.client_uri: str = ""
         self.peer: str = ""
         self.outstanding_calls = 0
@@ -216,7 +217,11 @@ class ApplianceSession(InternalSession):
 
     @property
     def client_thumbprint(self) -> str:
-        return thumbprint(self.channel_certificate)
+        """Asked on every call (rate limit, audit): computed once per certificate the session is bound to."""
+        cert = self.channel_certificate
+        if self._thumbprint_of is not cert:
+            self._thumbprint, self._thumbprint_of = thumbprint(cert), cert
+        return self._thumbprint
 
     def activate_session(self, params: ua.ActivateSessionParameters, peer_certificate: bytes | None):
         previous_user, previous_nonce, was_active = self.user, self.nonce, self.is_activated()

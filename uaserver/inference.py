@@ -8,11 +8,10 @@ checked, the answering model chosen by governance, the call sent to its worker t
 from __future__ import annotations
 
 import asyncio
-import math
 
 from asyncua import ua
 
-from appliance.audit import digest
+from appliance.audit import DigestOf
 from appliance.model_port import GenerativeModel, InferResult, TensorModel
 
 from .alarms import Alarms
@@ -51,18 +50,18 @@ class Inference:
 
     def samples(self, svc: TensorModel, arg: ua.Variant, index: int = 0):
         """Input's floats (type, emptiness, size bound, finiteness checked); the shape is the model's to check."""
-        return self.handlers.float_array(arg, index, most_floats(svc))
+        return self.handlers.float_array(arg, index, svc.max_floats)
 
     async def infer(self, svc: TensorModel, ctx: CallContext, samples_arg: ua.Variant) -> InferResult:
         """One Infer as Infer, Classify and mailboxes run it: the samples checked, the answering model (variant or
         fallback), its result recorded for the audit, drift updated after the answer is sent."""
         samples = self.samples(svc, samples_arg)
-        ctx.input_digest = digest(samples)
+        ctx.input_digest = DigestOf(samples)
         model = self.governance.answering(svc, ctx)
         require_ready(model)
         r = await model.infer(samples, self.handlers.deadline())
         ctx.version = r.model_version
-        ctx.output_digest = digest(r.output)
+        ctx.output_digest = DigestOf(r.output)
         if svc.name in self.governance.drift:  # after the answer is sent: drift costs the caller nothing
             asyncio.get_running_loop().call_soon(self.governance.drift_update, svc.name, samples, r.output)
         return r
@@ -99,17 +98,12 @@ class Inference:
                 key = self.conversations.key(ctx, require_type(args[0], 0, (V.String,), array=False) or "",
                                              svc.name, 0)
             prompt, max_tokens, temperature = self.generate_args(args, first)
-            ctx.input_digest = digest(prompt)
+            ctx.input_digest = DigestOf(prompt)
             model = self.governance.answering(svc, ctx)
             require_ready(model)
             r = await model.generate(key, prompt, max_tokens, temperature, self.handlers.deadline())
             ctx.version = r.model_version
-            ctx.output_digest = digest(r.text)
+            ctx.output_digest = DigestOf(r.text)
             return generate_outputs(r)
         return body
 
-
-def most_floats(model: TensorModel) -> int:
-    """MaxSamples samples of the model's input, the most one Infer call may carry."""
-    st = model.status()
-    return st.max_samples * math.prod(st.input_shape) if st.input_shape else 0

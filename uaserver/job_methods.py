@@ -13,7 +13,7 @@ import time
 
 from asyncua import Server, ua
 
-from appliance.audit import digest
+from appliance.audit import DigestOf
 from appliance.call_checks import check_generate, check_samples
 from appliance.errors import InvalidArgument, ResourceUnavailable
 from appliance.jobs import Job, JobStore
@@ -75,7 +75,7 @@ class JobMethods:
 
         async def body(ctx: CallContext, args):
             samples = inference.samples(svc, args[0])
-            ctx.input_digest = digest(samples)
+            ctx.input_digest = DigestOf(samples)
             model = inference.governance.answering(svc, ctx)
             require_ready(model)
             st = model.status()
@@ -102,7 +102,7 @@ class JobMethods:
             prompt, max_tokens, temperature = inference.generate_args(args, 1)
             # refused now, as Generate would refuse it (whether it fits the context is known once it runs)
             check_generate(prompt, max_tokens, temperature, self.config.engine.max_new_tokens, first=1)
-            ctx.input_digest = digest(prompt)
+            ctx.input_digest = DigestOf(prompt)
             key = conversations.key(ctx, conversation, svc.name, 0) if conversation else ctx.session.key
             require_ready(svc)
             finish_by = self._bound()
@@ -141,14 +141,14 @@ class JobMethods:
             if job.kind == "infer":
                 if r is None:
                     return [ua.Variant(False, V.Boolean), ua.Variant([], V.Float), ua.Variant("", V.String)]
-                ctx.version, ctx.output_digest = r.model_version, digest(r.output)
+                ctx.version, ctx.output_digest = r.model_version, DigestOf(r.output)
                 return [ua.Variant(True, V.Boolean), ua.Variant(r.output.tolist(), V.Float),
                         ua.Variant(r.model_version, V.String)]
             if r is None:
                 return [ua.Variant(False, V.Boolean), ua.Variant(job.partial_text, V.String),
                         ua.Variant(job.partial_tokens, V.UInt32), ua.Variant("", V.String),
                         ua.Variant(0, V.UInt32), ua.Variant(False, V.Boolean), ua.Variant("", V.String)]
-            ctx.version, ctx.output_digest = r.model_version, digest(r.text)
+            ctx.version, ctx.output_digest = r.model_version, DigestOf(r.text)
             return [ua.Variant(True, V.Boolean), *generate_outputs(r)]
         return body
 

@@ -29,7 +29,7 @@ from asyncua import Node, Server, ua
 
 from typing import TYPE_CHECKING
 
-from appliance.audit import digest
+from appliance.audit import DigestOf
 from appliance.config import MailboxConfig
 
 from .asyncua_internals import ApplianceSession, write_together
@@ -258,7 +258,7 @@ def _generate_body(inference: "Inference", svc, box: MailboxConfig):
     async def body(ctx: CallContext, args):
         ctx.detail = f"mailbox {box.name} Request {args[2].Value}"
         prompt = inference.handlers.text(args[0], 0)
-        ctx.input_digest = digest(prompt)
+        ctx.input_digest = DigestOf(prompt)
         model = inference.governance.answering(svc, ctx)
         require_ready(model)
         try:
@@ -267,7 +267,7 @@ def _generate_body(inference: "Inference", svc, box: MailboxConfig):
         finally:
             model.release(key)
         ctx.version = r.model_version
-        ctx.output_digest = digest(r.text)
+        ctx.output_digest = DigestOf(r.text)
         return MailboxAnswer(r.model_version, text=r.text)
     return body
 

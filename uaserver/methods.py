@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from asyncua import ua
 
+from appliance.audit import DigestOf
 from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
 
 from .asyncua_internals import ApplianceSession
@@ -52,8 +53,8 @@ class CallContext:
     method: str
     model: str = ""
     version: str = ""
-    input_digest: str = ""
-    output_digest: str = ""
+    input_digest: str | DigestOf = ""  # DigestOf: hashed on the audit writer's thread
+    output_digest: str | DigestOf = ""
     answered_by: str = ""  # the fallback model that answered instead (its name), if one did
     variant: str = ""  # the A/B variant that answered, if the model has variants
     event: str = "call"  # the audit record's event kind (role_denied, rate_limited, audit_refused, promote, ...)
@@ -62,6 +63,7 @@ class CallContext:
     correlation_id: str = field(default_factory=new_correlation_id)
     audit_entry_id: str = ""
     started: float = field(default_factory=time.perf_counter)
+    finished: float = 0.0  # when the answer was ready (0: not yet)
 
 
 def status_result(status: str, n_args: int = 0, arg_index: int | None = None,
@@ -195,7 +197,10 @@ class MethodHandlers:
                 return status_result(status)
             finally:
                 self.in_flight -= 1
-                self.account(ctx, status)
+                ctx.finished = time.perf_counter()
+                # Counted and audited once the answer is on its way: asyncua writes the response in this same step
+                # of the task, before the loop runs callbacks; the caller does not wait for the bookkeeping.
+                asyncio.get_running_loop().call_soon(self.account, ctx, status)
                 correlation_id.reset(cid)
         return callback
 
@@ -209,7 +214,7 @@ class MethodHandlers:
 
     def account(self, ctx: CallContext, status: str) -> None:
         """Count, time and audit one call (or a mailbox request refused before it ran)."""
-        elapsed = time.perf_counter() - ctx.started
+        elapsed = (ctx.finished or time.perf_counter()) - ctx.started
         if self.metrics is not None:
             self.metrics.count_request(ctx.model, ctx.method, status, ctx.variant)
             self.metrics.request_duration.labels(ctx.model, ctx.method).observe(
@@ -281,6 +286,6 @@ def caller_identity(session: ApplianceSession | None) -> str:
 
 
 def require_ready(model) -> None:
-    if model.status().state != "Ready":
+    if model.state != "Ready":
         raise NotReady()
 

@@ -7,6 +7,7 @@ result says ContextLost.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import numpy as np
@@ -44,6 +45,11 @@ class RemoteModel:
         if not sup.up or sup.restarting_model(self.name):
             return "Loading"
         return sup.snapshots[self.name].state
+
+    @property
+    def max_floats(self) -> int:
+        shape = self.supervisor.snapshots[self.name].input_shape
+        return self.max_samples * math.prod(shape) if shape else 0
 
     def status(self) -> ModelStatus:
         sup, snap = self.supervisor, self.supervisor.snapshots[self.name]
