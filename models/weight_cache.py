@@ -27,8 +27,10 @@ from models.quant import BlockMatrix
 
 log = logging.getLogger(__name__)
 
-LAYOUT = "3"  # bump when what is stored changes (3: the block formats' panel layout of kernels/cpu_layout.py)
-MAGIC = b"APPLWTS3"
+# bump when what is stored changes (3: the block formats' panel layout of kernels/cpu_layout.py; 4: each layer's
+# q/k/v and gate/up back to back, so the model fuses them as views of the map, see quant.concat_rows)
+LAYOUT = "4"
+MAGIC = b"APPLWTS4"
 ALIGN = 64
 KEEP = 3  # cache files kept per model directory
 SUFFIX = ".weights"
@@ -73,7 +75,7 @@ def _plain(value: Any) -> Any:
 def save(path: Path, tensors: dict[str, Any], meta: dict | None = None) -> None:
     """Write atomically (a temporary file beside it, then rename), the header metadata first."""
     entries, blobs, offset = [], [], 0
-    for name, t in tensors.items():
+    for name, t in _fusable_together(tensors):
         if isinstance(t, BlockMatrix):
             data = t.data.contiguous()
             entry = {"name": name, "kind": "block", "type": t.type_name, "shape": list(t.shape)}
@@ -103,6 +105,28 @@ def save(path: Path, tensors: dict[str, Any], meta: dict | None = None) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _keep_recent(path.parent)
+
+
+# Stored back to back, in this order, when they are in one format: what the model multiplies as one matrix.
+FUSED_GROUPS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
+
+
+def _fusable_together(tensors: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The tensors in the order to store them: each layer's fused groups (FUSED_GROUPS) consecutive."""
+    ordered, placed = [], set()
+    for name, t in tensors.items():
+        if name in placed:
+            continue
+        group = [name]
+        for parts in FUSED_GROUPS:
+            if name.endswith(parts[0]):
+                prefix = name[:-len(parts[0])]
+                group = [prefix + part for part in parts if prefix + part in tensors]
+        for member in group:
+            ordered.append((member, tensors[member]))
+            placed.add(member)
+    return ordered
 
 
 def _keep_recent(cache_dir: Path) -> None:
@@ -141,13 +165,13 @@ def load(path: Path) -> dict[str, Any] | None:
         out: dict[str, Any] = {}
         with warnings.catch_warnings():  # a read-only map: torch warns that it cannot write; nothing writes to it
             warnings.simplefilter("ignore", UserWarning)
+            whole = torch.frombuffer(mm, dtype=torch.uint8)  # one storage: neighbours can be viewed as one
             for e in header["tensors"]:
                 dtype = _DTYPES[e["dtype"]]
-                count = e["nbytes"] // torch.empty((), dtype=dtype).element_size()
-                if start + e["offset"] + e["nbytes"] > len(mm):
+                begin = start + e["offset"]
+                if begin + e["nbytes"] > len(mm):
                     raise CacheFileError(f"torn file: {e['name']} runs past its end")
-                t = torch.frombuffer(mm, dtype=dtype, count=count, offset=start + e["offset"]) if count else \
-                    torch.empty(0, dtype=dtype)
+                t = whole[begin:begin + e["nbytes"]].view(dtype) if e["nbytes"] else torch.empty(0, dtype=dtype)
                 t = t.view(e["data_shape"])
                 out[e["name"]] = BlockMatrix(e["type"], tuple(e["shape"]), t) if e["kind"] == "block" else t
         os.utime(path)  # most recently used: survives _keep_recent

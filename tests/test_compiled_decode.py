@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -188,9 +189,12 @@ def test_a_box_without_a_compiler_stays_eager_at_once(model_dir):
     assert time.monotonic() - started < 2 and not compiled.ready
 
 
-def test_generate_over_opc_ua_with_the_compiled_step_answers_as_eager(tmp_path, model_dir):
+def test_generate_over_opc_ua_with_the_compiled_step_answers_as_eager(tmp_path, model_dir, monkeypatch):
     """engine.compile from the YAML reaches the worker: `on` compiles before Ready (artefacts under the state
-    directory), and two sessions generating together get the eager appliance's texts."""
+    directory), and two sessions generating together get the eager appliance's texts. The workers run as on a box
+    (no Triton interpreter, which the suite turns on for the kernel tests): on a CPU-only box the compiling worker
+    never loads Triton."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from asyncua import ua
 
     from harness import RunningAppliance
@@ -214,12 +218,41 @@ def test_generate_over_opc_ua_with_the_compiled_step_answers_as_eager(tmp_path, 
 
             async def both():
                 return list(await asyncio.gather(one("pump one"), one("tank level rising high")))
-            return run(both())
+            answers = run(both())
+            if mode == "on" and not torch.cuda.is_available():  # a CPU-only box: the worker never loads Triton
+                pid = app.app.services["chat"].supervisor.process.pid
+                with open(f"/proc/{pid}/maps") as f:
+                    assert "libtriton" not in f.read()
+            return answers
         finally:
             app.stop()
     compiled = texts("on")
     assert any((tmp_path / "on" / "cache" / "inductor").iterdir())
     assert compiled == texts("off")
+
+
+@pytest.mark.parametrize("case", ["cpu", "cuda", "interpreter"])
+def test_a_cpu_worker_keeps_triton_out_and_still_compiles(case):
+    """keep_triton_out in a fresh process, as a worker calls it before its engine imports torch: CPU-only models
+    make `import triton` fail (Inductor imports it otherwise: 66 MB of a worker's memory) and the decode step still
+    compiles; a model on a GPU, or the Triton interpreter (tests), keeps it importable."""
+    code = f"""
+import math, sys
+from appliance.workers import protocol as p
+from appliance.workers.worker import keep_triton_out
+keep_triton_out([p.ModelSpec("m", "generative", "x", None, {{"device": "{'cuda:0' if case == 'cuda' else 'cpu'}"}})])
+import torch, torch._inductor
+step = torch.compile(lambda x: (x * 2).sin().sum())
+assert abs(float(step(torch.ones(4))) - 4 * math.sin(2)) < 1e-5
+print("blocked" if sys.modules.get("triton", 0) is None else "importable")
+"""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    env.pop("TRITON_INTERPRET", None)
+    if case == "interpreter":
+        env["TRITON_INTERPRET"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == ("blocked" if case == "cpu" else "importable")
 
 
 def test_auto_compiles_in_the_background_after_ready_and_decode_switches_over(model_dir, tmp_path, caplog):
