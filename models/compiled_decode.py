@@ -129,9 +129,11 @@ class CompiledDecode:
         # (memory, processes), for no gain on a 2-core box whose other core is serving.
         inductor_config.compile_threads = 1
         started = time.monotonic()
-        # Automatic dynamic shapes: a dimension becomes symbolic once it has been seen with two sizes, so these
-        # warm-up calls leave the batch and attention-length dimensions symbolic and everything else (weights,
-        # the cache) static. Warm-up rows write only the scratch cell of slot 0.
+        # The batch and attention-length dimensions are symbolic from the first trace (marked dynamic), everything
+        # else (weights, the cache) static; torch specialises a batch of one, so there are two graphs. Each start
+        # traces every graph again before it finds the compiled kernels in Inductor's cache (~2-4 s a trace for
+        # a 1B model): marked, the warm-up traces twice; left to automatic dynamic shapes (a dimension becomes
+        # symbolic once seen with two sizes) it traced three times. Warm-up rows write only slot 0's scratch cell.
         scratch = self.cache.max_seq_len
         try:
             cpp_builder.get_cpp_compiler()  # before tracing: without a compiler Inductor fails after a minute of it
@@ -139,8 +141,13 @@ class CompiledDecode:
             with torch.no_grad():
                 for b, t_len in WARM_UP:  # lengths as step() makes them: never past max_seq_len
                     t_len = min(t_len, self.cache.max_seq_len)
-                    compiled(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
-                             torch.full((b,), scratch), torch.ones(b, 1, 1, t_len, dtype=torch.bool))
+                    args = (torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+                            torch.full((b,), scratch), torch.ones(b, 1, 1, t_len, dtype=torch.bool))
+                    torch._dynamo.mark_dynamic(args[3], 3)
+                    if b > 1:
+                        for arg in args:
+                            torch._dynamo.mark_dynamic(arg, 0)
+                    compiled(*args)
         except inductor_exc.InvalidCxxCompiler as exc:
             raise CompileUnavailable("no C++ compiler for Inductor (g++ or $CXX); install g++ for the compiled "
                                      "decode step") from exc
