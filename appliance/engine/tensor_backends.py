@@ -209,8 +209,7 @@ def _load_onnx_measured(path: Path, device: str, timing_batch: int) -> OnnxRunti
     log.info("model %s: ONNX Runtime on %s (a batch of %d: %.3f ms on one thread, %.3f ms on all %d cores)",
              path.name, "one thread" if chosen is single else "all cores", len(batch), one_s * 1e3, all_s * 1e3,
              usable_cores())
-    chosen.timing = {"batch": len(batch), "one_thread_ms": round(one_s * 1e3, 3),
-                     "all_cores_ms": round(all_s * 1e3, 3)}
+    chosen.timing = {"batch": len(batch), "one_thread_ms": one_s * 1e3, "all_cores_ms": all_s * 1e3}
     return chosen
 
 
