@@ -74,17 +74,17 @@ def digest(data: bytes | str | list[float] | np.ndarray) -> str:
     """"sha256:<hex of the first 16 bytes>" of a canonical encoding: a type tag, then the bytes, the UTF-8 text,
     or the values as little-endian float64 (so a list and an array of the same numbers digest alike)."""
     if isinstance(data, (bytes, bytearray, memoryview)):
-        encoded = b"bytes\0" + bytes(data)
+        tag, body = b"bytes\0", data
     elif isinstance(data, str):
-        encoded = b"str\0" + data.encode("utf-8", "surrogatepass")
+        tag, body = b"str\0", data.encode("utf-8", "surrogatepass")
     else:
-        values = np.ascontiguousarray(data, dtype="<f8").ravel()
-        if np.isnan(values).any():
-            values = np.where(np.isnan(values), np.nan, values)  # one NaN bit pattern
-        hashed = hashlib.sha256(b"f64\0")
-        hashed.update(values)
-        return "sha256:" + hashed.hexdigest()[:32]
-    return "sha256:" + hashlib.sha256(encoded).hexdigest()[:32]
+        body = np.ascontiguousarray(data, dtype="<f8").ravel()
+        if np.isnan(body).any():
+            body = np.where(np.isnan(body), np.nan, body)  # one NaN bit pattern
+        tag = b"f64\0"
+    hashed = hashlib.sha256(tag)
+    hashed.update(body)
+    return "sha256:" + hashed.hexdigest()[:32]
 
 
 class DigestOf:

@@ -113,19 +113,20 @@ FUSED_GROUPS = (("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 
 
 def _fusable_together(tensors: dict[str, Any]) -> list[tuple[str, Any]]:
-    """The tensors in the order to store them: each layer's fused groups (FUSED_GROUPS) consecutive."""
+    """The tensors in the order to store them, each once: a fused group (FUSED_GROUPS) where its first member
+    present comes, its members consecutive and in the group's order."""
     ordered, placed = [], set()
-    for name, t in tensors.items():
-        if name in placed:
-            continue
+    for name in tensors:
         group = [name]
         for parts in FUSED_GROUPS:
-            if name.endswith(parts[0]):
-                prefix = name[:-len(parts[0])]
-                group = [prefix + part for part in parts if prefix + part in tensors]
+            part = next((p for p in parts if name.endswith(p)), None)
+            if part is not None:
+                prefix = name[:-len(part)]
+                group = [prefix + p for p in parts if prefix + p in tensors]
         for member in group:
-            ordered.append((member, tensors[member]))
-            placed.add(member)
+            if member not in placed:
+                ordered.append((member, tensors[member]))
+                placed.add(member)
     return ordered
 
 

@@ -68,8 +68,8 @@ from asyncua.server.uaprocessor import UaProcessor  # noqa: E402
 from asyncua.ua import ua_binary  # noqa: E402
 from asyncua.ua.ua_binary import (  # noqa: E402
     Primitives, nodeid_from_binary, nodeid_to_binary, struct_from_binary, struct_to_binary, uatcp_to_binary)
-import numpy as np  # noqa: E402
 from asyncua.ua.uaerrors import BadDecodingError  # noqa: E402
+import numpy as np  # noqa: E402
 from cryptography.exceptions import InvalidSignature  # noqa: E402
 from cryptography.hazmat.primitives import serialization  # noqa: E402
 
@@ -431,7 +431,7 @@ class HardenedProcessor(UaProcessor):
         return False
 
     def send_response(self, requesthandle, seqhdr, response, msgtype=ua.MessageType.SecureMessage):
-        """UaProcessor.send_response, with a Call's answer encoded by call_codec."""
+        """UaProcessor.send_response, with a Call's answer encoded by response_to_binary below."""
         response.ResponseHeader.RequestHandle = requesthandle
         data = self._connection.message_to_binary(response_to_binary(response), message_type=msgtype,
                                                   request_id=seqhdr.RequestId)
@@ -654,6 +654,8 @@ _UINT32 = struct.Struct("<I")
 _NO_DIAGNOSTICS = b"\x00"  # a DiagnosticInfo with no field set
 _EMPTY = _INT32.pack(0)  # an empty array
 _NULL_EXTENSION = b"\x00\x00\x00"  # a null ExtensionObject: TwoByte NodeId 0, no body
+_EMPTY_DIAGNOSTICS = ua.DiagnosticInfo()
+_NULL_NODE = ua.NodeId()
 
 
 def request_header_from_binary(body) -> ua.RequestHeader:
@@ -730,9 +732,6 @@ def _plain(response: ua.CallResponse) -> bool:
     return all(isinstance(r.InputArgumentResults, list) and r.InputArgumentDiagnosticInfos == []
                and isinstance(r.OutputArguments, list) for r in response.Results)
 
-
-_EMPTY_DIAGNOSTICS = ua.DiagnosticInfo()
-_NULL_NODE = ua.NodeId()
 
 
 class HardenedProtocol(OPCUAProtocol):

@@ -276,11 +276,9 @@ def keep_triton_out(specs: list[p.ModelSpec]) -> None:
 def release_free_heap() -> None:
     """Give the heap that loading freed back to the OS: glibc keeps freed memory in each thread's arena (the
     loader's and torch's threads). Measured on the 1B model's worker at Ready: 11 MB returned."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc (musl): its allocator returns memory by itself
-        return
-    libc.malloc_trim(0)
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; musl's allocator returns memory by itself
+    if trim is not None:
+        trim(0)
 
 
 def _peak_rss_mb() -> float:
