@@ -2,7 +2,7 @@
 
 It runs, on this box and with the YAML's engine settings, what the first start would otherwise do on the way:
 measures the weight paths this CPU can run and records the choice (appliance/engine/weight_plan.py), writes the
-chosen weights in their kernel layout to the weight cache, and compiles the decode step into Inductor's cache
+chosen weights in their kernel layout to the weight cache, and compiles the decode step into its package
 (engine.compile). The Debian package's postinst may call it; a deploy of a new version may too. It prints the
 Backend the model will show, and the measured figures.
 """

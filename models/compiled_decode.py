@@ -1,29 +1,33 @@
-"""The decode step compiled by torch.compile (Inductor, CPU): one token per row, each row at its own position.
+"""The decode step compiled ahead of time (torch.export, then AOTInductor on the CPU): one token per row, each row at
+its own position.
 
 What is compiled is the one forward (models/forward.py) with torch's ops and every matmul in a form a graph can
 hold; run eagerly, the same function is the reference and the fallback: prefill always runs eagerly, and decode
 does until `compile()` has succeeded. What compiling buys is the ~600 small ops of a step between the matmuls (norms,
 rotary, cache writes, attention, SiLU-gate) fused into a few generated C++ loops with no Python in between.
 
-Shapes: `dynamic=True`, so one graph serves every batch of two rows or more and every attention length; torch
-specialises a batch of one, so that is a second graph (`compile()` makes both). Attention looks at the longest row
-rounded up to ATTENTION_ROUND positions, through a mask built here, like the eager path.
+Ahead of time, not torch.compile: a package (a shared object and its metadata) is built once per kind of model and
+cache, on this box (`appliance models prepare`, the package's postinst, or the first start) and kept under
+`cache_dir`; every later start loads it through torch's C++ loader in milliseconds and hands it the model's own
+weight and cache tensors by name (nothing copied). torch.compile traced the step again at every start before its
+cache answered (8.5 s of a 1B model's 11 s start here) and imported the compiler (~110 MB per worker).
+
+Shapes: the batch (1 to the slots) and the attention length are symbolic: one graph serves every step. Attention
+looks at the longest row rounded up to ATTENTION_ROUND positions, through a mask built here, like the eager path.
 
 The weight matmuls reach the graph as custom ops: oneDNN's packed weights (`appliance::packed_linear`, here) and our
 CPU kernels (models/quant.py's `traceable()`) are opaque to Inductor, which would otherwise try, and fail, to lower
-them. torch's own int4 ops are traced as they are. The embedding lookup likewise, through its own `traceable()`
-where it has one.
-
-Inductor's artefacts (generated C++, compiled objects, FX graphs) are kept under `cache_dir` (the state
-directory's `cache/inductor`), so a restart loads them instead of compiling again (TORCHINDUCTOR_CACHE_DIR, set for
-this process: the worker serves one model).
+them; the package calls them through torch's dispatcher. torch's own int4 ops are traced as they are.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
 import os
+import tempfile
 import time
-import types
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -36,19 +40,28 @@ from models.forward import forward
 from models.forward_ops import ATTENTION_ROUND, attention_length
 from models.llama import CastLinear, KVCache, Linear, LlamaModel, RefinedHead, RowStack
 
+PACKAGE_FORMAT = 1  # bump when the traced module's names or inputs change
+
 log = logging.getLogger(__name__)
 
 
-# ---- the matmuls as ops torch.compile can place in a graph -------------------------------------------------------
+# ---- the matmuls as ops a compiled graph can hold --------------------------------------------------------------
 
-@torch.library.custom_op("appliance::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return packed_rows.linear(x, packed)  # at the eager path's row counts, sharing its oneDNN kernels
+# Registered with the dispatcher directly, not as torch.library.custom_op: a custom_op's kernel imports the whole of
+# torch._dynamo (and Inductor's modules, ~70 MB) at its first call, which the compiled step makes in the worker.
+_OPS = torch.library.Library("appliance", "DEF")
+_OPS.define("packed_linear(Tensor x, Tensor packed, int out_features) -> Tensor")
+for _key in ("CPU", "MkldnnCPU"):  # the packed weight is a oneDNN tensor, which dispatches as MkldnnCPU
+    _OPS.impl("packed_linear", lambda x, packed, out_features: packed_rows.linear(x, packed), _key)  # at the eager
+    # path's row counts, sharing its oneDNN kernels
 
 
-@packed_linear.register_fake
+@torch.library.register_fake("appliance::packed_linear")
 def _(x, packed, out_features):
     return x.new_empty(x.shape[0], out_features)
+
+
+packed_linear = torch.ops.appliance.packed_linear.default
 
 
 def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -66,105 +79,251 @@ def traceable(linear) -> Callable[[torch.Tensor], torch.Tensor]:
     raise TypeError(f"no traceable form for {type(linear).__name__}")
 
 
-WARM_UP = ((1, ATTENTION_ROUND), (1, 2 * ATTENTION_ROUND), (2, ATTENTION_ROUND), (3, 2 * ATTENTION_ROUND))
+# ---- the weights as named tensors, so the compiled step takes them at load instead of holding copies ------------
+
+def _ours(obj) -> bool:
+    """An object of our weight types (models/, kernels/): walked for tensors; anything else is a leaf."""
+    return type(obj).__module__.split(".")[0] in ("models", "kernels") and hasattr(obj, "__dict__")
 
 
-# One copy of the step's code object per kind of model (see CompiledDecode._own_decode): a handful per process.
-_CODE_BY_KIND: dict[tuple, types.CodeType] = {}
+def named_tensors(obj, prefix: str, out: dict[str, torch.Tensor], seen: set[int]) -> None:
+    """Every tensor reachable from obj through lists, tuples, dicts and our weight types, named by its path
+    (first path wins for a tensor shared by two holders: a head tied to the embeddings)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            out[prefix] = obj
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            named_tensors(item, f"{prefix}_{i}", out, seen)
+    elif isinstance(obj, dict):
+        for key, item in obj.items():
+            named_tensors(item, f"{prefix}_{key}", out, seen)
+    elif _ours(obj):
+        for key, item in vars(obj).items():
+            named_tensors(item, f"{prefix}_{key}", out, seen)
+
+
+def _rebound(obj, by_id: dict[int, torch.Tensor], memo: dict[int, object]):
+    """A copy of obj whose tensors are by_id's stand-ins (the traced module's buffers); objects without tensors are
+    shared, not copied."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if isinstance(obj, torch.Tensor):
+        out = by_id.get(id(obj), obj)
+    elif isinstance(obj, (list, tuple)):
+        out = type(obj)(_rebound(item, by_id, memo) for item in obj)
+    elif isinstance(obj, dict):
+        out = {key: _rebound(item, by_id, memo) for key, item in obj.items()}
+    elif _ours(obj):
+        out = copy.copy(obj)
+        for key, item in vars(obj).items():
+            out.__dict__[key] = _rebound(item, by_id, memo)
+    else:
+        out = obj
+    memo[id(obj)] = out
+    return out
+
+
+def structure(obj) -> str:
+    """What the compiled step's code depends on besides tensor values: our weight types, their plain settings
+    (block formats, kernel library and ISA, sizes) and each tensor's shape and dtype."""
+    if isinstance(obj, torch.Tensor):
+        strides = tuple(obj.stride()) if obj.layout == torch.strided else obj.layout
+        return f"T{tuple(obj.shape)}{obj.dtype}{strides}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ",".join(structure(item) for item in obj) + "]"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{k}:{structure(v)}" for k, v in obj.items()) + "}"
+    if _ours(obj):
+        return type(obj).__name__ + "(" + ",".join(f"{k}={structure(v)}" for k, v in vars(obj).items()) + ")"
+    if isinstance(obj, (str, int, float, bool, torch.dtype, type(None))):
+        return repr(obj)
+    return type(obj).__name__
+
+
+def traceable_weights(w):
+    """The model's weights with every matmul in its traceable form (the tensors are w's own)."""
+    return replace(w, layers=[replace(lw, qkv=traceable(lw.qkv), o=traceable(lw.o), gate_up=traceable(lw.gate_up),
+                                      down=traceable(lw.down)) for lw in w.layers], head=traceable(w.head),
+                   embed=w.embed.traceable() if hasattr(w.embed, "traceable") else w.embed)
+
+
+class _Step(torch.nn.Module):
+    """The decode step as torch.export traces it: the weights, rotary tables and each layer's K and V cache are
+    buffers under stable names (so a later process hands its own tensors to the compiled package by name), and the
+    step writes the cache buffers in place. oneDNN's packed weights are opaque tensors (no strides) that Inductor
+    cannot hold as constants: they come in as inputs instead, after the step's own."""
+
+    def __init__(self, model: LlamaModel, weights: dict[str, torch.Tensor], opaque: list[torch.Tensor],
+                 cache: KVCache):
+        super().__init__()
+        self._model, self._ids = model, {name: id(t) for name, t in weights.items()}
+        self._opaque_ids = [id(t) for t in opaque]
+        for name, t in weights.items():
+            self.register_buffer(name, t)
+        for i, (k, v) in enumerate(zip(cache.k_layers, cache.v_layers)):
+            self.register_buffer(f"cache_k_{i}", k)
+            self.register_buffer(f"cache_v_{i}", v)
+        self._layers = len(cache.k_layers)
+
+    def forward(self, token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, opaque: list[torch.Tensor]) -> torch.Tensor:
+        """token_ids, slot_ids, positions (B,) long; mask (B, 1, 1, T) bool -> fp32 logits (B, vocab)."""
+        by_id = {tensor_id: getattr(self, name) for name, tensor_id in self._ids.items()}
+        by_id.update(zip(self._opaque_ids, opaque))
+        w = traceable_weights(_rebound(self._model.weights, by_id, {}))
+        ops = self._model.torch_ops
+        rows = ops.graph_decode_rows(token_ids, slot_ids, positions, mask, self.rope_cos, self.rope_sin)
+        x = forward(w, ops, [getattr(self, f"cache_k_{i}") for i in range(self._layers)],
+                    [getattr(self, f"cache_v_{i}") for i in range(self._layers)], [rows])
+        return w.head(x).float()
 
 
 class CompileUnavailable(RuntimeError):
-    """torch.compile cannot build the decode step here (no C++ compiler, an unsupported op): decode stays eager."""
+    """torch cannot build the decode step here (no C++ compiler, an unsupported op): decode stays eager."""
 
 
 class CompiledDecode:
-    """model's decode step over cache, compiled; `step()` has forward()'s numbers for rows of one token."""
+    """model's decode step over cache, compiled ahead of time; `step()` has forward()'s numbers for rows of one
+    token."""
 
     def __init__(self, model: LlamaModel, cache: KVCache, cache_dir: Path | None = None):
         if model.device.type != "cpu":
             raise CompileUnavailable("the compiled decode step is for CPUs (CUDA decodes through CUDA graphs)")
         self.model, self.cache, self.cache_dir = model, cache, cache_dir
-        w = model.weights
-        # The model's weights with every matmul in its traceable form (the tensors are the model's own).
-        self.weights = replace(w, layers=[replace(lw, qkv=traceable(lw.qkv), o=traceable(lw.o),
-                                                  gate_up=traceable(lw.gate_up), down=traceable(lw.down))
-                                          for lw in w.layers], head=traceable(w.head),
-                               embed=w.embed.traceable() if hasattr(w.embed, "traceable") else w.embed)
-        self._cos, self._sin = model.rope_tables(cache)  # positions 0..max_seq_len: the scratch cell warm-up rows use
-        self._compiled = None
+        found: dict[str, torch.Tensor] = {}
+        named_tensors(model.weights, "w", found, set())
+        found["rope_cos"], found["rope_sin"] = model.rope_tables(cache)
+        self.weights = {name: t for name, t in found.items() if t.layout == torch.strided}
+        self.opaque = [t for t in found.values() if t.layout != torch.strided]  # inputs of every step
+        self._runner = None
         self.compile_seconds: float | None = None
+        self.built = False  # this process compiled the package (False: loaded a package compiled before)
 
-    def _decode(self, token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """The graph: token_ids, slot_ids, positions (B,) long; mask (B, 1, 1, T) bool -> fp32 logits (B, vocab)."""
-        ops = self.model.torch_ops
-        rows = ops.graph_decode_rows(token_ids, slot_ids, positions, mask, self._cos, self._sin)
-        x = forward(self.weights, ops, self.cache.k_layers, self.cache.v_layers, [rows])
-        return self.weights.head(x).float()
+    def package_path(self, directory: Path) -> Path:
+        """The package for this kind of model and cache (not these weights: they are handed over at load)."""
+        key = "|".join((str(PACKAGE_FORMAT), torch.__version__, repr(self.model.config), structure(self.weights),
+                        structure(self.model.weights), f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}"))
+        return directory / f"decode-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
-    def _own_decode(self):
-        """_decode bound to self through a code object of this model's kind. Dynamo keeps its compiled entries,
-        and counts recompiles against its limit (8), per code object: with one code object for all, every other
-        model compiled in a process (a worker across deploys of other models; the test suite) added entries until
-        compiling failed with FailOnRecompileLimitHit and decode stayed eager. A reload of the same kind of model
-        (same configuration, weight types and cache) shares its code object and so reuses the graphs without a
-        trace."""
-        kind = (repr(self.model.config), tuple(self.cache.kv.shape), str(self.cache.kv.dtype),
-                tuple(type(w).__name__ for w in (self.weights.embed, self.weights.head, *(
-                    m for lw in self.weights.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)))))
-        fn = CompiledDecode._decode
-        code = _CODE_BY_KIND.setdefault(kind, fn.__code__.replace())
-        own = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-        return types.MethodType(own, self)
+    @property
+    def prepared(self) -> bool:
+        """A package for this kind of model and cache is in cache_dir: compile() loads it in milliseconds."""
+        return self.cache_dir is not None and self.package_path(Path(self.cache_dir)).exists()
 
-    def compile(self) -> None:
-        """Build the graphs now (a batch of one, and of several; each over any attention length): raises
-        CompileUnavailable where torch cannot."""
-        if self.cache_dir is not None:
-            Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.cache_dir)
+    def _export(self, package: Path) -> None:
+        """torch.export the step (the batch and attention-length dimensions symbolic), compile it with Inductor
+        ahead of time, and write the package (its weights left out: they are the model's own at load)."""
         import torch._inductor.config as inductor_config
         from torch._inductor import cpp_builder, exc as inductor_exc
-        # Compile in this process: a pool of compile workers would stay behind as children of the model's worker
-        # (memory, processes), for no gain on a 2-core box whose other core is serving.
-        inductor_config.compile_threads = 1
-        started = time.monotonic()
-        # The batch and attention-length dimensions are symbolic from the first trace (marked dynamic), everything
-        # else (weights, the cache) static; torch specialises a batch of one, so there are two graphs. Each start
-        # traces every graph again before it finds the compiled kernels in Inductor's cache (~2-4 s a trace for
-        # a 1B model): marked, the warm-up traces twice; left to automatic dynamic shapes (a dimension becomes
-        # symbolic once seen with two sizes) it traced three times. Warm-up rows write only slot 0's scratch cell.
-        scratch = self.cache.max_seq_len
-        try:
-            cpp_builder.get_cpp_compiler()  # before tracing: without a compiler Inductor fails after a minute of it
-            compiled = torch.compile(self._own_decode(), fullgraph=True)
-            with torch.no_grad():
-                for b, t_len in WARM_UP:  # lengths as step() makes them: never past max_seq_len
-                    t_len = min(t_len, self.cache.max_seq_len)
-                    args = (torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
-                            torch.full((b,), scratch), torch.ones(b, 1, 1, t_len, dtype=torch.bool))
-                    torch._dynamo.mark_dynamic(args[3], 3)
-                    if b > 1:
-                        for arg in args:
-                            torch._dynamo.mark_dynamic(arg, 0)
-                    compiled(*args)
+        try:  # before tracing: without a compiler Inductor fails after a minute of it
+            cpp_builder.get_cpp_compiler()
         except inductor_exc.InvalidCxxCompiler as exc:
             raise CompileUnavailable("no C++ compiler for Inductor (g++ or $CXX); install g++ for the compiled "
                                      "decode step") from exc
-        except Exception as exc:  # noqa: BLE001 - whatever Inductor raises, the eager path serves
-            raise CompileUnavailable(f"torch.compile of the decode step failed: {type(exc).__name__}: "
-                                     f"{str(exc)[:300]}") from exc
-        self._compiled = compiled
+        # One compiling thread: the box's other core is serving; Inductor's artefacts under the package's directory.
+        inductor_config.compile_threads = 1
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(package.parent)
+        max_len = self.cache.max_seq_len
+        if max_len < 2:
+            raise CompileUnavailable("max_seq_len under 2: nothing to compile")
+        b = 2  # any batch of two or more stands for every batch, one included (a size of 1 would specialise)
+        args = (torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long),
+                torch.full((b,), max_len), torch.ones(b, 1, 1, min(ATTENTION_ROUND, max_len), dtype=torch.bool),
+                self.opaque)
+        batch = torch.export.Dim("batch", min=1, max=max(2, self.cache.n_slots))
+        length = torch.export.Dim("attention", min=2, max=max_len)
+        with warnings.catch_warnings():  # torch's own pytree deprecation notice, printed into the worker's log
+            warnings.simplefilter("ignore", FutureWarning)
+            program = torch.export.export(_Step(self.model, self.weights, self.opaque, self.cache), args,
+                                          strict=False, dynamic_shapes=({0: batch}, {0: batch}, {0: batch},
+                                                                        {0: batch, 3: length},
+                                                                        [None] * len(self.opaque)))
+        if program.constants:  # a tensor the walk did not name would be missing at load
+            raise CompileUnavailable(f"the decode step holds tensors outside the model's weights: "
+                                     f"{sorted(program.constants)[:3]}")
+        partial = package.with_name(f"partial-{os.getpid()}-{package.name}")
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(partial),
+            inductor_configs={"aot_inductor.package_constants_in_so": False,
+                              "aot_inductor.package_constants_on_disk_format": None})
+        os.replace(partial, package)  # whole or not at all: a start never finds half a package
+
+    def _build_in_child(self, package: Path) -> None:
+        """_export in a forked copy of this process: the compiler's memory (~1 GB for a 1B model, Inductor's
+        modules and its copies of the graph's tensors, which it keeps) leaves with the child instead of staying in
+        the worker that serves. The child shares the model's mapped weights and writes nothing but the package."""
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: only this thread runs here; it ends with os._exit, never returning
+            status = 1
+            try:
+                os.close(read_end)
+                # OpenMP's thread team did not survive the fork (a parallel region would wait on it for ever): one
+                # thread, which runs torch's loops inline
+                torch.set_num_threads(1)
+                self._export(package)
+                status = 0
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
+                os.write(write_end, f"{type(exc).__name__}: {exc}"[:600].encode(errors="replace"))
+            finally:
+                os._exit(status)
+        os.close(write_end)
+        with os.fdopen(read_end, "rb") as pipe:
+            failure = pipe.read().decode(errors="replace")
+        _, wait_status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(wait_status) != 0 or not package.exists():
+            raise CompileUnavailable(failure.removeprefix("CompileUnavailable: ") or
+                                     f"the compiling process ended with {os.waitstatus_to_exitcode(wait_status)}")
+
+    def compile(self) -> None:
+        """Load the compiled step, compiling it first where no package for this kind of model and cache is in
+        cache_dir yet; raises CompileUnavailable where torch cannot."""
+        started = time.monotonic()
+        if self.cache_dir is None:  # nowhere to keep it (tests): built for this object only
+            with tempfile.TemporaryDirectory(prefix="decode-") as scratch:
+                self._compile_in(Path(scratch))
+        else:
+            Path(self.cache_dir).mkdir(parents=True, exist_ok=True)
+            self._compile_in(Path(self.cache_dir))
         self.compile_seconds = time.monotonic() - started
-        log.info("decode step compiled in %.1f s", self.compile_seconds)
+        log.info("decode step %s in %.1f s", "compiled" if self.built else "loaded", self.compile_seconds)
+
+    def _compile_in(self, directory: Path) -> None:
+        package = self.package_path(directory)
+        try:
+            if not package.exists():
+                self._build_in_child(package)
+                self.built = True
+            runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+            ours, wanted = {**self.weights, **self._cache_tensors()}, runner.get_constant_fqns()
+            missing = sorted(set(wanted) - set(ours))
+            if missing:  # tensors Inductor made itself (the package holds none): an op to keep out of its reach
+                raise CompileUnavailable(f"the compiled decode step needs tensors of its own: {missing[:3]}")
+            # by name, not copied (user-managed); a tensor the step never reads (a matrix multiplied from another
+            # copy of it) is not asked for
+            runner.load_constants({name: ours[name] for name in wanted}, False, True, True)
+        except CompileUnavailable:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever export or Inductor raises, the eager path serves
+            raise CompileUnavailable(f"compiling the decode step failed: {type(exc).__name__}: "
+                                     f"{str(exc)[:300]}") from exc
+        self._runner = runner
+
+    def _cache_tensors(self) -> dict[str, torch.Tensor]:
+        c = self.cache
+        return {**{f"cache_k_{i}": k for i, k in enumerate(c.k_layers)},
+                **{f"cache_v_{i}": v for i, v in enumerate(c.v_layers)}}
 
     @property
     def ready(self) -> bool:
-        return self._compiled is not None
+        return self._runner is not None
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """fp32 logits (B, vocab) of one new token per row at positions (B,), its K/V written into slot_ids."""
         t_len = attention_length(int(positions.max()) + 1, self.cache.max_seq_len)
         mask = (torch.arange(t_len) <= positions.unsqueeze(-1)).view(-1, 1, 1, t_len)
-        return self._compiled(token_ids, slot_ids, positions, mask)
+        return self._runner.run([token_ids.contiguous(), slot_ids.contiguous(), positions.contiguous(), mask,
+                                 *self.opaque])[0]

@@ -202,6 +202,20 @@ def _(data, type_name, n, k, ids, library, isa):
     return data.new_empty(ids.numel(), k, dtype=torch.float32)
 
 
+# torch's CPU int4 matmul as an op a compiled graph keeps whole (Inductor's own lowering of it adds a tensor of its
+# own, the group size, which a package whose tensors are all handed over at load does not have). Registered with the
+# dispatcher directly: a torch.library.custom_op imports torch._dynamo at its first call (models/compiled_decode.py).
+_OPS = torch.library.Library("quant", "FRAGMENT")
+_OPS.define("torch_int4_mm(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor")
+_OPS.impl("torch_int4_mm", lambda x, packed, scales_zeros: torch._weight_int4pack_mm_for_cpu(x, packed, GROUP,
+                                                                                            scales_zeros), "CPU")
+
+
+@torch.library.register_fake("quant::torch_int4_mm")
+def _(x, packed, scales_zeros):
+    return x.new_empty(x.shape[0], scales_zeros.shape[1])  # scales_zeros: (K / GROUP, n, 2)
+
+
 def _rows_op(kernels):
     """block_rows through the C++ operator where it is loaded (type by its code), else the Python custom op."""
     if not kernels.op:
@@ -252,6 +266,11 @@ class BlockLinear:
     def traceable(self):
         """The same product through an op torch.compile keeps in its graph."""
         k = self.kernels
+        if k is None and self._int4 is not None:
+            packed, scales_zeros, n = self._int4[0], self._int4[1], self.out_features
+            op = torch.ops.quant.torch_int4_mm.default
+            return lambda x: op(x.reshape(-1, self.in_features).float().contiguous(), packed,
+                                scales_zeros).view(*x.shape[:-1], n)
         if k is None:
             return lambda x: self(x)  # torch's ops (aten) trace as they are
         data, fmt, n, exact = self.matrix.data, self.matrix.type_name, self.out_features, k.activations == "float32"

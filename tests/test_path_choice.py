@@ -276,21 +276,21 @@ def test_models_prepare_measures_records_and_lays_out(tmp_path, q4_file, capsys)
 def test_a_decode_step_compiled_on_this_box_before_is_compiled_at_ready_on_every_later_start(tmp_path, q4_file,
                                                                                               caplog):
     """engine.compile: auto. The first start of a model on a box that was never prepared compiles in the background
-    (and marks it done); every later start compiles from Inductor's cache before load_engine returns, i.e. before
-    Ready: the box never serves eager decode while a compile takes a core. `prepare` does the first compile."""
+    (and writes its package); every later start loads the package before load_engine returns, i.e. before Ready:
+    the box never serves eager decode while a compile takes a core. `prepare` does the first compile."""
     from appliance.engine.llm_loading import compile_in_background, prepare_model
     s = GenerativeSettings(**{**settings(tmp_path).__dict__, "compile": "auto", "weights": "blocks",
                               "activations": "float32", "compile_cache_dir": str(tmp_path / "inductor")})
     first = load_engine("m", q4_file, s, None, None)
     assert first.compiled_decode is not None and not first.compiled_decode.ready  # serves eager, compiles after
-    assert first.compile_marker is not None and not first.compile_marker.exists()
+    assert not first.compiled_decode.prepared
     with caplog.at_level("WARNING"):
         compile_in_background("m", first).join(600)
     assert first.compiled_decode.ready, f"the background compile did not finish: {caplog.text}"
-    assert first.compile_marker.exists()  # written right after
+    assert first.compiled_decode.built and first.compiled_decode.prepared  # its package written
     second = load_engine("m", q4_file, s, None, None)
-    assert second.compiled_decode.ready and second.compile_marker == first.compile_marker
+    assert second.compiled_decode.ready and not second.compiled_decode.built  # loaded, not compiled again
 
     prepared = prepare_model("m", q4_file, GenerativeSettings(**{**s.__dict__, "compile_cache_dir":
                                                                  str(tmp_path / "other-inductor")}))
-    assert prepared.compiled_decode.ready and prepared.compile_marker.exists()
+    assert prepared.compiled_decode.ready and prepared.compiled_decode.built and prepared.compiled_decode.prepared

@@ -203,8 +203,9 @@ class EngineConfig:
     worker_restart_backoff_max_s: float = setting(30.0, number(0, 86400))
     conversation_ttl_s: float = setting(86400.0, number(1, 365 * 86400))  # a Converse conversation unused this long ends
     kernels: str = setting("auto", choice("auto", "triton", "torch"))  # generative: Triton on CUDA, else torch
-    # generative, CPU: the decode step compiled by torch.compile. auto: in the background once the model is Ready
-    # (decode eager until then); on: before Ready; off: eager only. Compiled code is kept in state_dir/cache/inductor
+    # generative, CPU: the decode step compiled ahead of time (torch.export + AOTInductor). auto: in the background
+    # once the model is Ready (decode eager until then), before Ready once its package is on this box; on: before
+    # Ready; off: eager only. Packages are kept in state_dir/cache/inductor
     compile: str = setting("auto", choice("auto", "on", "off"))
     tensorrt_fp16: bool = setting(True, boolean())  # backend tensorrt: build fp16 engines (fp32 inputs/outputs)
 

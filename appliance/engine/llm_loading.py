@@ -39,7 +39,6 @@ class LoadedEngine:
     compiled_decode: Any = None  # models.compiled_decode.CompiledDecode, ready once compiled; None: eager decode
     weight_format: str = ""  # e.g. "Q4_1+Q8_0/int8" (appliance_model_info's weight_format label)
     path_record: Any = None  # models.path_choice.Record when the path was measured
-    compile_marker: Path | None = None  # exists once this decode step has compiled on this box (compile_marker)
 
 
 def load_engine(name: str, path: Path, settings: GenerativeSettings, version_label: str | None,
@@ -84,22 +83,22 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
                 "lower kv_slots or max_seq_len")
         cache = KVCache(config, s.kv_slots, max_seq_len, kv_dtype, device)
     log.info("model %s: %s", name, plan.backend)
-    compiled, marker = None, None
+    compiled = None
     if s.compile != "off" and device == "cpu":
         from models.compiled_decode import CompiledDecode
         compiled = CompiledDecode(model, cache, Path(s.compile_cache_dir) if s.compile_cache_dir else None)
-        marker = compile_marker(s, plan.version, plan.weight_format, max_seq_len, kv_dtype)
-        if s.compile == "on" or (marker is not None and marker.exists()):
-            # on, or compiled on this box before (a start after the first, or `appliance models prepare`): from
-            # Inductor's cache, before Ready, so the box never serves eager decode while a compile takes a core
-            compile_decode(name, compiled, marker)
+        if s.compile == "on" or compiled.prepared:
+            # on, or compiled on this box before (a start after the first, or `appliance models prepare`): the
+            # package loads in milliseconds, before Ready, so the box never serves eager decode while a compile
+            # takes a core
+            compile_decode(name, compiled)
     return LoadedEngine(model, cache, tokenizer, version_label or version, plan.backend, max_seq_len, compiled,
-                        plan.weight_format, plan.record, marker)
+                        plan.weight_format, plan.record)
 
 
 def prepare_model(name: str, path: Path, settings: GenerativeSettings) -> LoadedEngine:
     """`appliance models prepare NAME` (and the package's postinst): measure the weight paths on this CPU, lay the
-    chosen weights out in the weight cache and compile the decode step into Inductor's cache, so that every start
+    chosen weights out in the weight cache and compile the decode step into its package, so that every start
     after this one serves at full speed from Ready."""
     from dataclasses import replace
     engine = load_engine(name, path, replace(settings, compile="off"), None, None, remeasure=True)
@@ -108,9 +107,7 @@ def prepare_model(name: str, path: Path, settings: GenerativeSettings) -> Loaded
         engine.compiled_decode = CompiledDecode(engine.model, engine.cache,
                                                 Path(settings.compile_cache_dir) if settings.compile_cache_dir
                                                 else None)
-        kv = engine.cache.kv.dtype
-        engine.compile_marker = compile_marker(settings, engine.version, engine.weight_format, engine.max_seq_len, kv)
-        compile_decode(name, engine.compiled_decode, engine.compile_marker)
+        compile_decode(name, engine.compiled_decode)
     return engine
 
 
@@ -124,24 +121,11 @@ def check_settings(s: GenerativeSettings) -> None:
                             "positive")
 
 
-def compile_marker(s: GenerativeSettings, version: str, weight_format: str, max_seq_len: int,
-                   kv_dtype: Any) -> Path | None:
-    """The file that says this decode step (model content, weight path, cache shape, torch) has compiled in
-    s.compile_cache_dir before: Inductor's artefacts are there, and compiling again takes their load only."""
-    if not s.compile_cache_dir:
-        return None
-    import hashlib
-
-    import torch
-    key = f"{version}|{weight_format}|{s.kv_slots}|{max_seq_len}|{kv_dtype}|{torch.__version__}"
-    return Path(s.compile_cache_dir) / f"prepared-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
-
-
 def compile_in_background(name: str, engine: LoadedEngine) -> threading.Thread | None:
     """engine.compile: auto at the first start of a model on a box that was never prepared (`appliance models
     prepare`): compile the decode step in a short-lived thread of its own (see in_fresh_thread) after a pause that
-    lets Ready reach the serve process; the engine decodes eagerly until it is done. Every later start compiles
-    from Inductor's cache before Ready (load_engine)."""
+    lets Ready reach the serve process; the engine decodes eagerly until it is done. Every later start loads the
+    package it wrote before Ready (load_engine)."""
     compiled = engine.compiled_decode
     if compiled is None or compiled.ready:
         return None
@@ -152,15 +136,14 @@ def compile_in_background(name: str, engine: LoadedEngine) -> threading.Thread |
         except OSError:
             pass
         time.sleep(BACKGROUND_COMPILE_DELAY_S)
-        compile_decode(name, compiled, engine.compile_marker)
+        compile_decode(name, compiled)
     thread = threading.Thread(target=body, name=f"compile-{name}", daemon=True)
     thread.start()
     return thread
 
 
-def compile_decode(name: str, compiled: Any, marker: Path | None = None) -> None:
-    """Compile the decode step (and mark it compiled on this box); where torch cannot, say why and leave decode
-    eager."""
+def compile_decode(name: str, compiled: Any) -> None:
+    """Compile the decode step (or load its package); where torch cannot, say why and leave decode eager."""
     from models.compiled_decode import CompileUnavailable
     log.info("model %s: compiling the decode step", name)
     try:
@@ -168,13 +151,8 @@ def compile_decode(name: str, compiled: Any, marker: Path | None = None) -> None
     except CompileUnavailable as exc:
         log.warning("model %s: decode stays eager: %s", name, exc)
         return
-    log.info("model %s: decode step compiled in %.1f s", name, compiled.compile_seconds)
-    if marker is not None:
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{compiled.compile_seconds:.1f}\n", encoding="utf-8")
-        except OSError as exc:
-            log.warning("model %s: could not mark the compiled step in %s: %s", name, marker.parent, exc)
+    log.info("model %s: decode step compiled in %.1f s (%s)", name, compiled.compile_seconds,
+             "its package built now" if compiled.built else "its package loaded")
 
 
 async def in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
