@@ -3,13 +3,13 @@
 and cached) and second start (the same state directory), and the memory of the appliance and all its processes at
 Ready (PSS: shared pages split between the processes that map them, so the sum is what the appliance costs the
 machine; RSS for comparison). With `engine.compile: auto` the first start compiles the decode step in the background
-after Ready, every later start before Ready (from Inductor's cache): the benchmark gives when the log says "decode
-step compiled" and the memory then.
+after Ready, every later start loads its package before Ready: the benchmark gives when the log says "decode step
+compiled" and the memory then.
 
 With --generate N, right after each Ready one OPC UA session (SignAndEncrypt, a certificate issued by `appliance
 certs issue`) calls Generate for N tokens on the first generative model; its tokens/s are set against the engine
-driven directly (GenerativeModelService in this process, same settings, its decode step compiled from the same
-cache), measured after the starts; then --sessions sessions (default 16) call Generate at once and the memory is
+driven directly (GenerativeModelService in this process, same settings, its decode step loaded from the same
+package), measured after the starts; then --sessions sessions (default 16) call Generate at once and the memory is
 measured again (every slot's cache filled).
 
     python bench/startup.py [--config FILE] [--starts 2] [--generate 64] [--sessions 16]
