@@ -246,7 +246,7 @@ def ensure_built(isas: list[str], build_dir: Path | None = None) -> None:
 
 def library_at(path: str) -> ctypes.CDLL:
     """The library at path, loaded once per process (the compiled decode step's ops name it by its path, which,
-    unlike its address, is the same in the next process: Inductor's cache keys stay stable)."""
+    unlike its address, is the same in the next process, which loads the step's package)."""
     with _lock:
         lib = _libs.get(path)
         if lib is None:
@@ -362,7 +362,7 @@ def torch_ops(build_dir: Path | None = None) -> bool:
 
 
 def _register_fakes() -> None:
-    """Shapes for torch.compile's tracing."""
+    """Shapes for tracing the compiled decode step (torch.export)."""
     @torch.library.register_fake("quant_cpu::block_matmul")
     def _(x, data, fmt, n, library, isa, exact):
         return x.new_empty(x.shape[0], n, dtype=torch.float32)

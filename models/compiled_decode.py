@@ -234,20 +234,20 @@ class CompiledDecode:
                 self.opaque)
         batch = torch.export.Dim("batch", min=1, max=max(2, self.cache.n_slots))
         length = torch.export.Dim("attention", min=2, max=max_len)
+        partial = package.with_name(f"partial-{os.getpid()}-{package.name}")
         with warnings.catch_warnings():  # torch's own pytree deprecation notice, printed into the worker's log
             warnings.simplefilter("ignore", FutureWarning)
             program = torch.export.export(_Step(self.model, self.weights, self.opaque, self.cache), args,
                                           strict=False, dynamic_shapes=({0: batch}, {0: batch}, {0: batch},
                                                                         {0: batch, 3: length},
                                                                         [None] * len(self.opaque)))
-        if program.constants:  # a tensor the walk did not name would be missing at load
-            raise CompileUnavailable(f"the decode step holds tensors outside the model's weights: "
-                                     f"{sorted(program.constants)[:3]}")
-        partial = package.with_name(f"partial-{os.getpid()}-{package.name}")
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=str(partial),
-            inductor_configs={"aot_inductor.package_constants_in_so": False,
-                              "aot_inductor.package_constants_on_disk_format": None})
+            if program.constants:  # a tensor the walk did not name would be missing at load
+                raise CompileUnavailable(f"the decode step holds tensors outside the model's weights: "
+                                         f"{sorted(program.constants)[:3]}")
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(partial),
+                inductor_configs={"aot_inductor.package_constants_in_so": False,
+                                  "aot_inductor.package_constants_on_disk_format": None})
         os.replace(partial, package)  # whole or not at all: a start never finds half a package
 
     def _build_in_child(self, package: Path) -> None:
@@ -292,24 +292,32 @@ class CompiledDecode:
 
     def _compile_in(self, directory: Path) -> None:
         package = self.package_path(directory)
+        if not package.exists():
+            self._build_in_child(package)
+            self.built = True
         try:
-            if not package.exists():
-                self._build_in_child(package)
-                self.built = True
-            runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
-            ours, wanted = {**self.weights, **self._cache_tensors()}, runner.get_constant_fqns()
-            missing = sorted(set(wanted) - set(ours))
-            if missing:  # tensors Inductor made itself (the package holds none): an op to keep out of its reach
-                raise CompileUnavailable(f"the compiled decode step needs tensors of its own: {missing[:3]}")
-            # by name, not copied (user-managed); a tensor the step never reads (a matrix multiplied from another
-            # copy of it) is not asked for
-            runner.load_constants({name: ours[name] for name in wanted}, False, True, True)
-        except CompileUnavailable:
-            raise
-        except Exception as exc:  # noqa: BLE001 - whatever export or Inductor raises, the eager path serves
-            raise CompileUnavailable(f"compiling the decode step failed: {type(exc).__name__}: "
-                                     f"{str(exc)[:300]}") from exc
-        self._runner = runner
+            self._runner = self._load(package)
+        except RuntimeError as exc:  # the loader's errors: a package cut short, or one this torch cannot read
+            if self.built:
+                raise CompileUnavailable(f"loading the decode step's new package failed: {str(exc)[:300]}") from exc
+            log.warning("the decode step's package %s could not be loaded (%s): removed, compiling it again",
+                        package.name, str(exc)[:200])
+            package.unlink(missing_ok=True)
+            self._build_in_child(package)
+            self.built = True
+            self._runner = self._load(package)
+
+    def _load(self, package: Path):
+        """The package's runner, holding the model's own weight and cache tensors (by name, not copied)."""
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+        ours, wanted = {**self.weights, **self._cache_tensors()}, runner.get_constant_fqns()
+        missing = sorted(set(wanted) - set(ours))
+        if missing:  # tensors Inductor made itself (the package holds none): an op to keep out of its reach
+            raise CompileUnavailable(f"the compiled decode step needs tensors of its own: {missing[:3]}")
+        # user-managed: the runner keeps pointers to our tensors; a tensor the step never reads (a matrix
+        # multiplied from another copy of it) is not asked for
+        runner.load_constants({name: ours[name] for name in wanted}, False, True, True)
+        return runner
 
     def _cache_tensors(self) -> dict[str, torch.Tensor]:
         c = self.cache

@@ -1,5 +1,5 @@
 """The one forward pass of the Llama family over the slot KV cache: eager prefill and decode, prefill chunks and
-decode rows in one pass (mixed), the compiled decode step (torch.compile of this same function) and decode through
+decode rows in one pass (mixed), the compiled decode step (torch.export of this same function) and decode through
 the fused Triton kernels (eagerly or captured as CUDA graphs) all run `forward()`.
 
 What varies is passed in:

@@ -1,6 +1,6 @@
 """The non-matmul ops of models/forward.py, in two sets with the same methods, and the rows each set reads:
 
-- TorchOps: plain torch. Eager prefill, decode and mixed steps on any device; traced by torch.compile for the
+- TorchOps: plain torch. Eager prefill, decode and mixed steps on any device; traced by torch.export for the
   compiled decode step (models/compiled_decode.py), whose rows come from `graph_decode_rows` (no host syncs).
 - KernelOps: the fused Triton kernels of kernels/ (add+RMSNorm updating the residual in place, rotary in place,
   cache writes and decode attention that read each row's slot through its index and length, SiLU-gate): decode

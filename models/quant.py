@@ -179,7 +179,7 @@ def dequantize(m: BlockMatrix) -> torch.Tensor:
 def block_matmul(x: torch.Tensor, data: torch.Tensor, type_name: str, n: int, library: str, isa: str,
                  exact: bool) -> torch.Tensor:
     """x (rows, K) float32 @ W^T through the kernel library at `library` (its path: stable across processes, so
-    Inductor's cache keys are too)."""
+    a compiled step's package names it in the next one too)."""
     from kernels import cpu_quant
     return cpu_quant.matmul(library, isa, exact, x.float().contiguous(), data, type_name, n)
 
@@ -264,7 +264,7 @@ class BlockLinear:
         return y.view(*shape[:-1], self.out_features)
 
     def traceable(self):
-        """The same product through an op torch.compile keeps in its graph."""
+        """The same product through an op a compiled graph keeps whole."""
         k = self.kernels
         if k is None and self._int4 is not None:
             packed, scales_zeros, n = self._int4[0], self._int4[1], self.out_features

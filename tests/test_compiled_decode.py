@@ -1,6 +1,7 @@
-"""The decode step compiled by torch.compile (models/compiled_decode.py) against the eager forward it replaces:
-the same greedy tokens for 8 sequences of different lengths decoded together, no recompilation once compiled,
-Inductor's artefacts reused by the next process, and the eager path serving where compiling fails."""
+"""The decode step compiled ahead of time (models/compiled_decode.py) against the eager forward it replaces: the
+same greedy tokens for 8 sequences of different lengths decoded together, one package for every batch and length,
+the package loaded (not compiled again) by the next process and by a reload, the compiler kept out of the serving
+process, and the eager path serving where compiling fails."""
 from __future__ import annotations
 
 import asyncio
@@ -146,6 +147,25 @@ def test_the_serving_process_never_holds_the_compiler(model_dir, tmp_path):
     assert [r["built"] for r in runs] == [True, False]
     assert runs[0]["compiler"] == runs[1]["compiler"] == []
     assert runs[0]["shape"][0] == runs[1]["shape"][0] == 2
+
+
+def test_a_package_cut_short_is_compiled_again(model_dir, tmp_path, caplog):
+    """A package the loader cannot read (cut short by a full disk, written by hand) is removed and built again, and
+    the step it serves has the eager numbers: a start never stays eager for ever because of a bad file."""
+    model, kv_dtype = build(model_dir, "float32")
+    cache_dir = tmp_path / "inductor"
+    first = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), cache_dir)
+    first.compile()
+    package = first.package_path(cache_dir)
+    package.write_bytes(package.read_bytes()[:package.stat().st_size // 2])
+    again = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), cache_dir)
+    with caplog.at_level("WARNING"):
+        again.compile()
+    assert again.ready and again.built and "compiling it again" in caplog.text
+    args = (torch.tensor([5, 9, 2]), torch.arange(3), torch.tensor([4, 7, 30]))
+    eager = model.forward(KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), args[0].view(-1, 1), args[1], args[2],
+                          torch.ones(3, dtype=torch.long))
+    assert torch.allclose(again.step(*args), eager, atol=1e-4)
 
 
 def test_a_restart_reuses_the_compiled_artefacts(model_dir, tmp_path):
