@@ -105,8 +105,8 @@ def named_tensors(obj, prefix: str, out: dict[str, torch.Tensor], seen: set[int]
 
 
 def _rebound(obj, by_id: dict[int, torch.Tensor], memo: dict[int, object]):
-    """A copy of obj whose tensors are by_id's stand-ins (the traced module's buffers); objects without tensors are
-    shared, not copied."""
+    """A copy of obj whose tensors are by_id's stand-ins (the traced module's buffers): lists, tuples, dicts and our
+    weight types copied (shallowly, each once: shared holders stay shared), everything else the same object."""
     if id(obj) in memo:
         return memo[id(obj)]
     if isinstance(obj, torch.Tensor):
@@ -273,6 +273,7 @@ class CompiledDecode:
         with os.fdopen(read_end, "rb") as pipe:
             failure = pipe.read().decode(errors="replace")
         _, wait_status = os.waitpid(pid, 0)
+        package.with_name(f"partial-{pid}-{package.name}").unlink(missing_ok=True)  # what a failed child left
         if os.waitstatus_to_exitcode(wait_status) != 0 or not package.exists():
             raise CompileUnavailable(failure.removeprefix("CompileUnavailable: ") or
                                      f"the compiling process ended with {os.waitstatus_to_exitcode(wait_status)}")
