@@ -257,9 +257,10 @@ class WorkerHost:
 
 
 def keep_triton_out(specs: list[p.ModelSpec]) -> None:
-    """A worker whose models all run on the CPU never launches a Triton kernel, but importing torch's Inductor (the
-    compiled decode step) imports triton: 66 MB of the 1B model's worker PSS. Here `import triton` then fails as it
-    would where triton is not installed, which Inductor handles. Not under TRITON_INTERPRET=1 (Triton kernels on
+    """A worker whose models all run on the CPU never launches a Triton kernel, but importing torch's Inductor (which
+    builds the compiled decode step, in a forked child of the worker since the step became a package) imports
+    triton: 66 MB more while it builds. Here `import triton` then fails as it would where triton is not installed,
+    which Inductor handles. Not under TRITON_INTERPRET=1 (Triton kernels on
     CPU tensors, for tests) or where a model may run on a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1" or "triton" in sys.modules:
         return
