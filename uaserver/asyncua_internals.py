@@ -733,7 +733,6 @@ def _plain(response: ua.CallResponse) -> bool:
                and isinstance(r.OutputArguments, list) for r in response.Results)
 
 
-
 class HardenedProtocol(OPCUAProtocol):
     guard: ChannelGuard
 
