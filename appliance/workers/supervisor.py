@@ -85,6 +85,7 @@ class WorkerSupervisor:
         self._progress_at = 0.0  # monotonic time of the worker's engine's last progress (see the module's doc)
         self._kill_reason = ""
         self._channel: p.Channel | None = None
+        self._ended: asyncio.Future | None = None  # set when the current worker's connection ends
         self._pending: dict[int, asyncio.Future] = {}
         self._progress: dict[int, Callable[[str, int], None]] = {}  # request id -> partial-text listener
         self._ids = itertools.count(1)
@@ -222,7 +223,9 @@ class WorkerSupervisor:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         finally:
             child_sock.close()
-        self._channel = await p.Channel.open(parent_sock, p.FromWorker)
+        channel = await p.Channel.open(parent_sock, p.FromWorker)
+        self._channel = channel
+        channel.listen(self._on_message, lambda reason: self._connection_ended(channel))
         self._channel.send(p.Start(models=self.specs, memory_mb=self.policy.memory_mb,
                                    threads=self.policy.threads, log_level=self.policy.log_level,
                                    log_format=self.policy.log_format))
@@ -236,33 +239,31 @@ class WorkerSupervisor:
         log.info("worker %s started (pid %d)", self.group, self.process.pid)
 
     async def _watch(self) -> str:
-        """Read the worker's messages and ping it until it dies or is killed; returns why it ended."""
-        reader = asyncio.create_task(self._read(), name=f"read-{self.group}")
+        """Ping the worker until it dies or is killed (its messages arrive through _on_message meanwhile);
+        returns why it ended."""
         timeout = self.policy.timeout_s
-        try:
-            while not reader.done():
-                now = time.monotonic()
-                self.last_tick = now
-                stalled = now - self._progress_at
-                if stalled > timeout:
-                    self._kill(f"its engine made no progress for {stalled:.1f} s, more than engine.worker_timeout_s "
-                               f"= {timeout:g} (hung or stopped)")
-                    break
-                rss_mb = _rss_mb(self.process.pid)
-                if self.policy.memory_mb and rss_mb > self.policy.memory_mb:
-                    self._kill(f"it used {rss_mb:.0f} MB, above engine.worker_memory_mb")
-                    break
-                try:
-                    self._channel.send(p.Ping(seq=next(self._ping_seq)))
-                except ConnectionError:
-                    break
-                # the next Ping, or the moment the engine's last progress becomes `timeout` old, whichever is first
-                wake = min(self.policy.ping_interval_s, self._progress_at + timeout - time.monotonic() + 0.001)
-                await asyncio.wait({reader}, timeout=max(0.0, wake))
-        finally:
-            if not reader.done():
-                reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+        ended = self._ended = asyncio.get_running_loop().create_future()
+        if self._channel.closed_reason:
+            ended.set_result(None)
+        while not ended.done():
+            now = time.monotonic()
+            self.last_tick = now
+            stalled = now - self._progress_at
+            if stalled > timeout:
+                self._kill(f"its engine made no progress for {stalled:.1f} s, more than engine.worker_timeout_s "
+                           f"= {timeout:g} (hung or stopped)")
+                break
+            rss_mb = _rss_mb(self.process.pid)
+            if self.policy.memory_mb and rss_mb > self.policy.memory_mb:
+                self._kill(f"it used {rss_mb:.0f} MB, above engine.worker_memory_mb")
+                break
+            try:
+                self._channel.send(p.Ping(seq=next(self._ping_seq)))
+            except ConnectionError:
+                break
+            # the next Ping, or the moment the engine's last progress becomes `timeout` old, whichever is first
+            wake = min(self.policy.ping_interval_s, self._progress_at + timeout - time.monotonic() + 0.001)
+            await asyncio.wait({ended}, timeout=max(0.0, wake))
         code = await asyncio.to_thread(self._reap)
         if self._kill_reason:
             reason, self._kill_reason = self._kill_reason, ""
@@ -274,25 +275,27 @@ class WorkerSupervisor:
             reason = f"it exited with status {code}"
         return reason
 
-    async def _read(self) -> None:
-        while True:
-            try:
-                message = await self._channel.receive()
-            except EOFError:
-                self._went_down()  # answer what is in flight at once, before the process is reaped
-                return
-            if isinstance(message, p.Pong):
-                self._on_pong(message)
-            elif isinstance(message, p.Event):
-                self._emit(message.kind, message.message, message.model)
-            elif isinstance(message, p.GenerateProgress):
-                listener = self._progress.get(message.id)
-                if listener is not None:
-                    listener(message.text, message.token_count)
-            else:
-                future = self._pending.pop(message.id, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
+    def _on_message(self, message) -> None:
+        """Each message from the worker, as it is decoded (see protocol.Channel)."""
+        if isinstance(message, p.Pong):
+            self._on_pong(message)
+        elif isinstance(message, p.Event):
+            self._emit(message.kind, message.message, message.model)
+        elif isinstance(message, p.GenerateProgress):
+            listener = self._progress.get(message.id)
+            if listener is not None:
+                listener(message.text, message.token_count)
+        else:
+            future = self._pending.pop(message.id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    def _connection_ended(self, channel: p.Channel) -> None:
+        if channel is not self._channel:
+            return  # an earlier worker's connection, closed when it was killed
+        self._went_down()  # answer what is in flight at once, before the process is reaped
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(None)
 
     def _on_pong(self, pong: p.Pong) -> None:
         now = time.monotonic()

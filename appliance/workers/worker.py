@@ -91,6 +91,7 @@ class WorkerHost:
         self._loop = asyncio.get_running_loop()
         self._calls: dict[int, asyncio.Task] = {}
         self._tasks: set[asyncio.Task] = set()  # model starts, kept until done
+        self._finished: asyncio.Future | None = None  # set once Stop has been answered
 
     def _build_services(self) -> dict:
         """In a thread: importing the engines (torch takes seconds on a busy machine) must not keep the loop from
@@ -132,33 +133,38 @@ class WorkerHost:
             os._exit(MEMORY_EXIT)
 
     async def run(self) -> None:
+        """Serve until Stop has been answered; messages arrive through _on_message as they are decoded."""
+        self._finished = self._loop.create_future()
+        self.channel.listen(self._on_message, self._connection_ended)
         self._keep(self._load_models())
-        while True:
-            try:
-                message = await self.channel.receive()
-            except EOFError:
-                log.warning("the serve process closed the connection: exiting")
-                os._exit(0)
-            if isinstance(message, p.Ping):
-                self._check_memory()
-                self._send(self._pong(message.seq))
-            elif isinstance(message, (p.Infer, p.Generate, p.Reset, p.Reload)):
-                self._calls[message.id] = asyncio.create_task(self._serve(message))
-            elif isinstance(message, p.Cancel):
-                task = self._calls.get(message.id)
-                if task is not None:
-                    task.cancel()
-            elif isinstance(message, p.ShedLoad):
-                svc = self.services.get(message.model)
-                if svc is not None and svc.kind == "tensor":
-                    svc.shed_load(message.on)
-            elif isinstance(message, p.Release):
-                svc = self.services.get(message.model)
-                if svc is not None and svc.kind == "generative":
-                    svc.release(message.session)
-            elif isinstance(message, p.Stop):
-                await self._stop(message.id)
-                return
+        await self._finished
+
+    def _connection_ended(self, reason: str) -> None:
+        log.warning("the serve process closed the connection (%s): exiting", reason)
+        os._exit(0)
+
+    def _on_message(self, message) -> None:
+        if self._finished.done():
+            return  # stopped: nothing more is served
+        if isinstance(message, p.Ping):
+            self._check_memory()
+            self._send(self._pong(message.seq))
+        elif isinstance(message, (p.Infer, p.Generate, p.Reset, p.Reload)):
+            self._calls[message.id] = asyncio.create_task(self._serve(message))
+        elif isinstance(message, p.Cancel):
+            task = self._calls.get(message.id)
+            if task is not None:
+                task.cancel()
+        elif isinstance(message, p.ShedLoad):
+            svc = self.services.get(message.model)
+            if svc is not None and svc.kind == "tensor":
+                svc.shed_load(message.on)
+        elif isinstance(message, p.Release):
+            svc = self.services.get(message.model)
+            if svc is not None and svc.kind == "generative":
+                svc.release(message.session)
+        elif isinstance(message, p.Stop):
+            self._keep(self._stop(message.id))
 
     async def _load_models(self) -> None:
         try:
@@ -254,6 +260,8 @@ class WorkerHost:
             await asyncio.wait_for(self.channel.drain(), 5)
         except (TimeoutError, ConnectionError):
             pass  # serve is gone or not reading: it kills this process either way
+        if not self._finished.done():
+            self._finished.set_result(None)
 
 
 def keep_triton_out(specs: list[p.ModelSpec]) -> None:
