@@ -347,3 +347,24 @@ def test_verify_names_a_file_of_the_chain_it_cannot_read(tmp_path, capsys):
     assert cmd_audit_verify(tmp_path / "audit.jsonl") == 2
     out = capsys.readouterr().out
     assert "audit.jsonl.1" in out and "Traceback" not in out
+
+
+def test_a_batch_is_written_in_order_across_rotations_and_a_failed_one_counts_each_record(tmp_path):
+    """The audit writer thread hands over the records of up to 20 ms at once (record_many: one flush)."""
+    path = tmp_path / "audit.jsonl"
+    metrics = Metrics()
+    log = AuditLog(path, max_bytes=1500, keep_files=20, metrics=metrics)
+    batch = [dict(action="Infer", status="Good", user=f"user:{i}", latency_ms=i / 7, input_digest=DigestOf(b"x" * i))
+             for i in range(25)]
+    assert log.record_many(batch)
+    assert len(list(tmp_path.iterdir())) > 3  # the batch crossed several rotations
+    assert verify(path) == (True, [])
+    log._fh = _FullDisk(log._fh)
+    assert not log.record_many(batch[:5])
+    assert errors_total(metrics) == 5 and log.failing
+    assert log.record_many(batch[:2])  # reopened: the chain resumes from what reached the disk
+    log.close()
+    assert verify(path) == (True, [])
+    oldest_first = sorted(tmp_path.iterdir(), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
+    users = [json.loads(line)["user"] for p in oldest_first for line in lines_of(p)]
+    assert users[:25] == [f"user:{i}" for i in range(25)] and users[-2:] == ["user:0", "user:1"]

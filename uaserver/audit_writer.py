@@ -61,7 +61,6 @@ class AuditWriter:
             batch = self._queue.get()
             if batch is None:
                 return
-            for fields in batch:
-                self._audit.record(**fields)
-                with self._lock:
-                    self._pending -= 1
+            self._audit.record_many(batch)
+            with self._lock:
+                self._pending -= len(batch)
