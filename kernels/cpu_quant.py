@@ -7,7 +7,7 @@ package was built on. Every ISA's library computes the same numbers in int8 mode
 the float steps are the same), so the choice among them is a matter of speed alone.
 
     ISA          instruction                         needs (cpuid + the OS's XCR0)
-    amx          tdpbsud on 16-row tiles, else as    avx512vnni's + AMX tile and int8, the tile state granted
+    amx          tdpbssd on 16-row tiles, else as    avx512vnni's + AMX tile and int8, the tile state granted
                  avx512vnni
     avx512vnni   vpdpbusd, 16 outputs per vector     AVX-512 F/BW/VL/DQ + VNNI, F16C, FMA
     avxvnni      vpdpbusd (VEX), 8 per vector        AVX2 + AVX-VNNI, F16C, FMA

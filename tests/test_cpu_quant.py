@@ -146,6 +146,32 @@ def test_every_isa_gives_the_same_bits(isas, name):
         assert torch.equal(y, first), isa
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_amx_tiles_give_the_vector_tiles_bits(isas, name):
+    """AMX's 16-row tiles (a panel unpacked while the one before multiplies, four tile products in flight, Q6_K in
+    half blocks) against avx512vnni bit for bit: 16 rows and the remainders past them, one panel and many (each
+    thread's first and later ones), a last partial panel, block counts that are not a multiple of the four in
+    flight, one thread and two."""
+    if "amx" not in isas or "avx512vnni" not in isas:
+        pytest.skip("no AMX here")
+    sb = cpu_layout.FORMATS[name].super_block
+    shapes = [(16, 256), (70, 512), (33, 3 * sb if sb > 32 else 576), (200, 7 * sb if sb > 32 else 224)]
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for n, k in shapes:
+                raw = random_blocks(name, n, k, seed=n * 7 + k)
+                m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
+                for rows in (16, 17, 31, 32, 33, 48, 50):
+                    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n)) * 3
+                    got = quant.linear_for(m, isas["amx"])(x)
+                    want = quant.linear_for(m, isas["avx512vnni"])(x)
+                    assert torch.equal(got, want), (name, n, k, rows, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("mode", ["int8", "float32"])
 def test_a_batch_gives_each_row_what_it_gives_alone(isas, mode):
     """A row's result does not depend on the rows batched with it (tiles keep each row's order of sums)."""

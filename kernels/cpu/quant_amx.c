@@ -1,16 +1,30 @@
-/* The quantized matmuls of quant_kernels.h with Intel AMX (tile registers, `tdpbsud`: 16 activation rows x 32
- * inputs x 16 outputs, signed activation bytes by unsigned weight bytes, in one instruction) for rows taken 16 at a
- * time, and the AVX-512 VNNI tiles of quant_avx512vnni.c for the rest (fewer than 16 rows: decode steps of few
- * sequences, the tail of a prefill chunk). A panel's group rows of one block are an AMX B tile as they lie (8 rows
- * of 16 outputs x 4 inputs); 4- and 5-bit weights are unpacked to bytes first. Each block's int32 sums are scaled
- * exactly as the vector tiles scale theirs, so every ISA still gives the same bits. Formats with one scale per 32
- * inputs take this path; Q6_K (a scale per 16) and float32 activations keep the vector tiles.
+/* The quantized matmuls of quant_kernels.h with Intel AMX (tile registers, `tdpbssd`: 16 activation rows x 32
+ * inputs x 16 outputs, signed bytes by signed bytes, in one instruction) for rows taken 16 at a time, and the
+ * AVX-512 VNNI tiles of quant_avx512vnni.c for the rest (fewer than 16 rows: decode steps of few sequences, the tail
+ * of a prefill chunk).
+ *
+ * Each thread takes a panel (16 outputs) at a time: its weights are unpacked once into signed bytes (Q6_K: q - 32,
+ * Q8_0: u - 128, so one instruction serves every format and no sum needs a correction), laid out as AMX B tiles
+ * (a block's 8 group rows of 64 bytes, as the panel layout keeps them), and every 16-row group of activations then
+ * multiplies that buffer (a prefill chunk's row groups share one unpacking). The loop over a panel's blocks is a
+ * pipeline of four stages, one block each (amx_rows16): block u's tile product starts, block u - 2's sums are
+ * stored, block u - 3's are scaled in float, and one block of the next panel is unpacked. The previous code took
+ * one block at a time through the whole chain (unpack, tile load, product, tile store, vector loads; tile
+ * registers are not renamed): ~140 cycles a block at 16 rows, no faster than vpdpbusd. Measured on the 2-vCPU
+ * KVM Xeon guest: the tile work and the float scaling still do not overlap (together about the sum of each
+ * alone, even interleaved block by block), so the scaling (4 vector operations per row and block, the vector
+ * tiles' own, for the same bits) and the tile stores are what bound this path now.
+ *
+ * Every block's int32 sums are scaled exactly as the vector tiles scale theirs (the same float operations in the
+ * same order), so every ISA gives the same bits. Q6_K (a scale per 16 inputs) multiplies half blocks: tiles of 16
+ * inputs.
  *
  * Linux grants the tile data state to a process on request (kernels/cpu/cpu_features.c: amx_request, done when the
  * CPU is probed); each thread loads the tile configuration before its first tile instruction and releases it after.
  * Built with the AVX-512 flags plus -mamx-tile -mamx-int8; chosen only where cpuid and XCR0 report AMX. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -20,13 +34,16 @@
 #define ISA amx
 #define AMX_ROWS 16
 
-#define BIG_ROWS(fmt, mode, rows) ((mode) == 0 && amx_format(fmt) ? (rows) / AMX_ROWS * AMX_ROWS : 0)
+#define BIG_ROWS(fmt, mode, rows) ((mode) == 0 ? (rows) / AMX_ROWS * AMX_ROWS : 0)
 #define BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, a, big, k, y, n) \
     amx_tiles(fmt, w, pstride, cbeg, cend, nrec, a, big, k, y, n)
 
-static inline int amx_format(int fmt) { return fmt != F_Q6_K; }
-
 #include "quant_vec512.h"
+
+static void amx_tiles(int fmt, const uint8_t *w, size_t pstride, int cbeg, int cend, int nrec, const acts_t *a,
+                      int big, int k, float *y, int n);
+
+#include "quant_kernels.h"
 
 typedef struct {
     uint8_t palette;
@@ -36,104 +53,177 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((aligned(64))) tile_config;
 
-static void amx_configure(void) {
+/* uk: inputs per tile product (32; Q6_K 16). tmm0, tmm1: activations (16 rows x uk bytes); tmm2, tmm3: weights
+ * (uk / 4 group rows x 64 bytes); tmm4..tmm7: sums (16 rows x 16 int32). */
+static void amx_configure(int uk) {
     tile_config cfg = {0};
     cfg.palette = 1;
-    cfg.rows[0] = AMX_ROWS; /* tmm0: activations, 16 rows x 32 bytes */
-    cfg.colsb[0] = QK;
-    cfg.rows[1] = QK / 4; /* tmm1: weights, 8 group rows x 64 bytes */
-    cfg.colsb[1] = 64;
-    cfg.rows[2] = AMX_ROWS; /* tmm2: sums, 16 rows x 16 int32 */
-    cfg.colsb[2] = 64;
+    for (int t = 0; t < 2; t++) {
+        cfg.rows[t] = AMX_ROWS;
+        cfg.colsb[t] = (uint16_t)uk;
+        cfg.rows[t + 2] = (uint8_t)(uk / 4);
+        cfg.colsb[t + 2] = 64;
+    }
+    for (int t = 4; t < 8; t++) {
+        cfg.rows[t] = AMX_ROWS;
+        cfg.colsb[t] = 64;
+    }
     _tile_loadconfig(&cfg);
 }
 
-/* The block's 8 group rows of one panel as bytes (w: the block's first group row; qh: its fifth-bit plane). */
-static inline void unpack_block(int fmt, const uint8_t *q, const uint8_t *qh, uint8_t out[8][64]) {
-    if (fmt == F_Q8_0) {
-        for (int j = 0; j < 8; j++) _mm512_store_si512(out[j], _mm512_loadu_si512(q + j * 64));
-        return;
+/* Block blk of a panel as signed bytes (8 group rows of 64 bytes: an AMX B tile, or two of 16 inputs) at out. */
+static inline __attribute__((always_inline)) void unpack_block(const int fmt, const uint8_t *panel, int blk,
+                                                               int8_t *out) {
+    const int sbk = SUPER_BLOCK[fmt] / QK, s = blk / sbk, b = blk % sbk;
+    const uint8_t *rec = panel + (size_t)s * RECORD_BYTES[fmt], *qb = rec + b * 256;
+    VI qh[2];
+    if (fmt == F_Q5_K) qh[0] = LOADB(rec + QK5_H + b * 64);
+    if (IS_Q5(fmt)) qh[0] = LOADB(rec + Q5_H);
+    if (fmt == F_Q6_K) {
+        qh[0] = LOADB(rec + QK6_H + b * 128);
+        qh[1] = LOADB(rec + QK6_H + b * 128 + 64);
     }
-    const __m512i m4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
-    __m512i h = _mm512_setzero_si512();
-    if (qh) h = _mm512_loadu_si512(qh);
+#pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
-        const __m512i v = _mm512_loadu_si512(q + j * 64);
-        __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        if (qh) {
-            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi16(h, 4 - j), b4));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi16(h, j), b4));
+        VI lo, hi;
+        PAIR(fmt, qb, qh, j, lo, hi);
+        if (fmt == F_Q6_K) {
+            lo = _mm512_sub_epi8(lo, SET1B(32));
+            hi = _mm512_sub_epi8(hi, SET1B(32));
+        } else if (fmt == F_Q8_0) {
+            lo = _mm512_xor_si512(lo, SET1B(0x80));
+            hi = _mm512_xor_si512(hi, SET1B(0x80));
         }
-        _mm512_store_si512(out[j], lo);
-        _mm512_store_si512(out[j + 4], hi);
+        _mm512_store_si512(out + j * 64, lo);
+        _mm512_store_si512(out + (j + 4) * 64, hi);
     }
 }
 
-/* 16 rows (r0..r0+15) x one panel: the block sums by tdpbsud, then scaled in the vector tiles' order. */
-static void amx_tile16(int fmt, const uint8_t *panel, int nrec, const acts_t *a, int r0, int k, float *y, int ldy) {
-    const int rb = RECORD_BYTES[fmt], sbk = SUPER_BLOCK[fmt] / QK, nb = k / QK;
-    uint8_t wbuf[8][64] __attribute__((aligned(64)));
-    int32_t sums[AMX_ROWS][16] __attribute__((aligned(64)));
-    __m512 acc[AMX_ROWS];
-    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int s = 0; s < nrec; s++) {
-        const uint8_t *rec = panel + (size_t)s * rb;
-        for (int b = 0; b < sbk; b++) {
-            const int blk = s * sbk + b;
-            const uint8_t *qh = fmt == F_Q5_K ? rec + QK5_H + b * 64 : IS_Q5(fmt) ? rec + Q5_H : 0;
-            unpack_block(fmt, rec + b * 256, qh, wbuf);
-            _tile_loadd(0, a->q + (size_t)r0 * k + blk * QK, k);
-            _tile_loadd(1, wbuf, 64);
-            _tile_zero(2);
-            _tile_dpbsud(2, 0, 1);
-            _tile_stored(2, sums, 64);
-            __m512 D, M;
-            if (IS_Q4(fmt) || IS_Q5(fmt)) {
-                D = LOADH(rec + Q4_D);
-                M = LOADH(rec + Q4_M);
-            } else if (fmt == F_Q8_0) {
-                D = LOADH(rec + Q8_D);
-                M = _mm512_setzero_ps();
+/* Unit u's sums (16 rows x 16 outputs, int32) scaled into acc as the vector tiles scale a block's (Q6_K: unit
+ * 2 b + h is half h of block b, its own scale; the halves in order, as the vector tiles add them). */
+static inline __attribute__((always_inline)) void scale_unit(const int fmt, const uint8_t *panel, int u,
+                                                             const int32_t (*in)[16], const acts_t *a, int r0,
+                                                             int nb, VF *acc) {
+    const int U = fmt == F_Q6_K ? 2 : 1, blk = u / U, sbk = SUPER_BLOCK[fmt] / QK, b = blk % sbk;
+    const uint8_t *rec = panel + (size_t)(blk / sbk) * RECORD_BYTES[fmt];
+    VF D, M;
+    if (IS_Q4(fmt) || IS_Q5(fmt)) {
+        D = LOADH(rec + Q4_D);
+        M = LOADH(rec + Q4_M);
+    } else if (fmt == F_Q8_0) {
+        D = LOADH(rec + Q8_D);
+    } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
+        D = MUL(LOADH(rec + QK4_D), LOADU8F(rec + QK4_SC + b * 16));
+        M = MUL(LOADH(rec + QK4_DMIN), LOADU8F(rec + QK4_M + b * 16));
+    } else {
+        D = MUL(LOADH(rec + QK6_D), LOADI8F(rec + QK6_SC + (u % (2 * sbk)) * 16));
+    }
+    const float *d = a->d + (size_t)r0 * nb + blk, *dm = a->dm + (size_t)r0 * nb + blk;
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) {
+        acc[r] = FMA(CVT(_mm512_load_si512(in[r])), MUL(D, SET1F(d[(size_t)r * nb])), acc[r]);
+        if (IS_Q4(fmt) || IS_Q5(fmt))
+            acc[r] = FMA(M, SET1F(dm[(size_t)r * nb]), acc[r]);
+        else if (fmt == F_Q4_K || fmt == F_Q5_K)
+            acc[r] = FNMA(M, SET1F(dm[(size_t)r * nb]), acc[r]);
+    }
+}
+
+/* One step of the pipeline, for unit u (tile registers by literal number: step I of 4, u = I mod 4): unit u's
+ * product starts (A in tmm(I & 1), B in tmm(2 + (I & 1)), C in tmm(4 + I)); unit u - 2's sums (long computed) go
+ * out to the ring of sums; unit u - 3's (stored a step ago) are scaled; and one block of the next panel is
+ * unpacked. Tile registers are not renamed, so each stage works on a unit the stage before finished with. */
+#define STEP(I, TA, TB, TC, TS)                                                                                    \
+    do {                                                                                                           \
+        const int u = u4 + (I);                                                                                    \
+        if (u < nu) {                                                                                              \
+            _tile_loadd(TA, x + u * uk, k);                                                                        \
+            _tile_loadd(TB, buf + (size_t)u * uk * 16, 64);                                                        \
+            _tile_zero(TC);                                                                                        \
+            _tile_dpbssd(TC, TA, TB);                                                                              \
+        }                                                                                                          \
+        if (u >= 2 && u - 2 < nu) _tile_stored(TS, ring[((I) + 2) & 3], 64);                                       \
+        if (u >= 3 && u - 3 < nu)                                                                                  \
+            scale_unit(fmt, panel, u - 3, (const int32_t(*)[16])ring[((I) + 1) & 3], a, r0, nb, acc);               \
+        if (next && u < nb) unpack_block(fmt, next, u, nbuf + (size_t)u * 512);                                    \
+    } while (0)
+
+/* Rows r0..r0+15 x one panel (its weights unpacked in buf): y (16, 16), row stride ldy. Where next is given, the
+ * next panel's weights are unpacked into nbuf meanwhile. */
+static inline __attribute__((always_inline)) void amx_rows16(const int fmt, const uint8_t *panel, const int8_t *buf,
+                                                             const acts_t *a, int r0, int k, float *y, int ldy,
+                                                             const uint8_t *next, int8_t *nbuf) {
+    const int uk = fmt == F_Q6_K ? QK / 2 : QK, nu = k / uk, nb = k / QK;
+    const int8_t *x = a->q + (size_t)r0 * k;
+    int32_t ring[4][AMX_ROWS][16] __attribute__((aligned(64)));
+    VF acc[AMX_ROWS];
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) acc[r] = ZEROF();
+    for (int u4 = 0; u4 < nu + 3; u4 += 4) {
+        STEP(0, 0, 2, 4, 6);
+        STEP(1, 1, 3, 5, 7);
+        STEP(2, 0, 2, 6, 4);
+        STEP(3, 1, 3, 7, 5);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < AMX_ROWS; r++) STOREF(y + (size_t)r * ldy, acc[r]);
+}
+
+static inline __attribute__((always_inline)) void amx_panels(const int fmt, const uint8_t *w, size_t pstride,
+                                                             int cbeg, int cend, int nrec, const acts_t *a, int big,
+                                                             int k, float *y, int n, int8_t *bufs) {
+    const size_t bsize = (size_t)(k / QK) * 512;
+    (void)nrec;
+    for (int blk = 0; blk < k / QK; blk++) unpack_block(fmt, w + (size_t)cbeg * pstride, blk, bufs + (size_t)blk * 512);
+    for (int c = cbeg; c < cend; c++) {
+        const uint8_t *panel = w + (size_t)c * pstride;
+        const int8_t *buf = bufs + (c - cbeg) % 2 * bsize;
+        int8_t *nbuf = bufs + (c - cbeg + 1) % 2 * bsize;
+        for (int r0 = 0; r0 < big; r0 += AMX_ROWS) {
+            const uint8_t *next = r0 == 0 && c + 1 < cend ? panel + pstride : 0;
+            if ((c + 1) * PANEL > n) { /* the padded last panel */
+                float tmp[AMX_ROWS][PANEL];
+                amx_rows16(fmt, panel, buf, a, r0, k, &tmp[0][0], PANEL, next, nbuf);
+                for (int r = 0; r < AMX_ROWS; r++)
+                    for (int o = c * PANEL; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r][o - c * PANEL];
             } else {
-                D = MUL(LOADH(rec + QK4_D), LOADU8F(rec + QK4_SC + b * 16));
-                M = MUL(LOADH(rec + QK4_DMIN), LOADU8F(rec + QK4_M + b * 16));
-            }
-            for (int r = 0; r < AMX_ROWS; r++) {
-                const size_t ri = (size_t)(r0 + r) * nb + blk;
-                __m512i is = _mm512_load_si512(sums[r]);
-                const __m512 dx = SET1F(a->d[ri]);
-                if (fmt == F_Q8_0) {
-                    is = SUBI(is, SET1I(128 * a->s[ri]));
-                    acc[r] = FMA(CVT(is), MUL(D, dx), acc[r]);
-                } else {
-                    acc[r] = FMA(CVT(is), MUL(D, dx), acc[r]);
-                    if (IS_Q4(fmt) || IS_Q5(fmt))
-                        acc[r] = FMA(M, SET1F(a->dm[ri]), acc[r]);
-                    else
-                        acc[r] = FNMA(M, SET1F(a->dm[ri]), acc[r]);
-                }
+                amx_rows16(fmt, panel, buf, a, r0, k, y + (size_t)r0 * n + (size_t)c * PANEL, n, next, nbuf);
             }
         }
     }
-    for (int r = 0; r < AMX_ROWS; r++) STOREF(y + (size_t)r * ldy, acc[r]);
 }
 
 static void amx_tiles(int fmt, const uint8_t *w, size_t pstride, int cbeg, int cend, int nrec, const acts_t *a,
                       int big, int k, float *y, int n) {
-    amx_configure();
-    for (int c = cbeg; c < cend; c++) {
-        for (int r0 = 0; r0 < big; r0 += AMX_ROWS) {
-            if ((c + 1) * PANEL > n) { /* the padded last panel */
-                float tmp[AMX_ROWS][PANEL];
-                amx_tile16(fmt, w + (size_t)c * pstride, nrec, a, r0, k, &tmp[0][0], PANEL);
-                for (int r = 0; r < AMX_ROWS; r++)
-                    for (int o = c * PANEL; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r][o - c * PANEL];
-            } else {
-                amx_tile16(fmt, w + (size_t)c * pstride, nrec, a, r0, k, y + (size_t)r0 * n + (size_t)c * PANEL, n);
+    int8_t *buf = aligned_alloc(64, (size_t)(k / QK) * 1024); /* this panel's and the next one's */
+    if (!buf) { /* no room to unpack: the vector tiles take these rows too */
+        for (int c = cbeg; c < cend; c++)
+            for (int r0 = 0; r0 < big; r0 += 4) {
+                float tmp[4 * LANES];
+                float *yt = (c + 1) * PANEL > n ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+                TILES_I8[fmt][4][0](w, pstride, c, nrec, a, r0, k, yt, yt == tmp ? LANES : n);
+                if (yt == tmp)
+                    for (int r = 0; r < 4; r++)
+                        for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * LANES + o - c * LANES];
             }
-        }
+        return;
+    }
+    amx_configure(fmt == F_Q6_K ? QK / 2 : QK);
+    switch (fmt) {
+#define CASE(F)                                                                    \
+    case F:                                                                        \
+        amx_panels(F, w, pstride, cbeg, cend, nrec, a, big, k, y, n, buf);         \
+        break;
+        CASE(F_Q4_0)
+        CASE(F_Q4_1)
+        CASE(F_Q8_0)
+        CASE(F_Q4_K)
+        CASE(F_Q5_K)
+        CASE(F_Q6_K)
+        CASE(F_Q5_0)
+        CASE(F_Q5_1)
+#undef CASE
     }
     _tile_release();
+    free(buf);
 }
-
-#include "quant_kernels.h"
