@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import gc
 import logging
 import os
 import resource
@@ -183,6 +184,9 @@ class WorkerHost:
     async def _start_service(self, svc) -> None:
         await svc.start()  # ends Ready or Failed, never raises
         release_free_heap()
+        # torch, ONNX Runtime and the model's objects live as long as the process (170,000 tracked objects with
+        # torch and ONNX Runtime imported: a full collection took 35 ms here, a stall of every call in flight).
+        gc.freeze()
         if svc.state == "Ready":
             log.info("model %s is Ready: version %s on %s", svc.name, svc.version, svc.backend_name)
         self._push_state()
