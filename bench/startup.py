@@ -7,12 +7,13 @@ after Ready, every later start loads its package before Ready: the benchmark giv
 compiled" and the memory then.
 
 With --generate N, right after each Ready one OPC UA session (SignAndEncrypt, a certificate issued by `appliance
-certs issue`) calls Generate for N tokens on the first generative model; its tokens/s are set against the engine
-driven directly (GenerativeModelService in this process, same settings, its decode step loaded from the same
-package), measured after the starts; then --sessions sessions (default 16) call Generate at once and the memory is
+certs issue`) calls Generate for N tokens on the first generative model, and --repeats sessions do so one after
+another (default 3: one reply of the demo is ~0.2 s, too short to judge by one); the median tokens/s is set against
+the median of as many replies of the engine driven directly (GenerativeModelService in this process, same
+settings, its decode step loaded from the same package), measured after the starts; then --sessions sessions (default 16) call Generate at once and the memory is
 measured again (every slot's cache filled).
 
-    python bench/startup.py [--config FILE] [--starts 2] [--generate 64] [--sessions 16]
+    python bench/startup.py [--config FILE] [--starts 2] [--generate 64] [--repeats 3] [--sessions 16]
 """
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ PROMPT = "What is a centrifugal pump? Answer in three sentences."
 
 
 def ua_generate(endpoint: str, cert: Path, key: Path, model: str, tokens: int,
-                sessions: int = 1) -> tuple[float, int]:
-    """(generated tokens/s, tokens) of one Generate call on each of `sessions` sessions at once (their rates summed)."""
+                sessions: int = 1, repeats: int = 1) -> tuple[float, int]:
+    """(generated tokens/s, tokens) of one Generate call on each of `sessions` sessions at once (their rates summed);
+    with `repeats`, that many rounds one after another, each on new sessions: the round of the median rate."""
     import asyncio
 
     from asyncua import ua
@@ -99,13 +101,21 @@ def ua_generate(endpoint: str, cert: Path, key: Path, model: str, tokens: int,
             await client.disconnect()
 
     async def run() -> tuple[float, int]:
-        results = await asyncio.gather(*(one() for _ in range(sessions)))
-        return sum(r[0] for r in results), sum(r[1] for r in results)
+        rounds = []
+        for _ in range(repeats):
+            results = await asyncio.gather(*(one() for _ in range(sessions)))
+            rounds.append((sum(r[0] for r in results), sum(r[1] for r in results)))
+        return median_round(rounds)
     return asyncio.run(run())
 
 
-def direct_generate(config, model: str, tokens: int) -> float:
-    """tokens/s of the same Generate through the engine in this process, compiled as a later start compiles it."""
+def median_round(rounds: list[tuple[float, int]]) -> tuple[float, int]:
+    return sorted(rounds)[len(rounds) // 2]
+
+
+def direct_generate(config, model: str, tokens: int, repeats: int = 1) -> float:
+    """tokens/s of the same Generate through the engine in this process, compiled as a later start compiles it (the
+    median of `repeats` replies, each in a new session)."""
     import asyncio
 
     from appliance.device import resolve_device
@@ -122,11 +132,13 @@ def direct_generate(config, model: str, tokens: int) -> float:
         await svc.start()
         if svc.state != "Ready":
             raise SystemExit(f"direct: {svc.failure_reason}")
-        t0 = time.perf_counter()
-        result = await svc.generate("direct", PROMPT, tokens, 0.0, time.monotonic() + 600)
-        rate = result.token_count / (time.perf_counter() - t0)
+        rates = []
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            result = await svc.generate(f"direct-{i}", PROMPT, tokens, 0.0, time.monotonic() + 600)
+            rates.append(result.token_count / (time.perf_counter() - t0))
         await svc.stop()
-        return rate
+        return sorted(rates)[len(rates) // 2]
     return asyncio.run(run())
 
 
@@ -150,7 +162,7 @@ def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, gener
                 pass
             time.sleep(0.1)
         ready_s = time.monotonic() - t0
-        ua_rate = generate(1) if generate else None  # right after Ready, while a first start's compile runs
+        ua_rate = generate(1, True) if generate else None  # right after Ready, while a first start's compile runs
         time.sleep(2.0)  # let the first liveness rounds and lazy imports settle
         row = {"ready_s": ready_s, "ua_rate": ua_rate, **memory(proc.pid)}
         compiled_s, settled = None, {}
@@ -190,12 +202,12 @@ def generate_call(args, appliance: Path, work: Path, config_args: list[str]):
     port = int(config.server.endpoint.rsplit(":", 1)[1])
     clients = work / "clients"
 
-    def call(sessions: int):
+    def call(sessions: int, repeated: bool = False):
         if not (clients / "bench.der").exists():
             subprocess.run([str(appliance), "certs", "issue", "bench", "--role", "operator", "--out", str(clients),
                             *config_args], cwd=work, check=True, capture_output=True)
         return ua_generate(f"opc.tcp://127.0.0.1:{port}", clients / "bench.der", clients / "bench.key.pem", model,
-                           args.generate, sessions)
+                           args.generate, sessions, args.repeats if repeated else 1)
     return call, config, model
 
 
@@ -204,6 +216,8 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=None, help="default: the built-in demo configuration")
     ap.add_argument("--starts", type=int, default=2)
     ap.add_argument("--generate", type=int, default=0, help="tokens of one Generate over OPC UA right after Ready")
+    ap.add_argument("--repeats", type=int, default=3, help="with --generate: sessions one after another right "
+                    "after Ready, and replies of the engine driven directly; the medians are compared")
     ap.add_argument("--sessions", type=int, default=16, help="with --generate: then this many sessions at once "
                     "(each one Generate), and the memory after them")
     args = ap.parse_args()
@@ -221,7 +235,7 @@ def main() -> None:
             prev = os.getcwd()
             os.chdir(work)  # the built-in demo's state directory is relative
             try:
-                direct = direct_generate(config, model, args.generate)
+                direct = direct_generate(config, model, args.generate, args.repeats)
             finally:
                 os.chdir(prev)
     finally:
@@ -238,8 +252,9 @@ def main() -> None:
     if direct:
         for i, r in enumerate(rows):
             rate, count = r["ua_rate"]
-            print(f"start {i + 1}: one OPC UA session right after Ready {rate:.1f} tokens/s ({count} tokens); "
-                  f"engine direct {direct:.1f}; ratio {rate / direct:.2f}")
+            print(f"start {i + 1}: one OPC UA session right after Ready {rate:.1f} tokens/s ({count} tokens; the "
+                  f"median of {args.repeats} sessions one after another); engine direct {direct:.1f} (median of "
+                  f"{args.repeats}); ratio {rate / direct:.2f}")
             if r["busy"]:
                 total, count = r["busy"]["rate"]
                 print(f"start {i + 1}: then {args.sessions} sessions at once, {total:.1f} tokens/s together "
