@@ -37,10 +37,15 @@ import torch.nn.functional as F
 
 from models import packed_rows
 from models.forward import forward
-from models.forward_ops import ATTENTION_ROUND, attention_length
+from models.forward_ops import ATTENTION_ROUND, GraphOps, attention_length
 from models.llama import CastLinear, KVCache, Linear, LlamaModel, RefinedHead, RowStack
 
 PACKAGE_FORMAT = 1  # bump when the traced module's names or inputs change
+# The sources of what is traced: a package built from other code is another package (an upgrade of these files
+# builds anew; a package never outlives the forward it was traced from).
+_TRACED_SOURCES = hashlib.sha256(b"".join(
+    (Path(__file__).parent / name).read_bytes() for name in ("forward.py", "forward_ops.py", "compiled_decode.py",
+                                                             "quant.py"))).hexdigest()
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +178,7 @@ class _Step(torch.nn.Module):
         by_id = {tensor_id: getattr(self, name) for name, tensor_id in self._ids.items()}
         by_id.update(zip(self._opaque_ids, opaque))
         w = traceable_weights(_rebound(self._model.weights, by_id, {}))
-        ops = self._model.torch_ops
+        ops = GraphOps(self._model.config.rms_norm_eps)
         rows = ops.graph_decode_rows(token_ids, slot_ids, positions, mask, self.rope_cos, self.rope_sin)
         x = forward(w, ops, [getattr(self, f"cache_k_{i}") for i in range(self._layers)],
                     [getattr(self, f"cache_v_{i}") for i in range(self._layers)], [rows])
@@ -203,8 +208,9 @@ class CompiledDecode:
 
     def package_path(self, directory: Path) -> Path:
         """The package for this kind of model and cache (not these weights: they are handed over at load)."""
-        key = "|".join((str(PACKAGE_FORMAT), torch.__version__, repr(self.model.config), structure(self.weights),
-                        structure(self.model.weights), f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}"))
+        key = "|".join((str(PACKAGE_FORMAT), _TRACED_SOURCES, torch.__version__, repr(self.model.config),
+                        structure(self.weights), structure(self.model.weights),
+                        f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}"))
         return directory / f"decode-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
     @property

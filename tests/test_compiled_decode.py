@@ -349,3 +349,24 @@ def test_a_reloaded_model_reuses_the_graphs_with_its_own_weights(model_dir, tmp_
                               torch.ones(3, dtype=torch.long))
         assert torch.allclose(compiled.step(*args), eager, atol=1e-4)
     assert graphs == [True, False]
+
+
+@pytest.mark.parametrize("n_heads, n_kv, cache_dtype", [(9, 3, torch.bfloat16), (32, 8, torch.bfloat16),
+                                                        (4, 4, torch.float32)])
+def test_the_traced_decode_attention_is_the_eager_one(n_heads, n_kv, cache_dtype):
+    """GraphOps.attend (products and sums that Inductor fuses) against TorchOps.attend (sdpa) for decode rows of
+    slots in any order, each looking at its own length, with grouped query heads and a narrower cache."""
+    from models.forward_ops import GraphOps, TorchOps
+    torch.manual_seed(5)
+    slots, max_seq, hd, t = 6, 96, 64, 64
+    k_cache = torch.randn(slots, n_kv, max_seq + 1, hd).to(cache_dtype)
+    v_cache = torch.randn(slots, n_kv, max_seq + 1, hd).to(cache_dtype)
+    slot_ids = torch.tensor([4, 0, 5, 2])
+    positions = torch.tensor([0, 17, 63, 40])
+    mask = (torch.arange(t) <= positions[:, None]).view(4, 1, 1, t)
+    cos, sin = torch.ones(max_seq, hd), torch.zeros(max_seq, hd)
+    rows = TorchOps.graph_decode_rows(torch.zeros(4, dtype=torch.long), slot_ids, positions, mask, cos, sin)
+    q = torch.randn(4, n_heads, hd)
+    want = TorchOps(1e-5).attend(q, k_cache, v_cache, rows)
+    got = GraphOps(1e-5).attend(q, k_cache, v_cache, rows)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
