@@ -207,10 +207,11 @@ class CompiledDecode:
         self.built = False  # this process compiled the package (False: loaded a package compiled before)
 
     def package_path(self, directory: Path) -> Path:
-        """The package for this kind of model and cache (not these weights: they are handed over at load)."""
+        """The package for this kind of model and cache and this many threads (not these weights: they are handed
+        over at load)."""
         key = "|".join((str(PACKAGE_FORMAT), _TRACED_SOURCES, torch.__version__, repr(self.model.config),
                         structure(self.weights), structure(self.model.weights),
-                        f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}"))
+                        f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}", f"threads {torch.get_num_threads()}"))
         return directory / f"decode-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
     @property
@@ -218,9 +219,10 @@ class CompiledDecode:
         """A package for this kind of model and cache is in cache_dir: compile() loads it in milliseconds."""
         return self.cache_dir is not None and self.package_path(Path(self.cache_dir)).exists()
 
-    def _export(self, package: Path) -> None:
+    def _export(self, package: Path, threads: int) -> None:
         """torch.export the step (the batch and attention-length dimensions symbolic), compile it with Inductor
-        ahead of time, and write the package (its weights left out: they are the model's own at load)."""
+        ahead of time for `threads` OpenMP threads, and write the package (its weights left out: they are the
+        model's own at load)."""
         import torch._inductor.config as inductor_config
         from torch._inductor import cpp_builder, exc as inductor_exc
         try:  # before tracing: without a compiler Inductor fails after a minute of it
@@ -230,6 +232,9 @@ class CompiledDecode:
                                      "decode step") from exc
         # One compiling thread: the box's other core is serving; Inductor's artefacts under the package's directory.
         inductor_config.compile_threads = 1
+        # The generated loops are parallel for the threads the step will run on, not for the one this (forked)
+        # process computes with: built for one, every fused loop (attention, norms, rotary) ran on one core.
+        inductor_config.cpp.threads = threads
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(package.parent)
         max_len = self.cache.max_seq_len
         if max_len < 2:
@@ -266,10 +271,11 @@ class CompiledDecode:
             status = 1
             try:
                 os.close(read_end)
+                threads = torch.get_num_threads()  # what the worker serves with
                 # OpenMP's thread team did not survive the fork (a parallel region would wait on it for ever): one
                 # thread, which runs torch's loops inline
                 torch.set_num_threads(1)
-                self._export(package)
+                self._export(package, threads)
                 status = 0
             except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it
                 os.write(write_end, f"{type(exc).__name__}: {exc}"[:600].encode(errors="replace"))
