@@ -370,3 +370,24 @@ def test_the_traced_decode_attention_is_the_eager_one(n_heads, n_kv, cache_dtype
     want = TorchOps(1e-5).attend(q, k_cache, v_cache, rows)
     got = GraphOps(1e-5).attend(q, k_cache, v_cache, rows)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_step_s_loops_are_generated_for_the_threads_it_serves_with(model_dir, tmp_path):
+    """The package is built in a forked child computing on one thread; its loops must still be parallel for the
+    worker's threads (built for one, every fused loop ran on one core), and a package is keyed by that count."""
+    import zipfile
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, kv_dtype = build(model_dir, "float32")
+        cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
+        compiled = CompiledDecode(model, cache, tmp_path / "inductor")
+        compiled.compile()
+        package = compiled.package_path(tmp_path / "inductor")
+        with zipfile.ZipFile(package) as z:
+            kernels = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".kernel.cpp"))
+        assert "#pragma omp parallel num_threads(2)" in kernels
+        torch.set_num_threads(1)
+        assert compiled.package_path(tmp_path / "inductor") != package
+    finally:
+        torch.set_num_threads(before)
