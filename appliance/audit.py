@@ -266,14 +266,14 @@ class AuditLog:
         one flush for the audit writer's batch instead of one per record. True when all reached the file; on a
         failure every record of the batch counts as failed (some may have reached it)."""
         try:
-            lines = [_fields(**fields) for fields in records]
+            cleaned = [_fields(**fields) for fields in records]
             with self._lock:
                 if self._closed:
                     raise AuditLogClosed("audit log closed")
                 if self._fh is None and not self._open_locked():
                     self._count_failures(len(records) - 1)  # the open's failure counted one
                     return False
-                for fields in lines:
+                for fields in cleaned:
                     self._write_locked(fields)
                 # Flushed to the OS (survives a crash of this process) with each batch (the audit writer hands one
                 # over every 20 ms at most); fsync (survives power loss) at most once a second: on the SD/eMMC
