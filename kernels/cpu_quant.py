@@ -3,12 +3,14 @@ kernels/cpu/quant_kernels.h), built with the system C compiler at first use, cac
 
 Which instruction sets this CPU has comes from the cpuid instruction (kernels/cpu/cpu_features.c), never from
 /proc/cpuinfo (a hardened systemd unit may hide it: torch then reports no AVX at all) nor from the machine the
-package was built on. Every ISA's library computes the same numbers in int8 mode (integer dot products are exact;
-the float steps are the same), so the choice among them is a matter of speed alone.
+package was built on. Every ISA's library computes the same numbers in int8 mode below 32 rows (integer dot products
+are exact; the float steps are the same), so the choice among them, made on decode steps, is a matter of speed
+alone. From 32 rows (a prefill chunk) AMX multiplies in bf16 instead (weights dequantized once per panel,
+activations rounded to bf16, float sums in the tiles): 2-3x its int8 tiles there, and nearer the exact product.
 
     ISA          instruction                         needs (cpuid + the OS's XCR0)
-    amx          tdpbssd on 16-row tiles, else as    avx512vnni's + AMX tile and int8, the tile state granted
-                 avx512vnni
+    amx          tdpbssd on 16-row tiles, else as    avx512vnni's + AVX-512 BF16, AMX tile, int8 and bf16, the
+                 avx512vnni; tdpbf16ps from 32 rows  tile state granted
     avx512vnni   vpdpbusd, 16 outputs per vector     AVX-512 F/BW/VL/DQ + VNNI, F16C, FMA
     avxvnni      vpdpbusd (VEX), 8 per vector        AVX2 + AVX-VNNI, F16C, FMA
     avx2         maddubs + madd, 8 per vector        AVX2, F16C, FMA
@@ -45,7 +47,7 @@ SOURCE_DIR = Path(__file__).with_name("cpu")
 COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=off"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "amx": _AVX512 + ["-mamx-tile", "-mamx-int8"],
+    "amx": _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16"],
     "avx512vnni": _AVX512,
     "avxvnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
@@ -59,7 +61,7 @@ _BITS = ("avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512bw", "avx512vl", "a
          "avx512bf16", "avx512fp16", "amx_tile", "amx_int8", "amx_bf16", "os_avx", "os_avx512", "os_amx")
 _AVX512_NEEDS = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "fma", "f16c", "os_avx", "os_avx512"}
 _NEEDS = {
-    "amx": _AVX512_NEEDS | {"amx_tile", "amx_int8", "os_amx"},
+    "amx": _AVX512_NEEDS | {"avx512bf16", "amx_tile", "amx_int8", "amx_bf16", "os_amx"},
     "avx512vnni": _AVX512_NEEDS,
     "avxvnni": {"avx2", "avxvnni", "fma", "f16c", "os_avx"},
     "avx2": {"avx2", "fma", "f16c", "os_avx"},

@@ -98,6 +98,14 @@ def test_views_for_torch_and_triton_hold_the_same_numbers():
 
 # ---- the kernels ---------------------------------------------------------------------------------------------------
 
+BF16_ROWS = 32  # from this many rows AMX multiplies in bf16 (kernels/cpu/quant_amx.c, BF16_MIN_ROWS)
+
+
+def bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What AMX's bf16 tiles compute: activations and dequantized weights rounded to bf16, multiplied exactly."""
+    return x.bfloat16().double() @ w.bfloat16().double().t()
+
+
 def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """What the int8 mode computes: each activation row quantized per block of 32 (scale amax / 127, rounded to
     nearest even), multiplied exactly (float64) by the dequantized weights."""
@@ -113,33 +121,38 @@ def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 13, 35])
 def test_kernels_match_the_matmul_they_stand_for(isas, name, rows):
     """Row tiles of 1-4 rows and their remainders, tiles of 1, 2 and 4 vector columns, 16-row AMX tiles with vector
-    tiles for the rest (35 rows), a last partial panel, one and several super-blocks: int8 mode against the int8 reference, float32 mode against the exact matmul."""
+    tiles for the rest, a last partial panel, one and several super-blocks: int8 mode against the int8 reference
+    (AMX from 32 rows: its bf16 tiles against the bf16 reference), float32 mode against the exact matmul."""
     for n, k in [(48, 256), (37, 512), (130, 256)]:
         raw = random_blocks(name, n, k, seed=rows * 100 + n)
         m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
         w = m.dequantize()
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n + rows)) * 2
         exact = x.double() @ w.double().t()
-        approx = int8_reference(x, w)
+        approx, approx_bf16 = int8_reference(x, w), bf16_reference(x, w)
         for isa, kern in isas.items():
             got8 = quant.linear_for(m, kern)(x).double()
             got32 = quant.linear_for(m, kern.with_activations("float32"))(x).double()
             scale = exact.abs().max()
             assert got8.shape == (rows, n) and got32.shape == (rows, n)
-            assert (got8 - approx).abs().max() <= 2e-6 * scale, (isa, name, n, k)
+            if isa == "amx" and rows >= BF16_ROWS:
+                assert (got8 - approx_bf16).abs().max() <= 2e-6 * scale, (isa, name, n, k)
+            else:
+                assert (got8 - approx).abs().max() <= 2e-6 * scale, (isa, name, n, k)
             assert (got32 - exact).abs().max() <= 2e-6 * scale, (isa, name, n, k)
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_every_isa_gives_the_same_bits(isas, name):
     """Integer dot products are exact and the float steps the same: AVX2, AVX-VNNI, AVX-512 VNNI and AMX (its
-    16-row tiles and the vector tiles for the rest) agree to the bit in int8 mode (so the measured choice among them
-    is a matter of speed only)."""
+    16-row tiles and the vector tiles for the rest) agree to the bit in int8 mode below 32 rows (so the measured
+    choice among them, made on decode steps, is a matter of speed only; AMX's bf16 tiles from 32 rows are tested
+    below)."""
     if len(isas) < 2:
         pytest.skip("one ISA here")
     n, k = 70, 512
     m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(random_blocks(name, n, k, 11), name, n, k))
-    x = torch.randn(38, k, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(BF16_ROWS - 1, k, generator=torch.Generator().manual_seed(1))
     outs = {isa: quant.linear_for(m, kern)(x) for isa, kern in isas.items()}
     first = next(iter(outs.values()))
     for isa, y in outs.items():
@@ -163,11 +176,37 @@ def test_amx_tiles_give_the_vector_tiles_bits(isas, name):
             for n, k in shapes:
                 raw = random_blocks(name, n, k, seed=n * 7 + k)
                 m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
-                for rows in (16, 17, 31, 32, 33, 48, 50):
+                for rows in (16, 17, 31):
                     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + n)) * 3
                     got = quant.linear_for(m, isas["amx"])(x)
                     want = quant.linear_for(m, isas["avx512vnni"])(x)
                     assert torch.equal(got, want), (name, n, k, rows, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_amx_bf16_tiles_for_prefill_rows(isas, name):
+    """From 32 rows AMX multiplies in bf16 (weights dequantized per panel, activations rounded, tdpbf16ps): against
+    the bf16 reference on shapes that take every edge of its blocking (rows not a multiple of 32 and past the
+    256-row block, inputs past the 2,048-input block so the sums go round through y, an odd panel count and a
+    partial last panel), one thread and two; and a row's result is the same in any batch of 32 rows or more."""
+    if "amx" not in isas:
+        pytest.skip("no AMX here")
+    sb = cpu_layout.FORMATS[name].super_block
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for n, k, rows in [(70, 512, 32), (40, 4096, 45), (16, 2 * sb if sb > 32 else 64, 300), (200, 2304, 64)]:
+                raw = random_blocks(name, n, k, seed=n + k + rows)
+                m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)) * 3
+                got = quant.linear_for(m, isas["amx"])(x)
+                want = bf16_reference(x, m.dequantize())
+                scale = want.abs().max()
+                assert (got.double() - want).abs().max() <= 2e-6 * scale, (name, n, k, rows, t)
+                assert torch.equal(quant.linear_for(m, isas["amx"])(x[rows - BF16_ROWS:]), got[rows - BF16_ROWS:])
     finally:
         torch.set_num_threads(threads)
 

@@ -352,6 +352,9 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
     const int nrec = k / SUPER_BLOCK[fmt], panels = (n + PANEL - 1) / PANEL, ncols = panels * NVP;
     const size_t pstride = (size_t)nrec * RECORD_BYTES[fmt];
     const int tmax = mode == 0 ? MAXT : TMAX_F32;
+#ifdef WIDE_MATMUL /* an ISA's own product for many rows (AMX: bf16 tiles); 1 where it declines */
+    if (WIDE_MATMUL(fmt, mode, x, rows, k, w, n, y, threads) == 0) return 0;
+#endif
     acts_t a = {0};
     void *buf = 0;
     if (mode == 0) {
