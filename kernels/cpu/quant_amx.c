@@ -86,12 +86,7 @@ static inline __attribute__((always_inline)) void unpack_block(const int fmt, co
     const int sbk = SUPER_BLOCK[fmt] / QK, s = blk / sbk, b = blk % sbk;
     const uint8_t *rec = panel + (size_t)s * RECORD_BYTES[fmt], *qb = rec + b * 256;
     VI qh[2];
-    if (fmt == F_Q5_K) qh[0] = LOADB(rec + QK5_H + b * 64);
-    if (IS_Q5(fmt)) qh[0] = LOADB(rec + Q5_H);
-    if (fmt == F_Q6_K) {
-        qh[0] = LOADB(rec + QK6_H + b * 128);
-        qh[1] = LOADB(rec + QK6_H + b * 128 + 64);
-    }
+    block_high_bits(fmt, rec, b, 0, qh);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
         VI lo, hi;
@@ -278,35 +273,15 @@ static void amx_configure_bf16(void) {
 }
 
 /* Block blk of a panel as bf16 in tdpbf16ps's B layout: 16 rows, row p = inputs 2p and 2p + 1 of each of the 16
- * outputs (1 KB). The float weights are computed as the float32 mode's tiles compute them (w = D q + M). */
+ * outputs (1 KB). The float weights are computed as the float32 mode's tiles compute them (block_affine). */
 static inline __attribute__((always_inline)) void dequant_block_bf16(const int fmt, const uint8_t *panel, int blk,
                                                                      uint16_t *out) {
     const int sbk = SUPER_BLOCK[fmt] / QK, b = blk % sbk;
     const uint8_t *rec = panel + (size_t)(blk / sbk) * RECORD_BYTES[fmt], *qb = rec + b * 256;
     VI qh[2];
-    if (fmt == F_Q5_K) qh[0] = LOADB(rec + QK5_H + b * 64);
-    if (IS_Q5(fmt)) qh[0] = LOADB(rec + Q5_H);
-    if (fmt == F_Q6_K) {
-        qh[0] = LOADB(rec + QK6_H + b * 128);
-        qh[1] = LOADB(rec + QK6_H + b * 128 + 64);
-    }
+    block_high_bits(fmt, rec, b, 0, qh);
     VF D, M, Dh, Mh;
-    if (IS_Q4(fmt) || IS_Q5(fmt)) {
-        D = Dh = LOADH(rec + Q4_D);
-        M = Mh = LOADH(rec + Q4_M);
-    } else if (fmt == F_Q8_0) {
-        D = Dh = LOADH(rec + Q8_D);
-        M = Mh = MUL(D, SET1F(-128.0f));
-    } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
-        D = Dh = MUL(LOADH(rec + QK4_D), LOADU8F(rec + QK4_SC + b * 16));
-        M = Mh = MUL(MUL(LOADH(rec + QK4_DMIN), LOADU8F(rec + QK4_M + b * 16)), SET1F(-1.0f));
-    } else {
-        const VF d = LOADH(rec + QK6_D);
-        D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16));
-        Dh = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16));
-        M = MUL(D, SET1F(-32.0f));
-        Mh = MUL(Dh, SET1F(-32.0f));
-    }
+    block_affine(fmt, rec, b, 0, &D, &M, &Dh, &Mh);
     VF Dd[4], Md[4], Dhd[4], Mhd[4];
 #define DUPS(C)          \
     Dd[C] = DUP(D, C);   \

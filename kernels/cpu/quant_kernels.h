@@ -60,6 +60,39 @@ static inline int32_t load_i32(const void *p) {
         }                                                                                                         \
     } while (0)
 
+/* The high bits of block b's values (Q5: 1 bit, Q6_K: 2) for the outputs at byte off of its record, in qh. */
+static inline __attribute__((always_inline)) void block_high_bits(const int fmt, const uint8_t *rec, int b, int off,
+                                                                  VI qh[2]) {
+    if (fmt == F_Q5_K) qh[0] = LOADB(rec + QK5_H + b * 64 + off);
+    if (IS_Q5(fmt)) qh[0] = LOADB(rec + Q5_H + off);
+    if (fmt == F_Q6_K) {
+        qh[0] = LOADB(rec + QK6_H + b * 128 + off);
+        qh[1] = LOADB(rec + QK6_H + b * 128 + 64 + off);
+    }
+}
+
+/* Block b's float weights as w = D q + M for its low groups (inputs 0..15) and Dh q + Mh for the high ones (16..31),
+ * q its unsigned values, for the LANES outputs from lane o of its record (float32 mode; AMX's bf16 panels). */
+static inline __attribute__((always_inline)) void block_affine(const int fmt, const uint8_t *rec, int b, int o, VF *D,
+                                                               VF *M, VF *Dh, VF *Mh) {
+    if (IS_Q4(fmt) || IS_Q5(fmt)) {
+        *D = *Dh = LOADH(rec + Q4_D + 2 * o);
+        *M = *Mh = LOADH(rec + Q4_M + 2 * o);
+    } else if (fmt == F_Q8_0) {
+        *D = *Dh = LOADH(rec + Q8_D + 2 * o);
+        *M = *Mh = MUL(*D, SET1F(-128.0f));
+    } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
+        *D = *Dh = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
+        *M = *Mh = MUL(MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o)), SET1F(-1.0f));
+    } else {
+        const VF d = LOADH(rec + QK6_D + 2 * o);
+        *D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
+        *Dh = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
+        *M = MUL(*D, SET1F(-32.0f));
+        *Mh = MUL(*Dh, SET1F(-32.0f));
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_i8(const int fmt, const int T, const int V, const uint8_t *w,
                                                           size_t pstride, int c0, int nrec, const acts_t *a, int r0,
                                                           int k, float *y, int ldy) {
@@ -88,12 +121,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
             for (int v = 0; v < V; v++) {
                 const uint8_t *rec = pb[v] + (size_t)s * rb;
                 qb[v] = rec + b * 256 + hv[v] * VBYTES;
-                if (fmt == F_Q5_K) qh[v][0] = LOADB(rec + QK5_H + b * 64 + hv[v] * VBYTES);
-                if (IS_Q5(fmt)) qh[v][0] = LOADB(rec + Q5_H + hv[v] * VBYTES);
-                if (fmt == F_Q6_K) {
-                    qh[v][0] = LOADB(rec + QK6_H + b * 128 + hv[v] * VBYTES);
-                    qh[v][1] = LOADB(rec + QK6_H + b * 128 + 64 + hv[v] * VBYTES);
-                }
+                block_high_bits(fmt, rec, b, hv[v] * VBYTES, qh[v]);
             }
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
@@ -195,30 +223,9 @@ static inline __attribute__((always_inline)) void tile_f32(const int fmt, const 
             const int blk = s * sbk + b;
             const uint8_t *qb = rec + b * 256 + hv * VBYTES;
             VI qh[2];
-            if (fmt == F_Q5_K) qh[0] = LOADB(rec + QK5_H + b * 64 + hv * VBYTES);
-            if (IS_Q5(fmt)) qh[0] = LOADB(rec + Q5_H + hv * VBYTES);
-            if (fmt == F_Q6_K) {
-                qh[0] = LOADB(rec + QK6_H + b * 128 + hv * VBYTES);
-                qh[1] = LOADB(rec + QK6_H + b * 128 + 64 + hv * VBYTES);
-            }
-            /* w = D q + M for the low groups (inputs 0..15) and Dh q + Mh for the high ones (16..31) */
+            block_high_bits(fmt, rec, b, hv * VBYTES, qh);
             VF D, M, Dh, Mh;
-            if (IS_Q4(fmt) || IS_Q5(fmt)) {
-                D = Dh = LOADH(rec + Q4_D + 2 * o);
-                M = Mh = LOADH(rec + Q4_M + 2 * o);
-            } else if (fmt == F_Q8_0) {
-                D = Dh = LOADH(rec + Q8_D + 2 * o);
-                M = Mh = MUL(D, SET1F(-128.0f));
-            } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
-                D = Dh = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
-                M = Mh = MUL(MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o)), SET1F(-1.0f));
-            } else {
-                const VF d = LOADH(rec + QK6_D + 2 * o);
-                D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
-                Dh = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
-                M = MUL(D, SET1F(-32.0f));
-                Mh = MUL(Dh, SET1F(-32.0f));
-            }
+            block_affine(fmt, rec, b, o, &D, &M, &Dh, &Mh);
             VF Dd[4], Md[4], Dhd[4], Mhd[4];
 #define DUPS(C)                 \
     Dd[C] = DUP(D, C);          \
