@@ -249,8 +249,8 @@ static void amx_tiles(int fmt, const uint8_t *w, size_t pstride, int cbeg, int c
  * A prefill chunk (BF16_MIN_ROWS rows and more) is multiplied in bf16: each panel's weights dequantized once to
  * float (gguf's values) and rounded to bf16, the activations rounded to bf16, `tdpbf16ps` summing in float across
  * the whole input. The int8 tiles above scale every block's sums in float (four vector operations per row and
- * block), which the tile products do not overlap; here no sum leaves the tile registers until the end, and the
- * dequantization is paid once per panel for every row of the chunk. Numbers: a weight differs from gguf's by its
+ * block), which the tile products do not overlap; here the sums stay in the tile registers across 2,048 inputs, and
+ * the dequantization is paid once per panel for every row of the chunk. Numbers: a weight differs from gguf's by its
  * bf16 rounding (2^-9 relative), an activation likewise; int8 mode's per-block quantization errs by up to 1/254 of
  * a block's largest value. Each row's result still depends on that row alone (the same order of sums for every
  * row of any batch of this size class).
