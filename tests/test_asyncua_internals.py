@@ -78,3 +78,32 @@ def test_the_internals_module_holds_what_it_says():
     for name in ("HardenedProcessor", "HardenedBinaryServer", "ApplianceSession", "AppServer", "install_nesting_limit",
                  "write_together", "external_sessions", "instantiate_many", "subscription_of", "configure_limits"):
         assert hasattr(asyncua_internals, name), name
+
+
+def test_message_hmac_gives_asyncua_s_bytes_and_compares_in_constant_time():
+    """The standard library's HMAC installed for channel messages (asyncua_internals.install_message_hmac) signs
+    exactly as asyncua's cryptography-based function did, over bytes, bytearray and memoryview alike, and its
+    verifier accepts only the right signature (hmac.compare_digest)."""
+    import os
+
+    from asyncua.crypto import security_policies, uacrypto
+    from cryptography.hazmat.primitives import hashes, hmac as crypto_hmac
+
+    def reference(key, message):
+        h = crypto_hmac.HMAC(key, hashes.SHA256())
+        h.update(bytes(message))
+        return h.finalize()
+
+    asyncua_internals.install_message_hmac()
+    key = os.urandom(32)
+    for size in (0, 1, 31, 32, 1000, 65536):
+        message = os.urandom(size)
+        for form in (message, bytearray(message), memoryview(message)):
+            assert uacrypto.hmac_sha256(key, form) == reference(key, message)
+        verifier = security_policies.VerifierHMac256(key)
+        verifier.verify(message, reference(key, message))
+        wrong = bytearray(reference(key, message))
+        wrong[-1] ^= 1
+        for bad in (bytes(wrong), reference(key, message)[:-1], b""):
+            with pytest.raises(uacrypto.InvalidSignature):
+                verifier.verify(message, bad)

@@ -4,7 +4,8 @@ legitimate client that still works.
 - sessions over a None channel and over Sign when only SignAndEncrypt is configured;
 - a CreateSession whose ClientCertificate is omitted or borrowed from another client;
 - stolen and guessed authentication tokens, and re-activation by the same certificate as another user;
-- an application certificate whose SubjectAltName URI differs from the ApplicationUri it claims.
+- an application certificate whose SubjectAltName URI differs from the ApplicationUri it claims;
+- a request altered on the wire after it was signed and encrypted.
 """
 from __future__ import annotations
 
@@ -196,3 +197,31 @@ def test_untrusted_channel_certificate_with_a_borrowed_trusted_one_in_create_ses
 
 def test_independent_client_after_the_attacks(app):
     run_node_client(app)
+
+
+def test_a_message_changed_on_the_wire_is_refused_and_not_run(app):
+    """One bit of a SignAndEncrypt request flipped after the client signed and encrypted it, in the last cipher block
+    (it decrypts to the signature's last bytes only: the request itself stays intact): the server's HMAC check
+    refuses it and the Infer never runs; the next client is served."""
+    async def go():
+        client = await connect(app.endpoint, *app.operator)
+        try:
+            before = served(app)
+            transport = client.uaclient.protocol.transport
+            write = transport.write
+
+            def flip_once(data):
+                data = bytearray(data)
+                if data[:3] == b"MSG":
+                    data[-1] ^= 0x01
+                    transport.write = write
+                write(bytes(data))
+
+            transport.write = flip_once
+            exc = await refusal(infer_once(client))
+            assert exc is not None, "an altered request was answered"
+            assert served(app) == before
+        finally:
+            await close(client)
+        await legit_infer(app)
+    run(go())

@@ -20,12 +20,14 @@ What is here, and which asyncua internals it relies on:
    instantiate_many: copies of an instantiated object from its NodeData (AddressSpace._nodes) through the
    InternalServer's own session (AddNodes). A session outlives its connection until its timeout
    (UaProcessor._should_close_session_on_transport_loss, close).
+7. install_message_hmac: replaces asyncua.crypto.uacrypto.hmac_sha256 and security_policies.VerifierHMac256.verify.
 """
 from __future__ import annotations
 
 import asyncio
 import contextvars
 import functools
+import hmac
 import importlib.metadata
 import logging
 import struct
@@ -62,6 +64,7 @@ check_asyncua_version()
 from asyncua import Server, ua  # noqa: E402
 from asyncua.common.connection import TransportLimits  # noqa: E402
 from asyncua.common.utils import NotEnoughData, ServiceError  # noqa: E402
+from asyncua.crypto import security_policies, uacrypto  # noqa: E402
 from asyncua.server.binary_server_asyncio import BinaryServer, OPCUAProtocol  # noqa: E402
 from asyncua.server.internal_session import InternalSession  # noqa: E402
 from asyncua.server.uaprocessor import UaProcessor  # noqa: E402
@@ -781,6 +784,7 @@ class HardenedBinaryServer(BinaryServer):
 
     async def start(self) -> None:
         install_nesting_limit(self.guard.max_nesting_depth, self.guard.max_array_length)
+        install_message_hmac()
         await super().start()
 
     def _make_protocol(self) -> OPCUAProtocol:
@@ -971,3 +975,29 @@ def _add_item(nodeid: ua.NodeId, name: ua.QualifiedName | None, parent: ua.NodeI
 def listening_port(server: Server) -> int:
     """The TCP port the server listens on (0 when it does not)."""
     return server.bserver.port if server.bserver else 0
+
+
+# ==============================================================================================================
+# 6. The messages' HMAC (item 7 of the list above)
+#
+# On a Sign or SignAndEncrypt channel every message is signed and verified with HMAC-SHA256 over its whole body.
+# asyncua builds a `cryptography` HMAC object (and looks up its default backend) for each, ~4 % of serve's Python
+# samples per Infer in bench/ua_overhead.py's profile, and compares a received signature with `!=`, which returns at
+# the first differing byte (a timing oracle on the expected signature). The standard library's one-shot
+# `hmac.digest` (OpenSSL, in C) gives the same bytes; `hmac.compare_digest` compares in constant time. The key
+# derivation (uacrypto.p_sha256) calls the same module function, so it gets the one-shot digest too.
+# FOR THE WHOLE PROCESS, like the nesting limit: clients in the same process sign with it as well (same bytes).
+
+def _hmac_sha256(key: bytes, message) -> bytes:
+    return hmac.digest(key, message, "sha256")
+
+
+def _verify_hmac256(verifier, data, signature) -> None:
+    if not hmac.compare_digest(hmac.digest(verifier.key, data, "sha256"), bytes(signature)):
+        raise uacrypto.InvalidSignature
+
+
+def install_message_hmac() -> None:
+    """Sign and verify every channel's messages with the standard library's HMAC (see above). Idempotent."""
+    uacrypto.hmac_sha256 = _hmac_sha256
+    security_policies.VerifierHMac256.verify = _verify_hmac256
