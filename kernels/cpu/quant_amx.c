@@ -226,18 +226,11 @@ static void amx_tiles(int fmt, const uint8_t *w, size_t pstride, int cbeg, int c
     }
     amx_configure(fmt == F_Q6_K ? QK / 2 : QK);
     switch (fmt) {
-#define CASE(F)                                                                    \
-    case F:                                                                        \
-        amx_panels(F, w, pstride, cbeg, cend, nrec, a, big, k, y, n, buf);         \
+#define CASE(F)                                                                  \
+    case F:                                                                      \
+        amx_panels(F, w, pstride, cbeg, cend, nrec, a, big, k, y, n, buf);       \
         break;
-        CASE(F_Q4_0)
-        CASE(F_Q4_1)
-        CASE(F_Q8_0)
-        CASE(F_Q4_K)
-        CASE(F_Q5_K)
-        CASE(F_Q6_K)
-        CASE(F_Q5_0)
-        CASE(F_Q5_1)
+        EACH_FORMAT(CASE)
 #undef CASE
     }
     _tile_release();
@@ -280,16 +273,8 @@ static inline __attribute__((always_inline)) void dequant_block_bf16(const int f
     const uint8_t *rec = panel + (size_t)(blk / sbk) * RECORD_BYTES[fmt], *qb = rec + b * 256;
     VI qh[2];
     block_high_bits(fmt, rec, b, 0, qh);
-    VF D, M, Dh, Mh;
-    block_affine(fmt, rec, b, 0, &D, &M, &Dh, &Mh);
     VF Dd[4], Md[4], Dhd[4], Mhd[4];
-#define DUPS(C)          \
-    Dd[C] = DUP(D, C);   \
-    Md[C] = DUP(M, C);   \
-    Dhd[C] = DUP(Dh, C); \
-    Mhd[C] = DUP(Mh, C);
-    FOR_CHUNKS(DUPS);
-#undef DUPS
+    block_affine(fmt, rec, b, 0, Dd, Md, Dhd, Mhd);
     /* a group's floats in lanes (output 4C + l / 4, input l % 4) -> bf16 pairs (output, inputs 0-1 | 2-3) in
      * 32-bit units, outputs 0..7 then 8..15 -> the group's two B rows */
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -436,14 +421,7 @@ static int amx_bf16_matmul(int fmt, const float *x, int rows, int k, const uint8
     case F:                                                                      \
         bf16_panels(F, w, pstride, pbeg, pend, xb, rows, rpad, k, y, n, bbuf);   \
         break;
-                CASE(F_Q4_0)
-                CASE(F_Q4_1)
-                CASE(F_Q8_0)
-                CASE(F_Q4_K)
-                CASE(F_Q5_K)
-                CASE(F_Q6_K)
-                CASE(F_Q5_0)
-                CASE(F_Q5_1)
+                EACH_FORMAT(CASE)
 #undef CASE
             }
             _tile_release();

@@ -71,26 +71,44 @@ static inline __attribute__((always_inline)) void block_high_bits(const int fmt,
     }
 }
 
+/* The 4 chunks of a vector of group values: chunk c = LANES / 4 outputs x 4 inputs, widened to float. */
+#define FOR_CHUNKS(BODY) \
+    do {                 \
+        BODY(0);         \
+        BODY(1);         \
+        BODY(2);         \
+        BODY(3);         \
+    } while (0)
+
 /* Block b's float weights as w = D q + M for its low groups (inputs 0..15) and Dh q + Mh for the high ones (16..31),
- * q its unsigned values, for the LANES outputs from lane o of its record (float32 mode; AMX's bf16 panels). */
-static inline __attribute__((always_inline)) void block_affine(const int fmt, const uint8_t *rec, int b, int o, VF *D,
-                                                               VF *M, VF *Dh, VF *Mh) {
+ * q its unsigned values, for the LANES outputs from lane o of its record (float32 mode; AMX's bf16 panels): each
+ * factor in chunk order (Dd[c]: chunk c's outputs, each for its 4 inputs). */
+static inline __attribute__((always_inline)) void block_affine(const int fmt, const uint8_t *rec, int b, int o,
+                                                               VF Dd[4], VF Md[4], VF Dhd[4], VF Mhd[4]) {
+    VF D, M, Dh, Mh;
     if (IS_Q4(fmt) || IS_Q5(fmt)) {
-        *D = *Dh = LOADH(rec + Q4_D + 2 * o);
-        *M = *Mh = LOADH(rec + Q4_M + 2 * o);
+        D = Dh = LOADH(rec + Q4_D + 2 * o);
+        M = Mh = LOADH(rec + Q4_M + 2 * o);
     } else if (fmt == F_Q8_0) {
-        *D = *Dh = LOADH(rec + Q8_D + 2 * o);
-        *M = *Mh = MUL(*D, SET1F(-128.0f));
+        D = Dh = LOADH(rec + Q8_D + 2 * o);
+        M = Mh = MUL(D, SET1F(-128.0f));
     } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
-        *D = *Dh = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
-        *M = *Mh = MUL(MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o)), SET1F(-1.0f));
+        D = Dh = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
+        M = Mh = MUL(MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o)), SET1F(-1.0f));
     } else {
         const VF d = LOADH(rec + QK6_D + 2 * o);
-        *D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
-        *Dh = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
-        *M = MUL(*D, SET1F(-32.0f));
-        *Mh = MUL(*Dh, SET1F(-32.0f));
+        D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
+        Dh = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
+        M = MUL(D, SET1F(-32.0f));
+        Mh = MUL(Dh, SET1F(-32.0f));
     }
+#define DUPS(C)          \
+    Dd[C] = DUP(D, C);   \
+    Md[C] = DUP(M, C);   \
+    Dhd[C] = DUP(Dh, C); \
+    Mhd[C] = DUP(Mh, C);
+    FOR_CHUNKS(DUPS);
+#undef DUPS
 }
 
 static inline __attribute__((always_inline)) void tile_i8(const int fmt, const int T, const int V, const uint8_t *w,
@@ -199,15 +217,6 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
 
 /* ---- float32 mode --------------------------------------------------------------------------------------------- */
 
-/* The 4 chunks of a vector of group values: chunk c = LANES / 4 outputs x 4 inputs, widened to float. */
-#define FOR_CHUNKS(BODY) \
-    do {                 \
-        BODY(0);         \
-        BODY(1);         \
-        BODY(2);         \
-        BODY(3);         \
-    } while (0)
-
 static inline __attribute__((always_inline)) void tile_f32(const int fmt, const int T, const uint8_t *w,
                                                            size_t pstride, int c0, int nrec, const float *x, int r0,
                                                            int k, float *y, int ldy) {
@@ -224,16 +233,8 @@ static inline __attribute__((always_inline)) void tile_f32(const int fmt, const 
             const uint8_t *qb = rec + b * 256 + hv * VBYTES;
             VI qh[2];
             block_high_bits(fmt, rec, b, hv * VBYTES, qh);
-            VF D, M, Dh, Mh;
-            block_affine(fmt, rec, b, o, &D, &M, &Dh, &Mh);
             VF Dd[4], Md[4], Dhd[4], Mhd[4];
-#define DUPS(C)                 \
-    Dd[C] = DUP(D, C);          \
-    Md[C] = DUP(M, C);          \
-    Dhd[C] = DUP(Dh, C);        \
-    Mhd[C] = DUP(Mh, C);
-            FOR_CHUNKS(DUPS);
-#undef DUPS
+            block_affine(fmt, rec, b, o, Dd, Md, Dhd, Mhd);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 VI lo, hi;

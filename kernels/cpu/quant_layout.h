@@ -51,6 +51,9 @@ typedef struct {
 
 static const int RECORD_BYTES[F_COUNT] = {Q4_RB, Q4_RB, Q8_RB, QK4_RB, QK5_RB, QK6_RB, Q5_RB, Q5_RB};
 static const int SUPER_BLOCK[F_COUNT] = {QK, QK, QK, QK_K, QK_K, QK_K, QK, QK};
+/* X(F) for every format: a switch that calls a kernel specialised by a constant format (`switch (fmt) {
+ * EACH_FORMAT(CASE) }`) */
+#define EACH_FORMAT(X) X(F_Q4_0) X(F_Q4_1) X(F_Q8_0) X(F_Q4_K) X(F_Q5_K) X(F_Q6_K) X(F_Q5_0) X(F_Q5_1)
 #define IS_Q4(F) ((F) == F_Q4_0 || (F) == F_Q4_1)
 #define IS_Q5(F) ((F) == F_Q5_0 || (F) == F_Q5_1)
 
