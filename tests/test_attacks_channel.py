@@ -202,7 +202,7 @@ def test_independent_client_after_the_attacks(app):
 def test_a_message_changed_on_the_wire_is_refused_and_not_run(app):
     """One bit of a SignAndEncrypt request flipped after the client signed and encrypted it, in the last cipher block
     (it decrypts to the signature's last bytes only: the request itself stays intact): the server's HMAC check
-    refuses it and the Infer never runs; the next client is served."""
+    refuses it with BadSecurityChecksFailed and the Infer never runs; the next client is served."""
     async def go():
         client = await connect(app.endpoint, *app.operator)
         try:
@@ -219,7 +219,7 @@ def test_a_message_changed_on_the_wire_is_refused_and_not_run(app):
 
             transport.write = flip_once
             exc = await refusal(infer_once(client))
-            assert exc is not None, "an altered request was answered"
+            assert status_of(exc) == "BadSecurityChecksFailed", exc
             assert served(app) == before
         finally:
             await close(client)

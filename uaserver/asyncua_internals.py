@@ -315,9 +315,12 @@ CALL = ua.NodeId(ua.ObjectIds.CallRequest_Encoding_DefaultBinary)
 REFUSED = _ids("AddNodes", "DeleteNodes", "AddReferences", "DeleteReferences", "RegisterServer",
                "RegisterServer2", "HistoryUpdate")
 # What asyncua's decoding and security layers raise for bytes a peer made up (seen in tests/test_attacks_*.py:
-# UaError and its status-code subclasses, NotEnoughData, struct.error, ValueError; InvalidSignature from the
+# UaError and its status-code subclasses, NotEnoughData, struct.error, ValueError; a failed signature from the
 # channel's crypto; RecursionError past Python's own limit). Logged in one line; anything else with its traceback.
-PEER_ERRORS = (ua.UaError, NotEnoughData, struct.error, ValueError, InvalidSignature, RecursionError)
+# A failed signature is either exception: `cryptography`'s (asymmetric, OpenSecureChannel) or the one asyncua's
+# uacrypto defines for itself and raises for a message's HMAC.
+SIGNATURE_ERRORS = (InvalidSignature, uacrypto.InvalidSignature)
+PEER_ERRORS = (ua.UaError, NotEnoughData, struct.error, ValueError, *SIGNATURE_ERRORS, RecursionError)
 
 
 def leaf_certificate(der_chain: bytes | None) -> bytes | None:
@@ -371,7 +374,7 @@ def transport_status(exc: BaseException) -> int:
     code = getattr(exc, "code", None)
     if isinstance(code, int):
         return code
-    if isinstance(exc, InvalidSignature):
+    if isinstance(exc, SIGNATURE_ERRORS):
         return ua.StatusCodes.BadSecurityChecksFailed
     if isinstance(exc, ua.UaError) and "No matching policy" in str(exc):
         return ua.StatusCodes.BadSecurityPolicyRejected
