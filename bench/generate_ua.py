@@ -160,7 +160,7 @@ def main() -> int:
     args = ap.parse_args()
     from appliance.config import resolve_builtin
     from certs.pki import PKI
-    from ua_overhead import free_port, wait_port
+    from ua_overhead import free_ports, wait_port
 
     work = Path(tempfile.mkdtemp(prefix="gen-bench-"))
     gguf = resolve_builtin("smollm2")
@@ -181,7 +181,7 @@ def main() -> int:
     pki = PKI(state)
     pki.init("urn:bench:appliance", ["localhost", socket.gethostname()], ["127.0.0.1"])
     pki.issue("bench", "operator", work / "clients", socket.gethostname())
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_ports(2)
     cfg = {"server": {"endpoint": f"opc.tcp://127.0.0.1:{port}", "state_dir": str(state),
                       "application_uri": "urn:bench:appliance"},
            "metrics": {"listen": f"127.0.0.1:{metrics_port}"}, "logging": {"level": "WARNING"},

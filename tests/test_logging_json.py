@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import free_port
+from harness import free_ports
 from onnx_models import affine_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,9 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_serve_and_its_workers_log_json_lines(tmp_path):
     model = affine_model(tmp_path / "affine.onnx")
     config = tmp_path / "appliance.yaml"
+    port, metrics_port = free_ports(2)
     config.write_text(yaml.safe_dump({
-        "server": {"endpoint": f"opc.tcp://127.0.0.1:{free_port()}", "state_dir": str(tmp_path / "state")},
-        "metrics": {"listen": f"127.0.0.1:{free_port()}"}, "watchdog": {"backend": "none"},
+        "server": {"endpoint": f"opc.tcp://127.0.0.1:{port}", "state_dir": str(tmp_path / "state")},
+        "metrics": {"listen": f"127.0.0.1:{metrics_port}"}, "watchdog": {"backend": "none"},
         "logging": {"format": "json", "level": "INFO"},
         "models": {"affine": {"kind": "tensor", "path": str(model)}}}))
     proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(config)], cwd=ROOT,

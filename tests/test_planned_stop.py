@@ -21,7 +21,7 @@ import pytest
 import yaml
 from asyncua import ua
 
-from harness import free_port
+from harness import free_ports
 from onnx_models import heavy_model
 from uaclient import call, floats, session, status_name
 from worker_probes import DataChanges, Events, field, process_gone
@@ -54,7 +54,7 @@ class Serve:
 
     def __init__(self, tmp: Path, models: dict, drain_s: float):
         self.state_dir = tmp / "state"
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = free_ports(2)
         self.endpoint = f"opc.tcp://127.0.0.1:{self.port}"
         doc = {"server": {"endpoint": self.endpoint, "state_dir": str(self.state_dir), "drain_timeout_s": drain_s},
                "metrics": {"listen": f"127.0.0.1:{self.metrics_port}"}, "watchdog": {"backend": "none"},

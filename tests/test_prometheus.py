@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from asyncua import ua
 
-from harness import RunningAppliance, free_port
+from harness import RunningAppliance, free_ports
 from onnx_models import affine_model
 from uaclient import call, floats, run, session
 
@@ -58,7 +58,7 @@ def app(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prometheus(app, tmp_path_factory):
     d = tmp_path_factory.mktemp("prom")
-    port = free_port()
+    port, = free_ports(1)
     (d / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"scrape_configs:\n  - job_name: appliance\n    static_configs:\n"

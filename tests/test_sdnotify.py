@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import free_port
+from harness import free_ports
 from onnx_models import affine_model
 
 from appliance.sdnotify import Notifier
@@ -62,9 +62,10 @@ def test_serve_speaks_the_protocol(tmp_path):
     sock, address = listener(tmp_path)
     state = tmp_path / "state"
     config = tmp_path / "appliance.yaml"
+    port, metrics_port = free_ports(2)
     config.write_text(yaml.safe_dump({
-        "server": {"endpoint": f"opc.tcp://127.0.0.1:{free_port()}", "state_dir": str(state)},
-        "metrics": {"listen": f"127.0.0.1:{free_port()}"}, "watchdog": {"backend": "none"},
+        "server": {"endpoint": f"opc.tcp://127.0.0.1:{port}", "state_dir": str(state)},
+        "metrics": {"listen": f"127.0.0.1:{metrics_port}"}, "watchdog": {"backend": "none"},
         "models": {"affine": {"kind": "tensor", "path": str(affine_model(tmp_path / "a.onnx"))}}}))
     env = dict(os.environ, NOTIFY_SOCKET=address, WATCHDOG_USEC="1000000",
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))

@@ -8,7 +8,6 @@ from outside: the socket is really aborted, tokens and slots are scraped from /m
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import urllib.request
 

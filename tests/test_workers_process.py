@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import free_port
+from harness import free_ports
 from onnx_models import affine_model, hang_model, heavy_model
 from uaclient import call, floats, session, status_name
 
@@ -44,7 +44,7 @@ def alive(pid: int) -> bool:
 class ServeProcess:
     def __init__(self, tmp: Path, models: dict, engine: dict | None = None, drain_s: float = 10.0):
         self.state_dir = tmp / "state"
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port = free_ports(2)
         self.endpoint = f"opc.tcp://127.0.0.1:{self.port}"
         doc = {"server": {"endpoint": self.endpoint, "state_dir": str(self.state_dir), "drain_timeout_s": drain_s},
                "metrics": {"listen": f"127.0.0.1:{self.metrics_port}"}, "watchdog": {"backend": "none"},
