@@ -1,4 +1,4 @@
-"""The Call service's codec in uaserver/asyncua_internals.py against asyncua's own codec: the same objects from the same bytes, the same bytes from the
+"""The Call service's codec in uaserver/asyncua_internals/decoding.py against asyncua's own codec: the same objects from the same bytes, the same bytes from the
 same answers, over many shapes (the real server's calls go through it in every tests/test_ua_*.py)."""
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ ROLES = ("monitor", "operator", "engineer")
 @dataclass(frozen=True)
 class LoginVerdict:
     """A password already checked in a worker thread for this one ActivateSession (see the processor in
-    asyncua_internals.py)."""
+    asyncua_internals/processor.py)."""
 
     username: str
     password: str

@@ -1,6 +1,6 @@
 """Who calls: the session being served (a contextvar set around every Call), the identity a session was activated
 with (ApplianceUser: role and a printable identity), random node ids. The session class itself (random ids, the
-channel's certificate, close hooks, writes) is ApplianceSession in asyncua_internals.py.
+channel's certificate, close hooks, writes) is ApplianceSession in asyncua_internals/sessions.py.
 """
 from __future__ import annotations
 
