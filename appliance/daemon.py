@@ -248,6 +248,10 @@ class Appliance:
             await asyncio.sleep(0.05)
         raise TimeoutError("models did not finish loading")
 
+    def reload_soon(self, notifier) -> None:
+        """SIGHUP's handler: the reload runs as a kept task (a failure is logged, the stop waits for it)."""
+        self._keep(self.reload_config(notifier))
+
     async def reload_config(self, notifier) -> None:
         """SIGHUP (`systemctl reload`): re-read what can change live: the log level and the rate limits (the trust
         list is re-read whenever its folders change anyway). Everything else needs a restart; the log says so."""
@@ -341,7 +345,7 @@ async def serve(config: ApplianceConfig) -> int:
         except (NotImplementedError, RuntimeError):
             pass
     try:
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(app.reload_config(notifier)))
+        loop.add_signal_handler(signal.SIGHUP, app.reload_soon, notifier)
     except (NotImplementedError, RuntimeError):
         pass
     notifier.status("starting: PKI, OPC UA server, model workers")
