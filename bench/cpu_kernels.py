@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -41,7 +40,6 @@ def best_ms(fn, budget_s: float = 0.3) -> float:
 
 
 def main() -> None:
-    from test_cpu_quant import random_blocks
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,4,16,64")
@@ -58,7 +56,7 @@ def main() -> None:
     for name in args.types.split(","):
         for n, k, label in SHAPES["llama1b" if name.endswith("_K") else "smollm2"]:
             m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(
-                random_blocks(name, n, k, seed=n + k, scale=0.002), name, n, k))
+                cpu_layout.random_blocks(name, n, k, seed=n + k, scale=0.002), name, n, k))
             w = m.dequantize()
             torch_int4 = quant.linear_for(m) if name in quant.FOUR_BIT else None
             for rows in [int(r) for r in args.rows.split(",")]:

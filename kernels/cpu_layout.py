@@ -49,17 +49,18 @@ class Format:
     super_block: int  # SB: inputs per record
     record_bytes: int  # RB
     gguf_block_bytes: int  # bytes of one GGUF block (of super_block weights)
+    fp16_offsets: tuple[int, ...]  # where a GGUF block's fp16 scales sit (d; m or dmin for the affine types)
 
 
 FORMATS = {f.name: f for f in (
-    Format("Q4_0", 0, QK, 320, 18),
-    Format("Q4_1", 1, QK, 320, 20),
-    Format("Q8_0", 2, QK, 544, 34),
-    Format("Q5_0", 6, QK, 384, 22),
-    Format("Q5_1", 7, QK, 384, 24),
-    Format("Q4_K", 3, QK_K, 2368, 144),
-    Format("Q5_K", 4, QK_K, 2880, 176),
-    Format("Q6_K", 5, QK_K, 3360, 210),
+    Format("Q4_0", 0, QK, 320, 18, (0,)),
+    Format("Q4_1", 1, QK, 320, 20, (0, 2)),
+    Format("Q8_0", 2, QK, 544, 34, (0,)),
+    Format("Q5_0", 6, QK, 384, 22, (0,)),
+    Format("Q5_1", 7, QK, 384, 24, (0, 2)),
+    Format("Q4_K", 3, QK_K, 2368, 144, (0, 2)),
+    Format("Q5_K", 4, QK_K, 2880, 176, (0, 2)),
+    Format("Q6_K", 5, QK_K, 3360, 210, (208,)),
 )}
 
 
@@ -358,6 +359,19 @@ def panel_rows(data: np.ndarray, name: str, n: int, k: int, rows: np.ndarray) ->
     where = {int(p): i for i, p in enumerate(panels)}
     idx = np.array([where[int(r) // PANEL] * PANEL + int(r) % PANEL for r in np.asarray(rows).reshape(-1)])
     return sub[idx] if len(idx) else np.zeros((0, k), np.float32)
+
+
+def random_blocks(name: str, n: int, k: int, seed: int, scale: float = 0.02) -> np.ndarray:
+    """n rows of random GGUF blocks of type `name` (tests and benchmarks): every byte random except the fp16 scales
+    (finite, about `scale` in size; a random bit pattern would be inf or NaN)."""
+    rng = np.random.default_rng(seed)
+    f = FORMATS[name]
+    nb = n * k // f.super_block
+    raw = rng.integers(0, 256, size=(nb, f.gguf_block_bytes), dtype=np.uint8)
+    for off in f.fp16_offsets:
+        values = (rng.standard_normal(nb) * scale).astype(np.float16)
+        raw[:, off:off + 2] = values.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(n, -1)
 
 
 # ---- float matrices quantized with gguf's own quantizers -----------------------------------------------------

@@ -12,24 +12,10 @@ import pytest
 import torch
 
 from kernels import cpu_layout, cpu_quant
+from kernels.cpu_layout import random_blocks
 from models import quant
 
 TYPES = list(cpu_layout.FORMATS)
-
-
-def random_blocks(name: str, n: int, k: int, seed: int, scale: float = 0.02) -> np.ndarray:
-    """n rows of random GGUF blocks of type name: every byte random except the fp16 scales (finite, about `scale`
-    in size; a random bit pattern would be inf or NaN)."""
-    rng = np.random.default_rng(seed)
-    f = cpu_layout.FORMATS[name]
-    nb = n * k // f.super_block
-    raw = rng.integers(0, 256, size=(nb, f.gguf_block_bytes), dtype=np.uint8)
-    offsets = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-               "Q6_K": [208]}[name]
-    for off in offsets:
-        values = (rng.standard_normal(nb) * scale).astype(np.float16)
-        raw[:, off:off + 2] = values.view(np.uint8).reshape(nb, 2)
-    return raw.reshape(n, -1)
 
 
 def gguf_dequantized(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:

@@ -21,11 +21,11 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from kernels import cpu_quant
+from kernels.cpu_layout import random_blocks
 from models import gguf_loader, path_choice, quant, weight_cache
 from models.llama import KVCache, LlamaModel
 from models.llama_config import LlamaConfig
 from models.weights import load_weights
-from test_cpu_quant import random_blocks
 from test_gguf import gguf_name, gguf_writer, smollm2_path, tiny_vocab, write_tiny_gguf
 
 REFERENCE_PROMPT = "<|im_start|>user\nWhat is a centrifugal pump?<|im_end|>\n<|im_start|>assistant\n"
