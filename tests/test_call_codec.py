@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from asyncua import ua
 from asyncua.common.utils import Buffer
-from asyncua.ua.ua_binary import struct_from_binary, struct_to_binary
+from asyncua.common.utils import NotEnoughData
+from asyncua.ua.ua_binary import nodeid_from_binary, nodeid_to_binary, struct_from_binary, struct_to_binary
 
 from uaserver.asyncua_internals import call_parameters_from_binary, request_header_from_binary, response_to_binary
+from uaserver.asyncua_internals.decoding import _NODEID_CACHE_SIZE, _nodeids, cached_nodeid_from_binary
 
 V = ua.VariantType
 
@@ -28,6 +30,37 @@ def random_node(rng: random.Random) -> ua.NodeId:
     if kind == 3:
         return ua.NodeId(uuid.UUID(int=rng.getrandbits(128)), 1, ua.NodeIdType.Guid)
     return ua.NodeId(f"ns-ü-{rng.randrange(1000)}", 2, ua.NodeIdType.String)
+
+
+def test_node_ids_decode_as_asyncua_does_the_first_time_and_from_the_cache_after():
+    rng = random.Random(7)
+    nodes = [random_node(rng) for _ in range(300)]
+    nodes += [ua.NodeId("x" * 300, 2), ua.NodeId(b"", 0, ua.NodeIdType.ByteString),
+              ua.NodeId(70000, 0, ua.NodeIdType.Numeric), ua.NodeId(5, 1, ua.NodeIdType.FourByte),
+              ua.ExpandedNodeId(5, 1, ua.NodeIdType.FourByte, NamespaceUri="urn:x"),
+              ua.ExpandedNodeId(9, 0, ua.NodeIdType.TwoByte, ServerIndex=3)]
+    for node in nodes * 2:  # the second round from the cache
+        data = nodeid_to_binary(node) + b"rest"
+        ours, theirs = Buffer(data), Buffer(data)
+        decoded = cached_nodeid_from_binary(ours)
+        assert decoded == nodeid_from_binary(theirs) and type(decoded) is type(node)
+        assert ours.read(4) == theirs.read(4) == b"rest"
+
+
+def test_node_id_cache_is_bounded_and_truncated_ids_fail_as_in_asyncua():
+    for i in range(3 * _NODEID_CACHE_SIZE):
+        assert cached_nodeid_from_binary(Buffer(nodeid_to_binary(ua.NodeId(f"n{i}", 2)))) == ua.NodeId(f"n{i}", 2)
+    assert len(_nodeids) <= _NODEID_CACHE_SIZE
+    for node in (ua.NodeId("abc", 2), ua.NodeId(70000, 0, ua.NodeIdType.Numeric), ua.NodeId(5, 1, ua.NodeIdType.FourByte)):
+        whole = nodeid_to_binary(node)
+        cached_nodeid_from_binary(Buffer(whole))
+        for cut in range(len(whole)):
+            with pytest.raises(NotEnoughData):
+                cached_nodeid_from_binary(Buffer(whole[:cut]))
+    null_string = b"\x03\x01\x00\xff\xff\xff\xff"  # a String NodeId without a string: asyncua refuses it, every time
+    for _ in range(2):
+        with pytest.raises(ua.UaError):
+            cached_nodeid_from_binary(Buffer(null_string))
 
 
 def random_header(rng: random.Random) -> ua.RequestHeader:

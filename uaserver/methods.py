@@ -250,7 +250,7 @@ class MethodHandlers:
             raise InvalidArgument("the input array holds non-numbers", index, TYPE_MISMATCH) from None
         if out.ndim != 1:
             raise InvalidArgument("the input must be a one-dimensional array", index, OUT_OF_RANGE)
-        if not np.all(np.isfinite(out)):
+        if not np.isfinite(out).all():
             raise InvalidArgument("the input holds NaN or Inf", index, OUT_OF_RANGE)
         return out
 

@@ -9,14 +9,15 @@ import time
 from asyncua import ua
 from asyncua.common.utils import NotEnoughData, ServiceError
 from asyncua.server.uaprocessor import UaProcessor
-from asyncua.ua.ua_binary import nodeid_from_binary, struct_from_binary
+from asyncua.ua.ua_binary import struct_from_binary
 
 from certs.x509io import thumbprint
 
 from ..identity import LoginVerdict, login_verdict
 from ..session import clean_audit_entry_id, current_audit_entry_id, current_session
 from .channel import PEER_ERRORS, ChannelGuard, error_message, leaf_certificate, transport_status
-from .decoding import call_parameters_from_binary, request_header_from_binary, response_to_binary
+from .decoding import cached_nodeid_from_binary, call_parameters_from_binary, request_header_from_binary, \
+    response_to_binary
 from .sessions import ApplianceSession
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class HardenedProcessor(UaProcessor):
 
     async def process_message(self, seqhdr, body):
         try:
-            typeid = nodeid_from_binary(body)
+            typeid = cached_nodeid_from_binary(body)
             requesthdr = request_header_from_binary(body)
         except PEER_ERRORS as exc:  # no request handle to answer with: close instead
             status = transport_status(exc) if isinstance(exc, ua.UaStatusCodeError) else ua.StatusCodes.BadDecodingError
