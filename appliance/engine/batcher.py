@@ -75,8 +75,9 @@ class DynamicBatcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
-    async def submit(self, samples: np.ndarray, deadline: float) -> tuple[np.ndarray, Any]:
-        """Run `samples` (k, *shape) in some batch; returns (outputs (k, ...), tag of the execution)."""
+    def submit_now(self, samples: np.ndarray, deadline: float) -> tuple[np.ndarray, Any] | None:
+        """`samples` run at once on the caller's thread (the inline fast path: a lone request of a fast model on an
+        idle batcher), or None when it must wait in the queue (`submit`). Raises what `submit` raises."""
         if self._closed:
             raise NotReady("the model is shutting down")
         if len(samples) < 1:
@@ -89,6 +90,14 @@ class DynamicBatcher:
         if (self._inline_fast_path and self._exec_s < INLINE_BELOW_S and not self._queue and not self._running
                 and not self.policy.max_queue_delay_s):
             return self._run_alone(samples, now)
+        return None
+
+    async def submit(self, samples: np.ndarray, deadline: float) -> tuple[np.ndarray, Any]:
+        """Run `samples` (k, *shape) in some batch; returns (outputs (k, ...), tag of the execution)."""
+        answer = self.submit_now(samples, deadline)
+        if answer is not None:
+            return answer
+        now = time.monotonic()
         self._ensure_task()
         request = _Request(samples, deadline, now, asyncio.get_running_loop().create_future())
         self._queue.append(request)

@@ -148,6 +148,25 @@ class TensorModelService(ModelStatus):
         except Exception:  # counted, then re-raised; a cancelled call (client gone) is no error of the model
             self.error_count += 1
             raise
+        return self._answered(outputs, version, started)
+
+    def infer_now(self, flat: np.ndarray, deadline: float) -> tuple[np.ndarray, str] | None:
+        """`infer` done at once on the caller's thread where the batcher's inline fast path takes the request;
+        None (nothing counted, nothing run) where it would have to wait for the batcher: call `infer` then."""
+        started = time.monotonic()
+        try:
+            samples = self._validate(flat)
+            answer = self._batcher.submit_now(samples, deadline)
+        except Exception:  # counted, then re-raised, as in infer
+            self.request_count += 1
+            self.error_count += 1
+            raise
+        if answer is None:
+            return None
+        self.request_count += 1
+        return self._answered(*answer, started)
+
+    def _answered(self, outputs: np.ndarray, version: str, started: float) -> tuple[np.ndarray, str]:
         self.last_latency_ms = (time.monotonic() - started) * 1000.0
         return np.ascontiguousarray(outputs, dtype=np.float32).reshape(-1), version
 
