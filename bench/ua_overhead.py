@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -318,7 +319,10 @@ def cpu_seconds(pid: int) -> float:
 def profile_start(pid: int, folder: Path, clients: int, seconds: float) -> subprocess.Popen:
     """py-spy sampling the serve process (its Python threads) for the length of one run, after the warm-up."""
     folder.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, int(seconds) - 1)),
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if spy is None:
+        raise SystemExit("--profile needs py-spy (pip install py-spy into this environment)")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds) - 1)),
                              "--rate", "500", "--gil", "--format", "raw", "--output", str(folder / f"serve-{clients}.txt"),
                              "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
