@@ -166,6 +166,48 @@ def test_deadlines_expire_in_the_queue_and_while_running(executor):
     assert ran == {1.0, 3.0}  # the request that expired in the queue never ran
 
 
+def test_a_lone_request_of_a_fast_model_runs_at_once_on_the_callers_thread(executor):
+    """The inline fast path (a worker answers such a request in the read callback that decoded it): only once
+    batches have shown the model is fast, only while no batch is queued or running, never with a queue delay."""
+    gate = threading.Event()
+    threads: list[int] = []
+
+    def fn(x):
+        threads.append(threading.get_ident())
+        return mlp(x)
+    rec = Recorder(fn=fn, gate=gate)
+    batcher = DynamicBatcher("m", BatchPolicy(4, 0.0, 10), rec, None, executor, inline_fast_path=True)
+    delayed = DynamicBatcher("d", BatchPolicy(4, 0.01, 10), Recorder(), None, executor, inline_fast_path=True)
+    x = np.full((1, 6), 1, np.float32)
+
+    async def main():
+        running = asyncio.ensure_future(batcher.submit(np.full((1, 6), 2, np.float32), later(5)))
+        await asyncio.to_thread(rec.started.wait, 5)  # its speed unknown: the first batch went to the executor
+        assert batcher.submit_now(x, later(5)) is None and len(rec.batches) == 1  # a batch runs: wait behind it
+        gate.set()
+        await running
+        assert threads == [threads[0]] and threads[0] != threading.get_ident()
+        answer = None
+        for _ in range(100):  # the held first batch looked slow: fast batches bring the average down
+            answer = batcher.submit_now(x, later(5))
+            if answer is not None:
+                break
+            await batcher.submit(x, later(5))
+        assert answer is not None and threads[-1] == threading.get_ident()  # run here, at once
+        np.testing.assert_allclose(answer[0], mlp(x), rtol=1e-6)
+        assert answer[1] == "v1"
+        with pytest.raises(DeadlineExceeded):
+            batcher.submit_now(x, time.monotonic() - 1)
+        await delayed.submit(x, later(5))
+        assert delayed.submit_now(x, later(5)) is None  # a queue delay: every request waits for company
+        await batcher.close()
+        await delayed.close()
+        with pytest.raises(NotReady):
+            batcher.submit_now(x, later(5))
+
+    asyncio.run(main())
+
+
 def test_deadline_passed_while_the_batch_formed_is_not_run(executor):
     gate = threading.Event()
     rec = Recorder(gate=gate)
