@@ -203,9 +203,9 @@ class WorkerHost:
             log.error("worker task failed", exc_info=task.exception())
 
     def _answered_now(self, message: p.Infer) -> bool:
-        """Answer an Infer at once, in this read callback, where its tensor model runs it inline now (a fast model,
-        nothing queued): no task, and no loop turn for it to wait for (at 16 clients in bench/ua_overhead.py each
-        call was its own task; False: it goes the way of every other request, _serve)."""
+        """Answer an Infer here, in the read callback that decoded it, when its tensor model runs it inline now (a
+        fast model, nothing queued or running): no task and no loop turn to wait for. False: the request goes to
+        _serve like any other."""
         svc = self.services.get(message.model)
         if svc is None or svc.kind != "tensor":
             return False
