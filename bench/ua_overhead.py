@@ -7,7 +7,8 @@ one. Prints the ratios: appliance/bare at 1 client (goal >= 0.7) and appliance 1
 
 Each run also gives the server process's CPU time per call (from /proc, robust to other load on the machine)
 and, for the appliance, its model worker's. `--profile DIR` records the serve process with py-spy (GIL-holding
-samples only: the Python work per call) and prints the top functions.
+samples only: the Python work per call) and prints the top functions. `--cpu-latency-us 0` runs everything with
+no CPU halting when idle (PM QoS, root): what the wake-ups of idle CPUs cost each server, from one run to the next.
 
 Then, with 1 client, the paths for PLCs that must not block, each beside a synchronous `Infer` in the same run:
 `StartInfer` + `GetInferResult(WaitMs=2000)` (two calls; the second returns as soon as the job is done), and a
@@ -15,7 +16,7 @@ mailbox request-to-Done (one Write of Input and Request, then the subscription's
 `--publishing-ms` interval. Prints p50/p99 and the ratios to Infer (goal: the mailbox within 2x of Infer at p50).
 
     .venv/bin/python bench/ua_overhead.py [--seconds 5] [--clients 1 16] [--publishing-ms 1 10] [--recovery 5]
-                                          [--profile DIR]
+                                          [--profile DIR] [--cpu-latency-us 0]
 """
 from __future__ import annotations
 
@@ -348,6 +349,14 @@ def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
             print(f"    {100 * n / samples:5.1f} %  {frame}")
 
 
+def hold_cpu_latency(microseconds: int) -> None:
+    """Ask the kernel (PM QoS) to keep every CPU within `microseconds` of waking until this process exits: the file
+    descriptor stays open for the process's life. With 0 the idle loop polls and no CPU halts."""
+    fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    os.write(fd, microseconds.to_bytes(4, sys.byteorder, signed=True))
+    print(f"/dev/cpu_dma_latency held at {microseconds} us for this run", flush=True)
+
+
 def summary(rate: float, lat: list[float]) -> str:
     q = np.percentile(np.array(lat) * 1000, [50, 99])
     return f"{rate:8.0f} calls/s   p50 {q[0]:6.2f} ms   p99 {q[1]:6.2f} ms   ({len(lat)} calls)"
@@ -365,11 +374,16 @@ def main() -> int:
                     help="publishing intervals of the mailbox client's subscription (none: skip the async paths)")
     ap.add_argument("--queue-delay-ms", type=float, default=None,
                     help="engine.max_queue_delay_ms for the appliance (default: the configuration default)")
+    ap.add_argument("--cpu-latency-us", type=int, default=None, metavar="N",
+                    help="hold /dev/cpu_dma_latency at N for the whole run (root; what tuned's latency-performance "
+                         "profile does): with 0 idle CPUs poll instead of halting, for both servers alike")
     ap.add_argument("--profile", type=Path, default=None, metavar="DIR",
                     help="record the serve process with py-spy (pip install py-spy) while the appliance's calls run: "
                          "DIR/serve-<clients>.txt, collapsed stacks, and the top functions printed")
     args = ap.parse_args()
 
+    if args.cpu_latency_us is not None:
+        hold_cpu_latency(args.cpu_latency_us)
     work = Path(tempfile.mkdtemp(prefix="ua-bench-"))
     state = work / "state"
     pki = PKI(state)
