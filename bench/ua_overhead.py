@@ -356,7 +356,10 @@ def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
 def hold_cpu_latency(microseconds: int) -> None:
     """Ask the kernel (PM QoS) to keep every CPU within `microseconds` of waking until this process exits: the file
     descriptor stays open for the process's life. With 0 the idle loop polls and no CPU halts."""
-    fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    except OSError as exc:
+        raise SystemExit(f"--cpu-latency-us: cannot open /dev/cpu_dma_latency ({exc.strerror}; it takes root)") from None
     os.write(fd, microseconds.to_bytes(4, sys.byteorder, signed=True))
     print(f"/dev/cpu_dma_latency held at {microseconds} us for this run", flush=True)
 
