@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from appliance.workers.worker import WORKER_NICE
 from harness import RunningAppliance
 from onnx_models import affine_model, hang_model, memory_hog_model
 from uaclient import call, floats, read, run, session, status_name
@@ -74,13 +75,15 @@ def app(tmp_path_factory):
     a.stop()
 
 
-def test_each_model_has_its_own_worker_process(app):
+def test_each_model_has_its_own_worker_process_below_serve_in_cpu_priority(app):
     pids = {name: worker_pid(app, name) for name in app.app.services}
     assert len(set(pids.values())) == len(pids)
     assert os.getpid() not in pids.values()
+    serve_nice = os.getpriority(os.PRIO_PROCESS, 0)  # the appliance serves from this process
     for pid in pids.values():
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             assert b"appliance.workers.worker" in f.read()
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, serve_nice + WORKER_NICE) > serve_nice
 
 
 def test_hung_forward_pass_is_answered_and_the_worker_replaced(app):
