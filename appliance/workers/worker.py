@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging("INFO", "text", worker=args.group)  # until Start says what the YAML asks for
     # Below the serve process in CPU priority: where CPUs are short, the OPC UA server, its audit and monitoring go
     # first, and requests wait for the model a little longer, in larger batches (bench/ua_overhead.py, 16 clients on
-    # 2 vCPUs: 0.52-0.53 of bare asyncua at the serve process's own priority, 0.57-0.62 at +5).
+    # 2 vCPUs: 0.52-0.54 of bare asyncua at the serve process's own priority, 0.59-0.61 at +5).
     try:
         os.nice(WORKER_NICE)
     except OSError as exc:  # a seccomp filter without setpriority: the worker serves at serve's priority
