@@ -170,6 +170,13 @@ def test_ready_under_its_unit_with_every_sandbox_setting(box):
     assert "/tmp" in mounts  # PrivateTmp
     score = box.run("systemd-analyze", "security", "appliance.service").stdout
     assert float(re.search(r"Overall exposure level for appliance.service: ([0-9.]+)", score).group(1)) <= 2.0
+    # each model's worker runs 5 steps of niceness below serve, under the unit's system call filter too
+    nice = {}
+    for pid in box.run("cat", f"/proc/{main}/task/{main}/children").stdout.split():
+        if "appliance.workers.worker" in box.run("cat", f"/proc/{pid}/cmdline").stdout:
+            nice[pid] = int(box.run("cat", f"/proc/{pid}/stat").stdout.rsplit(")", 1)[1].split()[16])
+    serve_nice = int(box.run("cat", f"/proc/{main}/stat").stdout.rsplit(")", 1)[1].split()[16])
+    assert len(nice) == 2 and set(nice.values()) == {serve_nice + 5}, (serve_nice, nice)
 
 
 def test_a_client_calls_infer_and_generate_over_sign_and_encrypt(box):
