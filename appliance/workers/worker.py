@@ -214,14 +214,8 @@ class WorkerHost:
             if answer is None:
                 return False
             reply = self._infer_done(message.id, *answer)
-        except MemoryError:
-            log.error("out of memory while serving a request: exiting")
-            os._exit(MEMORY_EXIT)
-        except ApplianceError as e:
-            reply = self._failed(message.id, e)
-        except Exception:  # noqa: BLE001 - the request is answered; the engine's bug is logged, as in _serve
-            log.exception("request %d on model %s failed", message.id, message.model)
-            reply = p.Failed(id=message.id, reason="failed", message="the engine failed on this request")
+        except Exception as exc:  # noqa: BLE001 - every request is answered (see _failure)
+            reply = self._failure(message, exc)
         self._send(reply)
         return True
 
@@ -230,9 +224,17 @@ class WorkerHost:
         return p.InferDone(id=request_id, data=np.ascontiguousarray(out, np.float32).tobytes(), version=version)
 
     @staticmethod
-    def _failed(request_id: int, e: ApplianceError) -> p.Failed:
-        return p.Failed(id=request_id, reason=e.reason, message=str(e), index=getattr(e, "index", 0),
-                        kind=getattr(e, "kind", "out_of_range"))
+    def _failure(message, exc: Exception) -> p.Failed:
+        """The answer to a request that raised: the engine's own refusal as it is, out of memory ends the process
+        (the supervisor starts another), anything else is a bug of the engine: logged, a Failed reply."""
+        if isinstance(exc, MemoryError):
+            log.error("out of memory while serving a request: exiting")
+            os._exit(MEMORY_EXIT)
+        if isinstance(exc, ApplianceError):
+            return p.Failed(id=message.id, reason=exc.reason, message=str(exc), index=getattr(exc, "index", 0),
+                            kind=getattr(exc, "kind", "out_of_range"))
+        log.error("request %d on model %s failed", message.id, message.model, exc_info=exc)
+        return p.Failed(id=message.id, reason="failed", message="the engine failed on this request")
 
     async def _serve(self, message) -> None:
         try:
@@ -265,14 +267,8 @@ class WorkerHost:
                 reply = p.Done(id=message.id, value=version)
         except asyncio.CancelledError:
             return  # the serve process answered the caller already (deadline, cancel)
-        except MemoryError:
-            log.error("out of memory while serving a request: exiting")
-            os._exit(MEMORY_EXIT)
-        except ApplianceError as e:
-            reply = self._failed(message.id, e)
-        except Exception:  # noqa: BLE001 - every request is answered: the engine's bug is logged, a Failed reply
-            log.exception("request %d on model %s failed", message.id, message.model)
-            reply = p.Failed(id=message.id, reason="failed", message="the engine failed on this request")
+        except Exception as exc:  # noqa: BLE001 - every request is answered (see _failure)
+            reply = self._failure(message, exc)
         finally:
             self._calls.pop(message.id, None)
         self._send(reply)
