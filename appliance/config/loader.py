@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .checks import (_check_alarm_sources, _check_fallbacks, _check_mailboxes, _check_max_samples, _check_model,
-                     _cross_check)
+from .checks import (_check_alarm_names, _check_alarm_sources, _check_fallbacks, _check_mailboxes,
+                     _check_max_samples, _check_model, _cross_check)
 from .schema import _MODEL_NAME, _SECTIONS, _TOP_KEYS, ApplianceConfig, MailboxConfig, ModelConfig, UserConfig
 from .yaml_walk import ConfigError, _as_mapping, _Context, _did_you_mean, _items, _key_path, _parse_fields, _shown
 
@@ -110,6 +110,7 @@ def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
     _check_fallbacks(cfg, ctx)
     _check_mailboxes(cfg, ctx)
     _check_alarm_sources(cfg, ctx)
+    _check_alarm_names(cfg, ctx)
     _check_max_samples(cfg, ctx)
     return cfg
 
