@@ -17,7 +17,7 @@ from appliance.variants import Promotions, choose
 
 from .address_space import ApplianceNodes, write
 from .method_table import ADMIN, PROMOTE_IN, RELOAD_IN, RELOAD_OUT, MethodSpec
-from .methods import CallContext, caller_identity, require_type
+from .methods import CallContext, caller_identity, require_ready, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -44,6 +44,14 @@ class Governance:
                 MethodSpec(ADMIN, "PromoteVariant", PROMOTE_IN, [], "engineer", self._promote)]
 
     # ---- who answers ----
+
+    def route(self, model: ServedModel, ctx: CallContext) -> ServedModel:
+        """The one routing of every model call, synchronous or a job (Infer, Classify, Generate, Converse, StartInfer,
+        StartGenerate, mailboxes): the answering model (variant, fallback), refused with BadInvalidState unless it
+        is Ready. A PLC meets the same variant through a job as through the call."""
+        answering = self.answering(model, ctx)
+        require_ready(answering)
+        return answering
 
     def answering(self, model: ServedModel, ctx: CallContext) -> ServedModel:
         """The model that answers the call: the one asked (or its caller's A/B variant), or the first of its
