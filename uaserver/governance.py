@@ -4,6 +4,7 @@ and the Admin methods (ReloadModel, PromoteVariant).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,17 @@ from .methods import CallContext, caller_identity, require_ready, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
+
+
+_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?(?:[/\\][^/\\\s:'\"(),;]+)+[/\\]?")
+
+
+def public_reason(message: str) -> str:
+    """A failure's message as a status text may show it: every file path reduced to its last part (a status text
+    never reveals where the appliance keeps its files), one line, at most 400 characters."""
+    text = _PATH.sub(lambda m: m.group(0).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or "?", message)
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:399] + "…"
 
 
 class Governance:
@@ -165,7 +177,8 @@ class Governance:
         try:
             version = await svc.reload()
         except ApplianceError as e:
-            self.emit_event(f"Reloading model {name} failed: {e}", severity=800)
+            ctx.status_text = public_reason(str(e))  # the engineer reads why, with the code (no paths)
+            self.emit_event(f"Reloading model {name} failed: {ctx.status_text}", severity=800)
             raise
         ctx.version = version
         self.emit_event(f"Model {name} reloaded, version {version}", severity=300)
