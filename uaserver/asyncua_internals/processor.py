@@ -299,7 +299,12 @@ class HardenedProcessor(UaProcessor):
         assert isinstance(session, ApplianceSession)
         if session.outstanding_calls >= self.guard.max_requests_per_session:
             raise ServiceError(ua.StatusCodes.BadTooManyOperations)
-        params = call_parameters_from_binary(body)
+        try:
+            params = call_parameters_from_binary(body)
+        except ua.UaStatusCodeError:
+            raise
+        except ua.UaError as e:  # asyncua's decoders refuse what lies (e.g. ArrayDimensions beyond the elements sent)
+            raise ServiceError(ua.StatusCodes.BadDecodingError) from e
         session.touch()
         session.outstanding_calls += 1
         token = current_session.set(session)
