@@ -5,8 +5,10 @@ on the PYTHONPATH of the appliance's workers and names a trigger file in APPLIAN
 appliance knows of it, and without that variable it does nothing.
 
 Armed, the first engine step (appliance.engine.runner.ModelRunner.run: a forward pass) that begins while the trigger
-file exists never ends, as a forward pass stuck in a kernel would. It claims the file first (renamed to
-`<file>.hung`, holding the time.monotonic() the hang began), so the replacement worker serves normally.
+file exists never ends, as a forward pass stuck in a kernel would. With APPLIANCE_TEST_HANG_AT=tokenizer it is the
+first prompt tokenization instead (models.tokenizer.ChatTokenizer.turn_tokens_and_head: a chat template or a
+pre-tokenizer stuck in a loop). It claims the file first (renamed to `<file>.hung`, holding the time.monotonic() the
+hang began), so the replacement worker serves normally.
 """
 import importlib.abc
 import importlib.util
@@ -16,7 +18,9 @@ import threading
 import time
 
 TRIGGER = os.environ.get("APPLIANCE_TEST_HANG_FILE")
-TARGET = "appliance.engine.runner"
+AT = os.environ.get("APPLIANCE_TEST_HANG_AT", "runner")
+TARGET, CLASS, METHOD = {"runner": ("appliance.engine.runner", "ModelRunner", "run"),
+                         "tokenizer": ("models.tokenizer", "ChatTokenizer", "turn_tokens_and_head")}[AT]
 
 
 def _hang_here() -> bool:
@@ -32,13 +36,14 @@ def _hang_here() -> bool:
 
 
 def _patch(module) -> None:
-    run = module.ModelRunner.run
+    cls = getattr(module, CLASS)
+    original = getattr(cls, METHOD)
 
-    def run_or_hang(self, plan):
+    def run_or_hang(self, *args, **kwargs):
         if _hang_here():
-            threading.Event().wait()  # forever, inside the engine's busy() like a stuck kernel
-        return run(self, plan)
-    module.ModelRunner.run = run_or_hang
+            threading.Event().wait()  # forever, like a stuck kernel or a template in a loop
+        return original(self, *args, **kwargs)
+    setattr(cls, METHOD, run_or_hang)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
