@@ -63,3 +63,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 if TRIGGER:
     sys.meta_path.insert(0, _AfterImport())
+
+
+# Checking the soak's leak check (tests/test_workers_load.py, APPLIANCE_SOAK_LEAK_MB_S): a process that loads this
+# leaks that many MB a second, its pages touched, as a leak in the engine would.
+LEAK_MB_S = float(os.environ.get("APPLIANCE_TEST_LEAK_MB_S", "0") or 0)
+
+
+def _leak_forever() -> None:
+    kept, size = [], int(LEAK_MB_S * 2**20 / 10)
+    while True:
+        kept.append(b"\x01" * size)
+        time.sleep(0.1)
+
+
+if LEAK_MB_S > 0:
+    threading.Thread(target=_leak_forever, name="test-leak", daemon=True).start()
