@@ -6,27 +6,19 @@ no alarm is raised, no ERROR logged, no worker started, and serve exits 0 within
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
-import yaml
 from asyncua import ua
 
-from harness import free_ports
 from onnx_models import heavy_model
+from serve_process import ROOT, Serve, wait_for_gone, worker_pids
 from uaclient import call, floats, session, status_name
-from worker_probes import DataChanges, Events, field, process_gone
+from worker_probes import DataChanges, Events, field
 
-ROOT = Path(__file__).resolve().parents[1]
 V = ua.VariantType
 
 
@@ -35,59 +27,6 @@ def timeout_stop_s() -> float:
     text = (ROOT / "systemd" / "appliance.service").read_text()
     (value,) = re.findall(r"^TimeoutStopSec=(\d+)s?$", text, re.M)
     return float(value)
-
-
-def worker_pids(serve_pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == serve_pid and fields[0] != "Z":
-                    found.append(int(entry))
-    return found
-
-
-class Serve:
-    """`appliance serve` as systemd runs it: a process group of its own, its output in a log file."""
-
-    def __init__(self, tmp: Path, models: dict, drain_s: float):
-        self.state_dir = tmp / "state"
-        self.port, self.metrics_port = free_ports(2)
-        self.endpoint = f"opc.tcp://127.0.0.1:{self.port}"
-        doc = {"server": {"endpoint": self.endpoint, "state_dir": str(self.state_dir), "drain_timeout_s": drain_s},
-               "metrics": {"listen": f"127.0.0.1:{self.metrics_port}"}, "watchdog": {"backend": "none"},
-               "engine": {"compile": "off"}, "models": models}
-        config = tmp / "appliance.yaml"
-        config.write_text(yaml.safe_dump(doc))
-        self.log_path = tmp / "serve.log"
-        self._log = self.log_path.open("w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(config)], env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        end = time.monotonic() + 180
-        while time.monotonic() < end:
-            with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2).status == 200:
-                    return
-            assert self.proc.poll() is None, self.log_path.read_text()
-            time.sleep(0.2)
-        raise AssertionError("serve did not become ready:\n" + self.log_path.read_text()[-3000:])
-
-    def issue(self, name: str, role: str):
-        import socket
-
-        from certs.pki import PKI
-        out = self.state_dir / "clients"
-        PKI(self.state_dir).issue(name, role, out, socket.gethostname())
-        return out / f"{name}.der", out / f"{name}.key.pem"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self._log.close()
 
 
 def test_sigterm_to_the_whole_group_is_a_planned_stop(tmp_path):
@@ -142,12 +81,3 @@ def test_sigterm_to_the_whole_group_is_a_planned_stop(tmp_path):
         assert wait_for_gone(workers, 5), "a worker outlived serve"
     finally:
         serve.close()
-
-
-def wait_for_gone(pids: list[int], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if all(process_gone(pid) for pid in pids):
-            return True
-        time.sleep(0.05)
-    return False

@@ -348,6 +348,20 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
+WORKER_OOM_SCORE_ADJ = 500  # added to the kernel's OOM badness: a worker goes before the serve process
+
+
+def _prefer_as_oom_victim() -> None:
+    """Where the cgroup's memory cap is reached, the OOM killer takes a worker (which serve reports and replaces),
+    not the serve process (which would take the OPC UA server and every model with it). Raising one's own
+    oom_score_adj needs no privilege."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(WORKER_OOM_SCORE_ADJ))
+    except OSError as exc:
+        log.info("the worker could not raise its oom_score_adj: %s", exc)
+
+
 async def _main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     channel = await p.Channel.open(sock, p.ToWorker)
@@ -384,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         os.nice(WORKER_NICE)
     except OSError as exc:  # a seccomp filter without setpriority: the worker serves at serve's priority
         log.warning("the worker could not lower its CPU priority: %s", exc)
+    _prefer_as_oom_victim()
     try:
         asyncio.run(_main(args.fd))
     except EOFError:

@@ -79,3 +79,33 @@ def _leak_forever() -> None:
 
 if LEAK_MB_S > 0:
     threading.Thread(target=_leak_forever, name="test-leak", daemon=True).start()
+
+
+# A worker that outgrows its memory cap (tests/test_cgroup_memory.py): once APPLIANCE_TEST_BLOAT_FILE exists, the first
+# worker process to see it claims it and allocates until the cgroup's OOM killer ends it (its replacement is clean).
+BLOAT = os.environ.get("APPLIANCE_TEST_BLOAT_FILE")
+
+
+def _is_worker() -> bool:
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return b"appliance.workers.worker" in f.read()
+    except OSError:
+        return False
+
+
+def _bloat_when_told() -> None:
+    while True:
+        try:
+            os.rename(BLOAT, f"{BLOAT}.claimed")
+            break
+        except FileNotFoundError:
+            time.sleep(0.05)
+    kept = []
+    while True:
+        kept.append(b"\x01" * (16 << 20))
+        time.sleep(0.01)
+
+
+if BLOAT and _is_worker():
+    threading.Thread(target=_bloat_when_told, name="test-bloat", daemon=True).start()
