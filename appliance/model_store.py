@@ -204,7 +204,7 @@ class ModelStore:
         return version, True
 
     def deploy(self, name: str, source: Path, version: str | None = None, keep: int = 5) -> str:
-        """`add` and `switch` at once, without a check that the version loads (`switch_checked` makes it)."""
+        """`add` and `switch` at once, without a check that the version loads (model_deploy.switch_checked makes it)."""
         version, _ = self.add(name, source, version)
         self.switch(name, version, keep)
         return version
