@@ -41,6 +41,7 @@ grep -rlIF "$VENV" "$VENV/bin" "$VENV/pyvenv.cfg" | xargs -r sed -i "s|$VENV|$FI
 left=$(grep -rlF "$ROOT" "$VENV" | head -5 || true)
 [ -z "$left" ] || { echo "build-deb: files still name the scratch root: $left" >&2; exit 1; }
 cp README.md "$ROOT/opt/appliance/"
+cp -r docs "$ROOT/opt/appliance/"  # the manual the README links to
 
 install -D -m 0644 systemd/appliance.service "$ROOT/lib/systemd/system/appliance.service"
 install -D -m 0644 systemd/appliance.service.d/gpu.conf "$ROOT/usr/share/opcua-inference-appliance/gpu.conf"
