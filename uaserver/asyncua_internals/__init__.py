@@ -26,6 +26,10 @@ What is here, module by module, and which asyncua internals each relies on:
    copies an instantiated object from its NodeData (AddressSpace._nodes) through the InternalServer's own session
    (AddNodes). A session outlives its connection until its timeout (UaProcessor._should_close_session_on_transport_loss,
    close).
+7. certificates: present_certificate swaps the server certificate and key for new channels (InternalServer.certificate,
+   private_key, endpoints; each SecurityPolicyFactory of Server._policies); open_channels, close_channels_later and
+   channel_security_mode read the binary server's connections (BinaryServer.clients, their processor's
+   _connection.security_policy).
 
 The package's modules import asyncua's internals only after the version check below has passed.
 """
@@ -66,6 +70,7 @@ from .listening import (  # noqa: E402
     listening_port)
 from .nodes import external_sessions, instantiate_many, subscription_of, write_together  # noqa: E402
 from .processor import HardenedProcessor  # noqa: E402
+from .certificates import channel_security_mode, close_channels_later, open_channels, present_certificate  # noqa: E402,E501
 from .sessions import MIN_PUBLISHING_INTERVAL_MS, ApplianceSession  # noqa: E402
 
 __all__ = [
@@ -77,4 +82,5 @@ __all__ = [
     "install_session_factory", "listening_port",
     "external_sessions", "instantiate_many", "subscription_of", "write_together",
     "HardenedProcessor", "MIN_PUBLISHING_INTERVAL_MS", "ApplianceSession",
+    "channel_security_mode", "close_channels_later", "open_channels", "present_certificate",
 ]
