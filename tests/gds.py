@@ -53,6 +53,8 @@ def sign_request(ca: MadeCertificate, csr_der: bytes, *, days: float = 365, not_
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(san or requested, critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(csr.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False)
             .sign(ca.key, hashes.SHA256()))
     return cert.public_bytes(serialization.Encoding.DER)
 

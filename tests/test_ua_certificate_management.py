@@ -8,9 +8,11 @@ import asyncio
 import ipaddress
 import json
 import socket
+import subprocess
 import time
 import urllib.request
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from appliance.daemon import certificate_names
 from certs.pki import PKI
 from certs.x509io import thumbprint
-from certificates import make_test_certificate
+from certificates import make_test_certificate, make_test_crl
 from gds import (CERT_TYPE, GROUP, SERVER_CONFIGURATION, TRUST_LIST, byte_string, call, create_signing_request,
                  method, nodeid, outputs, plant_ca, plc_session, read_trust_list, sign_request, u32, update_certificate,
                  write_trust_list)
@@ -393,3 +395,67 @@ def test_a_restart_keeps_the_plant_certificate(tmp_path):
     assert not pki.ensure(uri, ["localhost", "another-name"], ["127.0.0.1"])
     assert pki.own_cert_path.read_bytes() == cert
     assert [c.public_bytes(serialization.Encoding.DER) for c in store.issuers()] == [ca.cert_der]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def node_step(app, client, step: str, *args: str, pki_dir: Path | None = None) -> dict:
+    """One step of tests/node/gds_push.js (node-opcua, calling the standard methods by NodeId)."""
+    cert_der, key = client
+    uri = f"urn:{socket.gethostname()}:appliance:client:{cert_der.stem}"
+    proc = subprocess.run(["node", str(ROOT / "tests" / "node" / "gds_push.js"), step, app.endpoint,
+                           str(cert_der.with_suffix(".pem")), str(key), uri,
+                           str(pki_dir or app.state_dir / f"node-pki-{cert_der.stem}"), *args],
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, (proc.stdout, proc.stderr)
+    return json.loads(lines[-1])
+
+
+def test_gds_push_from_node_opcua(tmp_path):
+    """node-opcua as the GDS: CSR, a certificate from its CA, UpdateCertificate, ApplyChanges; a client that trusts
+    only that CA connects afterwards (not before); the TrustList rewritten without a PLC's certificate refuses it."""
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}})
+    try:
+        gds = a.issue("gdsnode", "security_admin")
+        ca = plant_ca("Node GDS CA")
+        strict = tmp_path / "strict-pki"
+        (strict / "trusted" / "certs").mkdir(parents=True)
+        (strict / "trusted" / "certs" / "plant-ca.der").write_bytes(ca.cert_der)
+        (strict / "trusted" / "crl").mkdir()  # node-opcua checks revocation: the plant CA's (empty) CRL
+        (strict / "trusted" / "crl" / "plant-ca.crl").write_bytes(make_test_crl(ca, []))
+        refused = node_step(a, gds, "connect", pki_dir=strict)
+        assert "error" in refused, refused  # the appliance CA's certificate: not trusted by this client
+
+        csr = tmp_path / "server.csr"
+        assert node_step(a, gds, "csr", str(csr))["status"] == "Good"
+        new_cert = tmp_path / "server.der"
+        new_cert.write_bytes(sign_request(ca, csr.read_bytes()))
+        (tmp_path / "ca.der").write_bytes(ca.cert_der)
+        out = node_step(a, gds, "update", str(new_cert), str(tmp_path / "ca.der"))
+        assert out == {"step": "update", "update": "Good", "applyChangesRequired": True, "apply": "Good",
+                       "serverCertificate": out["serverCertificate"]}, out
+        time.sleep(1.5)  # the channels opened before ApplyChanges are closed by now
+        connected = node_step(a, gds, "connect", pki_dir=strict)
+        assert connected.get("status") == "Good", connected
+        assert connected["serverCertificate"] == thumbprint(new_cert.read_bytes())
+
+        plc_cert, plc_key = make_test_certificate("plc5", application_uri=PLC_URI).write(tmp_path, "plc5")
+        a.pki.trust(plc_cert)  # trusted by the CLI's folder
+
+        async def plc_status() -> str:
+            try:
+                async with plc_session(a.endpoint, plc_cert, plc_key, *gds, PLC_URI, trust_only=ca.cert):
+                    return "Good"
+            except ua.UaStatusCodeError as e:
+                return type(e).__name__
+        assert run(plc_status()) == "Good"
+        thumb = thumbprint(plc_cert.read_bytes())
+        out = node_step(a, gds, "remove-trusted", thumb)
+        assert out["status"] == "Good" and out["applyChangesRequired"] is False, out
+        assert thumb in out["before"] and thumb not in out["after"] and len(out["after"]) == len(out["before"]) - 1
+        assert run(plc_status()) == "BadCertificateUntrusted"
+    finally:
+        a.stop()
