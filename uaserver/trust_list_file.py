@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from asyncua import ua
-from asyncua.common.utils import Buffer, NotEnoughData
-from asyncua.ua.ua_binary import struct_from_binary, struct_to_binary
 
 from certs.trust_list_update import ALL, TrustListContent, TrustListFolders, TrustListRefused
 
+from .asyncua_internals import trust_list_from_binary, trust_list_to_binary
 from .methods import MethodStatus
 
 log = logging.getLogger(__name__)
@@ -41,17 +39,16 @@ def encode(content: TrustListContent) -> bytes:
     value = ua.TrustListDataType(SpecifiedLists=content.specified, TrustedCertificates=content.trusted_certificates,
                                  TrustedCrls=content.trusted_crls, IssuerCertificates=content.issuer_certificates,
                                  IssuerCrls=content.issuer_crls)
-    return struct_to_binary(value)
+    return trust_list_to_binary(value)
 
 
 def decode(data: bytes) -> TrustListContent:
     """MethodStatus BadDecodingError for bytes that are not exactly one TrustListDataType (a truncated file)."""
-    buffer = Buffer(bytes(data))
     try:
-        value = struct_from_binary(ua.TrustListDataType, buffer)
-    except (NotEnoughData, struct.error, ValueError, UnicodeDecodeError, RecursionError):
+        value = trust_list_from_binary(data)
+    except ValueError:
         raise MethodStatus("BadDecodingError") from None
-    if len(buffer) or not isinstance(value.SpecifiedLists, int) or value.SpecifiedLists & ~ALL:
+    if not isinstance(value.SpecifiedLists, int) or value.SpecifiedLists & ~ALL:
         raise MethodStatus("BadDecodingError")
     return TrustListContent(value.SpecifiedLists, *(list(v or []) for v in (
         value.TrustedCertificates, value.TrustedCrls, value.IssuerCertificates, value.IssuerCrls)))

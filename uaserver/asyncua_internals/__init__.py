@@ -29,7 +29,8 @@ What is here, module by module, and which asyncua internals each relies on:
 7. certificates: present_certificate swaps the server certificate and key for new channels (InternalServer.certificate,
    private_key, endpoints; each SecurityPolicyFactory of Server._policies); open_channels, close_channels_later and
    channel_security_mode read the binary server's connections (BinaryServer.clients, their processor's
-   _connection.security_policy).
+   _connection.security_policy); trust_list_to_binary / _from_binary encode the TrustList file with ua_binary's
+   struct codec.
 
 The package's modules import asyncua's internals only after the version check below has passed.
 """
@@ -70,7 +71,9 @@ from .listening import (  # noqa: E402
     listening_port)
 from .nodes import external_sessions, instantiate_many, subscription_of, write_together  # noqa: E402
 from .processor import HardenedProcessor  # noqa: E402
-from .certificates import channel_security_mode, close_channels_later, open_channels, present_certificate  # noqa: E402,E501
+from .certificates import (  # noqa: E402
+    channel_security_mode, close_channels_later, open_channels, present_certificate, trust_list_from_binary,
+    trust_list_to_binary)
 from .sessions import MIN_PUBLISHING_INTERVAL_MS, ApplianceSession  # noqa: E402
 
 __all__ = [
@@ -83,4 +86,5 @@ __all__ = [
     "external_sessions", "instantiate_many", "subscription_of", "write_together",
     "HardenedProcessor", "MIN_PUBLISHING_INTERVAL_MS", "ApplianceSession",
     "channel_security_mode", "close_channels_later", "open_channels", "present_certificate",
+    "trust_list_from_binary", "trust_list_to_binary",
 ]

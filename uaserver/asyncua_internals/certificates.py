@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 
 from asyncua import Server, ua
+from asyncua.common.utils import Buffer, NotEnoughData
+from asyncua.ua.ua_binary import struct_from_binary, struct_to_binary
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
@@ -57,3 +60,22 @@ def channel_security_mode(server: Server, session) -> ua.MessageSecurityMode | N
         if processor is not None and processor.session is session:
             return processor._connection.security_policy.Mode
     return None
+
+
+# ==============================================================================================================
+# The TrustList file's content: one TrustListDataType, UA Binary encoded (Part 12), with asyncua's binary codec.
+
+def trust_list_to_binary(value: ua.TrustListDataType) -> bytes:
+    return struct_to_binary(value)
+
+
+def trust_list_from_binary(data: bytes) -> ua.TrustListDataType:
+    """ValueError unless data is exactly one TrustListDataType (a truncated file, trailing bytes, garbage)."""
+    buffer = Buffer(bytes(data))
+    try:
+        value = struct_from_binary(ua.TrustListDataType, buffer)
+    except (NotEnoughData, struct.error, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"not a TrustListDataType: {type(exc).__name__}") from None
+    if len(buffer):
+        raise ValueError("bytes after the TrustListDataType")
+    return value
