@@ -22,7 +22,7 @@ from .identity import HOSTNAME, check_identity
 from .layout import CA_FILE_STEM, PkiLayout
 from .records import CertEntry, IssuedCert, PKIError, RevokedCert
 from .rolemap import RoleMap, check_role
-from .server_certificate import issued_by_appliance_ca
+from .server_certificate import ServerCertificateStore, issued_by_appliance_ca
 from .store import CRL_REVOKED, StoredCert, load_snapshot
 from .x509io import (
     CertificateFormatError,
@@ -146,6 +146,7 @@ class PKI:
         if not (self.own_cert_path.is_file() and self.own_key_path.is_file()):
             self.init(uri, hosts, addrs, force=True)
             return True
+        ServerCertificateStore(self.pki_dir).finish_interrupted_install()
         problem = self._server_cert_problem(uri, hosts, addrs)
         if problem and not issued_by_appliance_ca(self.layout):
             # Installed through Part 12 or `certs install-server`: the plant's CA manages it, never replaced here.

@@ -225,6 +225,20 @@ class ServerCertificateStore:
         return staged
 
 
+    def finish_interrupted_install(self) -> bool:
+        """At start: an install stopped half-way (the key moved, the certificate not yet) is completed from the staged
+        files, which stay until the install ends. True if one was."""
+        try:
+            matches = self.private_key().public_key().public_numbers() == \
+                self.certificate().public_key().public_numbers()
+        except (OSError, ValueError, TypeError):
+            matches = False
+        if matches or self.staged() is None:
+            return False
+        log.warning("finishing the installation of the staged server certificate that was interrupted")
+        return self.install_staged() is not None
+
+
 def required_names(hosts: list[str]) -> tuple[str, ...]:
     """The names a new server certificate must carry: the endpoint's host (or advertised host) and the YAML's
     dns_names / ip_addresses; unspecified addresses (0.0.0.0) name nothing."""

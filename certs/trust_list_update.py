@@ -157,7 +157,8 @@ class TrustListFolders:
                     os.rename(old, folder)
             for tmp in staged.values():
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise TrustListRefused("BadInternalError", f"the trust list could not be replaced: {exc.strerror}") from None
+            raise TrustListRefused("BadInternalError",
+                                   f"the trust list could not be replaced: {exc.strerror}") from None
         for _, old in swapped:
             shutil.rmtree(old, ignore_errors=True)
 

@@ -459,3 +459,23 @@ def test_gds_push_from_node_opcua(tmp_path):
         assert run(plc_status()) == "BadCertificateUntrusted"
     finally:
         a.stop()
+
+
+def test_an_install_interrupted_half_way_is_finished_at_the_next_start(tmp_path):
+    """ApplyChanges moves the key, then the certificate: a power cut between the two leaves a key that does not fit
+    the certificate, and the staged files; the next start finishes the install instead of failing to serve."""
+    state = tmp_path / "state"
+    pki = PKI(state)
+    uri = f"urn:{socket.gethostname()}:appliance"
+    pki.init(uri, ["localhost"], ["127.0.0.1"])
+    from certs.server_certificate import ServerCertificateStore, ServerIdentity
+    store = ServerCertificateStore(pki.pki_dir)
+    csr = store.signing_request(regenerate_key=True, nonce=bytes(32))
+    ca = plant_ca()
+    cert = sign_request(ca, csr)
+    store.stage(ServerIdentity(uri, ("127.0.0.1",)), cert, [ca.cert_der])
+    pki.own_key_path.write_bytes((store.pending_dir / "key.pem").read_bytes())  # the key moved, then the cut
+    assert not pki.ensure(uri, ["localhost"], ["127.0.0.1"])
+    assert pki.own_cert_path.read_bytes() == cert and not store.pending_dir.exists()
+    key = serialization.load_pem_private_key(pki.own_key_path.read_bytes(), None)
+    assert key.public_key().public_numbers() == x509.load_der_x509_certificate(cert).public_key().public_numbers()
