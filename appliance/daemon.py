@@ -216,7 +216,8 @@ class Appliance:
         expiring = left < self.config.security.cert_expiry_warning_days * 86400
         self.metrics.server_cert_expiring.set(1 if expiring else 0)
         if expiring:
-            log.warning("the server certificate expires in %.0f days: renew it (appliance certs init --force)",
+            log.warning("the server certificate expires in %.0f days: renew it (a GDS's push, `appliance certs csr` "
+                        "+ `install-server`, or `appliance certs init --force` with the appliance CA)",
                         left / 86400)
 
     def _watchdog_fault(self, message: str) -> None:
