@@ -5,7 +5,7 @@ Where things are: the call path in inference.py (Infer, Classify, Generate) and 
 runs through); jobs in job_methods.py, conversations and session slots in conversations.py, mailboxes in
 mailboxes.py, alarms and Part 9 conditions in alarms.py / conditions.py, variants, fallback, drift and Admin in
 governance.py, the 0.25 s value publishing in publishing.py, the address space's objects and variables in
-address_space.py, Part 12 certificate management in server_configuration.py, and everything reaching into asyncua's internals in the package asyncua_internals/.
+address_space.py, and everything reaching into asyncua's internals in the package asyncua_internals/.
 """
 from __future__ import annotations
 

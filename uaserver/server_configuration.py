@@ -191,7 +191,8 @@ class ServerConfiguration:
     async def _cancel_changes(self, ctx: CallContext, args: tuple):
         async with self._lock:
             had = await asyncio.to_thread(self.store.discard)
-        ctx.detail = f"server certificate {self._thumbprint()}; {'staged certificate discarded' if had else 'nothing staged'}"
+        outcome = "staged certificate discarded" if had else "nothing staged"
+        ctx.detail = f"server certificate {self._thumbprint()}; {outcome}"
         return []
 
     async def _get_rejected_list(self, ctx: CallContext, args: tuple):
@@ -249,8 +250,9 @@ class ServerConfiguration:
         finally:
             await self._trust_list_variables()
         after = self.trust_list.folders.thumbprints()
-        ctx.detail = (f"lists {content.specified}; trusted {_listed(before['trusted'])} -> {_listed(after['trusted'])}; "
-                      f"issuers {_listed(before['issuers'])} -> {_listed(after['issuers'])}")
+        ctx.detail = (f"lists {content.specified}; trusted {_listed(before['trusted'])} -> "
+                      f"{_listed(after['trusted'])}; issuers {_listed(before['issuers'])} -> "
+                      f"{_listed(after['issuers'])}")
         return [ua.Variant(False, ua.VariantType.Boolean)]  # in effect at once: the next CreateSession sees it
 
     async def _add_certificate(self, ctx: CallContext, args: tuple):
