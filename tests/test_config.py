@@ -195,7 +195,7 @@ def test_a_config_built_from_a_dict_goes_through_yaml_text(tmp_path):
      "did you mean 'max_sessions'?"),
     # users
     ("users:\n  - {name: bob, role: boss, password_hash: " + HASH + "}\n", 2, "users[0].role",
-     "expected one of monitor, operator, engineer, got 'boss'"),
+     "expected one of monitor, operator, engineer, security_admin, got 'boss'"),
     ("users:\n  - {name: 'b o b', role: monitor, password_hash: " + HASH + "}\n", 2, "users[0].name",
      "expected a user name of 1-64 characters"),
     ("users:\n  - {name: bob, role: monitor}\n", 2, "users[0].password_hash", "missing required key 'password_hash'"),
@@ -207,7 +207,7 @@ def test_a_config_built_from_a_dict_goes_through_yaml_text(tmp_path):
     ("security:\n  certificate_roles:\n    'AB:CD': engineer\n", 3, "security.certificate_roles['AB:CD']",
      "expected a SHA-1 thumbprint (40 hex digits, colons allowed) or a certificate subject"),
     ("security:\n  certificate_roles:\n    'CN=plc-01': admin\n", 3, "security.certificate_roles['CN=plc-01']",
-     "expected one of monitor, operator, engineer, got 'admin'"),
+     "expected one of monitor, operator, engineer, security_admin, got 'admin'"),
     ("security:\n  certificate_roles:\n    'CN=a, O=b': monitor\n    'O=b,CN=a': operator\n", 4,
      "security.certificate_roles['O=b,CN=a']", "the same certificate is mapped twice (first on line 3)"),
     ("security:\n  user_names: false\n  x509_users: false\n", 2, "security.user_names",

@@ -36,6 +36,7 @@ from .mailboxes import Mailboxes
 from .method_table import MethodSpec
 from .methods import MethodHandlers
 from .publishing import NO_GPU, Publisher, Sources
+from .server_configuration import ServerConfiguration
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class ApplianceUaServer:
                                        request_timeout_s=config.engine.request_timeout_s,
                                        rate_limiter=RateLimiter(config.security.rate_limits),
                                        audit_on_failure=config.audit.on_failure,
-                                       audit_queue_size=config.audit.queue_size)
+                                       audit_queue_size=config.audit.queue_size,
+                                       engineers_manage_certificates=config.security.engineers_manage_certificates)
         self.governance = Governance(config, services, variants or {},
                                      request_timeout_s=config.engine.request_timeout_s, metrics=metrics,
                                      emit_event=self.emit_event)
@@ -92,6 +94,9 @@ class ApplianceUaServer:
         self.publisher = Publisher(services, Sources(health or (lambda: NO_GPU), supervision_alive or (lambda: True),
                                                      alarms or dict),
                                    self.alarms, self.governance, self.jobs, self.conversations, metrics)
+        # Part 12 certificate management; the daemon sets certificate_changed (the expiry metric and alarm follow)
+        self.certificate_changed: Callable[[], None] = lambda: None
+        self.certificates = ServerConfiguration(config, pki, self.handlers, lambda: self.certificate_changed())
 
     def method_specs(self) -> list[MethodSpec]:
         """Every method of the models and Admin, from each feature's table."""
@@ -120,6 +125,7 @@ class ApplianceUaServer:
         self._event_gen = await server.get_event_generator()
         self.server = server
         await server.start()
+        await self.certificates.start(server)
         self.publisher.start(server, self.nodes)
         log.info("OPC UA server listening on %s", self.config.server.endpoint)
 

@@ -25,7 +25,7 @@ from .rules import (
 )
 from .yaml_walk import INVALID, Context, as_mapping, did_you_mean, key_path, mapping_items, parse_fields, shown
 
-ROLES = ("monitor", "operator", "engineer")
+ROLES = ("monitor", "operator", "engineer", "security_admin")
 SECURITY_POLICIES = ("Basic256Sha256", "Aes128_Sha256_RsaOaep", "Aes256_Sha256_RsaPss")
 NEVER_OFFERED_POLICIES = ("None", "Basic128Rsa15", "Basic256")
 SECURITY_MODES = ("SignAndEncrypt", "Sign")
@@ -135,6 +135,8 @@ class SecurityConfig:
     login_backoff_s: float = setting(1.0, number(0, 3600))
     login_backoff_max_s: float = setting(30.0, number(0, 86400))
     cert_expiry_warning_days: int = setting(30, integer(0, 3650))
+    # Part 12 certificate management (ServerConfiguration, its TrustList): security_admin, and engineers when true
+    engineers_manage_certificates: bool = setting(False, boolean())
     limits: LimitsConfig = setting(None, NestedSection(LimitsConfig))
     rate_limits: RateLimitsConfig = setting(None, Section(RateLimitsConfig))
 

@@ -26,6 +26,11 @@ What is here, module by module, and which asyncua internals each relies on:
    copies an instantiated object from its NodeData (AddressSpace._nodes) through the InternalServer's own session
    (AddNodes). A session outlives its connection until its timeout (UaProcessor._should_close_session_on_transport_loss,
    close).
+7. certificates: present_certificate swaps the server certificate and key for new channels (InternalServer.certificate,
+   private_key, endpoints; each SecurityPolicyFactory of Server._policies); open_channels, close_channels_later and
+   channel_security_mode read the binary server's connections (BinaryServer.clients, their processor's
+   _connection.security_policy); trust_list_to_binary / _from_binary encode the TrustList file with ua_binary's
+   struct codec.
 
 The package's modules import asyncua's internals only after the version check below has passed.
 """
@@ -66,6 +71,9 @@ from .listening import (  # noqa: E402
     listening_port)
 from .nodes import external_sessions, instantiate_many, subscription_of, write_together  # noqa: E402
 from .processor import HardenedProcessor  # noqa: E402
+from .certificates import (  # noqa: E402
+    channel_security_mode, close_channels_later, open_channels, present_certificate, trust_list_from_binary,
+    trust_list_to_binary)
 from .sessions import MIN_PUBLISHING_INTERVAL_MS, ApplianceSession  # noqa: E402
 
 __all__ = [
@@ -77,4 +85,6 @@ __all__ = [
     "install_session_factory", "listening_port",
     "external_sessions", "instantiate_many", "subscription_of", "write_together",
     "HardenedProcessor", "MIN_PUBLISHING_INTERVAL_MS", "ApplianceSession",
+    "channel_security_mode", "close_channels_later", "open_channels", "present_certificate",
+    "trust_list_from_binary", "trust_list_to_binary",
 ]
