@@ -60,6 +60,7 @@ WAIT_MS = argument("WaitMs", V.UInt32, description="wait at most this long for t
 DONE = argument("Done", V.Boolean, description="false: the job still runs (Text holds what is there so far)")
 START_GENERATE_IN = [argument("ConversationId", V.String, description="empty: the calling session's conversation"),
                      *GENERATE_IN]
+START_OUT = [JOB_ID]
 GET_RESULT_IN = [JOB_ID, WAIT_MS]
 GET_INFER_RESULT_OUT = [DONE, *INFER_OUT]
 GET_GENERATE_RESULT_OUT = [DONE, *GENERATE_OUT]

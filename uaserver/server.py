@@ -104,6 +104,16 @@ class ApplianceUaServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         server = await self._secure_server()
+        await self.build_address_space(server)
+        self._event_gen = await server.get_event_generator()
+        self.server = server
+        await server.start()
+        self.publisher.start(server, self.nodes)
+        log.info("OPC UA server listening on %s", self.config.server.endpoint)
+
+    async def build_address_space(self, server) -> None:
+        """The appliance namespace on `server`: ObjectTypes, instances, methods, mailboxes, alarms, events (what
+        `appliance nodeset` exports, built the same way without listening)."""
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
         classifiers = self.alarms.classifiers
@@ -115,13 +125,9 @@ class ApplianceUaServer:
                                                                   spec.body))
         self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers)
         await self.mailboxes.build(self.nodes.root)
+        await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()})
         await self.alarms.build(server, self.ns, self.nodes, self.handlers)
         await self.jobs.build_events(server, self.ns, self.nodes)
-        self._event_gen = await server.get_event_generator()
-        self.server = server
-        await server.start()
-        self.publisher.start(server, self.nodes)
-        log.info("OPC UA server listening on %s", self.config.server.endpoint)
 
     async def _secure_server(self) -> AppServer:
         """asyncua's server with the appliance's user manager, endpoints, certificates, policies and limits."""
