@@ -73,6 +73,8 @@ async def export_nodeset(config: ApplianceConfig, out: Path, published: datetime
     appliance = ApplianceUaServer(config, pki=None, trust_list=None, user_store=None, services=services,
                                   device=config.engine.device,
                                   alarms=lambda: dict.fromkeys(DAEMON_ALARMS, False))
+    for name in services:
+        appliance.ai.weights_facts(name)
     server = Server()
     await server.init()
     await appliance.build_address_space(server)

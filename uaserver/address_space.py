@@ -50,8 +50,9 @@ class AddressSpaceBuilder:
     def nid(self, path: str) -> ua.NodeId:
         return ua.NodeId(path, self.ns)
 
-    async def variable(self, parent: Node, path: str, name: str, value, vtype: ua.VariantType) -> Node:
-        node = await parent.add_variable(self.nid(f"{path}/{name}"), ua.QualifiedName(name, self.ns),
+    async def variable(self, parent: Node, path: str, name: str, value, vtype: ua.VariantType,
+                       prop: bool = False) -> Node:
+        node = await (parent.add_property if prop else parent.add_variable)(self.nid(f"{path}/{name}"), ua.QualifiedName(name, self.ns),
                                          ua.Variant(value, vtype), vtype, ua.NodeId(vtype.value))
         if isinstance(value, list):
             await set_array(node)
@@ -84,9 +85,10 @@ class AddressSpaceBuilder:
                                   member.outputs)
 
     async def build(self, device: str, models: dict, alarms: tuple[str, ...] = (),
-                    classifiers: dict | None = None, drift: tuple[str, ...] = ()) -> ApplianceNodes:
+                    classifiers: dict | None = None, drift: tuple[str, ...] = (), describe=None) -> ApplianceNodes:
         """classifiers: model name -> (labels, alarm class indices, sources) for tensor models with labels; drift:
-        the models with drift detection."""
+        the models with drift detection; describe(status): the draft AI properties' values of a model
+        (ai_properties.py), as name -> (value, VariantType)."""
         classifiers = classifiers or {}
         self._types = await TypeBuilder(self.server, self.ns).build(self._type_method)
         objects = self.server.nodes.objects
@@ -111,6 +113,8 @@ class AddressSpaceBuilder:
                                       ("LastLatencyMs", 0.0, V.Double), ("Heartbeat", 0, V.UInt32),
                                       ("WorkerRestarts", 0, V.UInt32)):
                 m.values[key] = await self.variable(obj, path, key, value, vtype)
+            for key, (value, vtype) in (describe(st) if describe else {}).items():
+                m.values[f"AI/{key}"] = await self.variable(obj, path, key, value, vtype, prop=True)
             if st.kind == "tensor":
                 m.values["InputShape"] = await self.variable(obj, path, "InputShape", [], V.UInt32)
                 m.values["OutputShape"] = await self.variable(obj, path, "OutputShape", [], V.UInt32)

@@ -24,6 +24,7 @@ from appliance.rate_limit import RateLimiter
 from appliance.tasks import TaskSet
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes
+from .ai_properties import AiProperties
 from .alarms import Alarms, classifiers_of
 from .asyncua_internals import (AppServer, ChannelGuard, advertise_host, configure_limits, external_sessions,
                                 install_session_factory, listening_port)
@@ -89,9 +90,11 @@ class ApplianceUaServer:
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
         self.jobs = JobMethods(config, services, self.inference)
         self.mailboxes: Mailboxes | None = None
+        self.ai = AiProperties(config)
         self.publisher = Publisher(services, Sources(health or (lambda: NO_GPU), supervision_alive or (lambda: True),
                                                      alarms or dict),
-                                   self.alarms, self.governance, self.jobs, self.conversations, metrics)
+                                   self.alarms, self.governance, self.jobs, self.conversations, metrics,
+                                   describe=self.ai.values)
 
     def method_specs(self) -> list[MethodSpec]:
         """Every method of the models and Admin, from each feature's table."""
@@ -109,6 +112,7 @@ class ApplianceUaServer:
         self.server = server
         await server.start()
         self.publisher.start(server, self.nodes)
+        self._event_tasks.start(asyncio.to_thread(lambda: [self.ai.weights_facts(n) for n in self.services]))
         log.info("OPC UA server listening on %s", self.config.server.endpoint)
 
     async def build_address_space(self, server) -> None:
@@ -119,7 +123,7 @@ class ApplianceUaServer:
         classifiers = self.alarms.classifiers
         self.nodes = await builder.build(self.device, self.services, tuple(self.publisher.sources.alarms()),
                                          {n: (c.labels, c.alarm_classes, c.sources) for n, c in classifiers.items()},
-                                         tuple(self.governance.drift))
+                                         tuple(self.governance.drift), self.ai.values)
         await builder.add_methods(self.nodes, self.method_specs(),
                                   lambda spec: self.handlers.wrap(spec.name, spec.owner, spec.role, len(spec.inputs),
                                                                   spec.body))
