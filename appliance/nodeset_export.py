@@ -83,6 +83,7 @@ async def export_nodeset(config: ApplianceConfig, out: Path, published: datetime
     await exporter.build_etree(nodes)
     root = exporter.etree.getroot()
     drop_dangling_references(root)
+    xml_encoding_ids(root)
     root.insert(1, await models_element(server, published))
     ET.indent(exporter.etree, space="  ")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +127,15 @@ def drop_dangling_references(root: ET.Element) -> None:
             target = (ref.text or "").strip()
             if target.startswith("ns=") and target not in exported:
                 refs.remove(ref)
+
+
+def xml_encoding_ids(root: ET.Element) -> None:
+    """An ExtensionObject's TypeId in XML is its type's DefaultXml encoding (Part 6, 5.3.1.16), as the standard
+    nodesets write it; asyncua's exporter writes the DataType's NodeId (node-opcua then drops the arguments)."""
+    for type_id in root.iter("uax:TypeId"):
+        ident = type_id.find("uax:Identifier")
+        if ident is not None and ident.text == f"i={ua.ObjectIds.Argument}":
+            ident.text = f"i={ua.ObjectIds.Argument_Encoding_DefaultXml}"
 
 
 async def models_element(server: Server, published: datetime.datetime | None) -> ET.Element:
