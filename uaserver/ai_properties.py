@@ -9,7 +9,7 @@ variables of those names (the same nodes).
     Digest          sha256:<hex> of the configured weights' content (the file, or every file of a directory)
     Quantization    the weights as served: from Backend (e.g. q4_1 kept as int4, float32, fp16)
     ParameterCount  elements of the weight tensors (ONNX initializers, GGUF or safetensors tensors)
-    Inputs/Outputs  one entry per argument, "Name: Type[size]" (e.g. "Input: Float[52]")
+    Inputs/Outputs  one entry per argument, "Name: Type[dims]" (e.g. "Input: Float[k x 20 x 52]": k samples)
     AcceleratorKind CPU | GPU        BatchSize  samples per batch (tensor) or KV slots (generative)
     FallbackPolicy  "model <name>" (YAML fallback) or "none"
     RateLimit       the operator role's and each client's calls per second and burst, or "none"
@@ -53,9 +53,8 @@ class AiProperties:
         digest_hex, params = self._static.get(st.name, ("", 0))
         tensor = st.kind == "tensor"
         if tensor:
-            n_in, n_out = math.prod(st.input_shape or (0,)), math.prod(st.output_shape or (0,))
-            inputs = [f"Input: Float[{n_in} x k]" if st.input_shape else "Input: Float[]"]
-            outputs = [f"Output: Float[{n_out} x k]" if st.output_shape else "Output: Float[]", "ModelVersion: String"]
+            inputs = [f"Input: Float[{dims(st.input_shape)}]"]
+            outputs = [f"Output: Float[{dims(st.output_shape)}]", "ModelVersion: String"]
             if m.labels:
                 outputs += ["ClassIndex: Int32[k]", "Label: String[k]", "Confidence: Float[k]"]
         else:
@@ -82,6 +81,11 @@ class AiProperties:
             "FallbackPolicy": (f"model {m.fallback}" if m.fallback else "none", V.String),
             "RateLimit": (rate or "none", V.String),
         }
+
+
+def dims(shape: tuple[int, ...]) -> str:
+    """k samples of the shape, flattened into the Float[] argument: "k x 20 x 52" ("k x ?" while unknown)."""
+    return " x ".join(["k", *(str(d) for d in shape)]) if shape else "k x ?"
 
 
 def framework(backend: str) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncua import ua
+from asyncua import Node, ua
 
 from .method_table import (CLASSIFY_OUT, CONVERSATION_ID, CONVERSE_IN, GENERATE_IN, GENERATE_OUT, GET_GENERATE_RESULT_OUT,
                            GET_INFER_RESULT_OUT, GET_RESULT_IN, INFER_IN, INFER_OUT, JOB_ID, PROMOTE_IN, RELOAD_IN,
@@ -226,7 +226,12 @@ async def set_array(node) -> None:
 
 
 async def retype(node, type_id: ua.NodeId) -> None:
-    """Point an object's HasTypeDefinition at type_id (asyncua creates plain objects as BaseObjectType)."""
-    for ref in await node.get_references(ua.ObjectIds.HasTypeDefinition):
+    """Point an object's HasTypeDefinition at type_id (asyncua creates plain objects as BaseObjectType). A parent's
+    reference carries the TypeDefinition that Browse answers, taken when it was added: it is added anew."""
+    for ref in await node.get_references(ua.ObjectIds.HasTypeDefinition, ua.BrowseDirection.Forward):
         await node.delete_reference(ref.NodeId, ua.ObjectIds.HasTypeDefinition, bidirectional=False)
     await node.add_reference(type_id, ua.ObjectIds.HasTypeDefinition, bidirectional=False)
+    for ref in await node.get_references(ua.ObjectIds.HierarchicalReferences, ua.BrowseDirection.Inverse):
+        parent = Node(node.session, ref.NodeId)
+        await parent.delete_reference(node, ref.ReferenceTypeId, bidirectional=False)
+        await parent.add_reference(node, ref.ReferenceTypeId, bidirectional=False)

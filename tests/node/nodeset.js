@@ -79,7 +79,7 @@ async function call(file, endpoint, certFile, keyFile, applicationUri, pkiDir) {
   addressSpace.dispose();
 
   const { OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType, DataType, VariantArrayType, BrowseDirection,
-    NodeClassMask } = require("node-opcua-client");
+    NodeClassMask, makeBrowsePath } = require("node-opcua-client");
   const { OPCUACertificateManager } = require("node-opcua-certificate-manager");
   const certificateManager = new OPCUACertificateManager({ rootFolder: pkiDir, automaticallyAcceptUnknownCertificate: true });
   await certificateManager.initialize();
@@ -89,7 +89,7 @@ async function call(file, endpoint, certFile, keyFile, applicationUri, pkiDir) {
     certificateFile: certFile, privateKeyFile: keyFile, clientCertificateManager: certificateManager,
     endpointMustExist: false, connectionStrategy: { maxRetry: 0, initialDelay: 100 },
   });
-  const out = { models: [] };
+  const out = { types: Object.values(types).map((t) => t.name), modelsFolder: foldersId, browsed: [], models: [] };
   await client.connect(endpoint);
   try {
     const pem = fs.readFileSync(certFile, "utf8");
@@ -103,14 +103,13 @@ async function call(file, endpoint, certFile, keyFile, applicationUri, pkiDir) {
         referenceTypeId: "HierarchicalReferences", includeSubtypes: true, nodeClassMask: NodeClassMask.Object,
         resultMask: 63 });
       for (const ref of children.references) {
+        out.browsed.push([ref.browseName.name, ref.typeDefinition.toString()]);
         const type = types[ID(ref.typeDefinition)];
         if (!type) continue;  // not a model
         const model = { name: ref.browseName.name, type: type.name, calls: {} };
         const objectId = ref.nodeId;
         if (type.infer) {
-          const shape = await session.translateBrowsePath({ startingNode: objectId,
-            relativePath: { elements: [{ referenceTypeId: "HierarchicalReferences", isInverse: false,
-              includeSubtypes: true, targetName: { namespaceIndex: ns, name: "InputShape" } }] } });
+          const shape = await session.translateBrowsePath(makeBrowsePath(objectId, `/${ns}:InputShape`));
           const dims = (await session.read({ nodeId: shape.targets[0].targetId, attributeId: 13 })).value.value;
           const n = Array.from(dims).reduce((a, b) => a * b, 1);
           const input = [{ dataType: DataType.Float, arrayType: VariantArrayType.Array, value: new Float32Array(n) }];
