@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from asyncua import Server, ua
 
+from appliance.plc_types import write_plc_types
 from harness import RunningAppliance
 from models.te_classifier import load_te_test_windows
 from uaclient import floats, run, session, status_name
@@ -376,3 +378,23 @@ def test_node_opcua_finds_every_model_by_type_and_calls_through_the_types_method
     generate = models["chat"]["calls"]["Generate"]
     assert generate["status"] == "Good" and generate["methodId"] == "s=Types/GenerativeModelType/Generate"
     assert generate["outputs"][1] >= 1
+
+
+def test_plc_types_scl_names_node_ids_that_the_server_answers(app):
+    """Every method's ObjectId, MethodId and type MethodId in `appliance plc-types`' SCL exist on the server, and
+    Infer answers through the instance's and the type's NodeId given there."""
+    text, _ = write_plc_types(app.config.models["te"], "scl", None)
+    triples = re.findall(r"ObjectId\s+(\S+)\n\s*//\s+MethodId\s+(\S+)\n\s*//\s+or by type\s+(\S+)", text)
+    assert len(triples) == 6, text  # Infer Classify StartInfer GetInferResult CancelJob ReleaseJob
+
+    async def go():
+        async with session(app, *app.operator) as c:
+            ns = await c.get_namespace_index(URI)
+            ids = [tuple(ua.NodeId.from_string(i.replace(f"nsu={URI};", f"ns={ns};")) for i in t) for t in triples]
+            for obj, own, by_type in ids:
+                for node in (obj, own, by_type):
+                    await c.get_node(node).read_browse_name()  # raises BadNodeIdUnknown if it is not there
+            infer = [t for t in ids if t[1].Identifier.endswith("/Infer")][0]
+            for method in infer[1:]:
+                assert status_name(await call(c, infer[0], method, [te_input(1)])) == "Good"
+    run(go())
