@@ -49,6 +49,7 @@ def app(tmp_path_factory):
         "mailboxes": {"line3": {"model": "te"}, "ask": {"model": "chat", "max_tokens": 8}}})
     a.operator = a.issue("plc1", "operator")
     a.monitor = a.issue("hmi1", "monitor")
+    a.engineer = a.issue("eng1", "engineer")
     yield a
     a.stop()
 
@@ -214,6 +215,24 @@ def test_a_type_call_has_the_instance_calls_roles_and_audit(app):
             break
         time.sleep(0.2)
     assert denied and calls
+
+
+def test_admin_methods_answer_the_same_by_type(app):
+    async def go():
+        async with session(app, *app.engineer) as c:
+            ns = await c.get_namespace_index(URI)
+            admin = nid(ns, "Appliance/Admin")
+            args = [ua.Variant("no-such-model", V.String), ua.Variant("main", V.String)]
+            own = await call(c, admin, nid(ns, "Appliance/Admin/PromoteVariant"), args)
+            by_type = await call(c, admin, nid(ns, "Types/AdminType/PromoteVariant"), args)
+            assert status_name(own) == status_name(by_type) == "BadInvalidArgument"
+            assert own.InputArgumentResults == by_type.InputArgumentResults
+            r = await call(c, nid(ns, "Appliance/Models/te"), nid(ns, "Types/AdminType/PromoteVariant"), args)
+            assert status_name(r) == "BadMethodInvalid"
+        async with session(app, *app.operator) as c:  # an operator may not, by either NodeId
+            r = await call(c, admin, nid(ns, "Types/AdminType/ReloadModel"), [ua.Variant("te", V.String)])
+            assert status_name(r) == "BadUserAccessDenied"
+    run(go())
 
 
 def test_a_method_on_an_object_of_another_type_is_invalid(app):

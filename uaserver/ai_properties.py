@@ -106,8 +106,14 @@ def quantization(backend: str, tensor: bool) -> str:
 
 
 def digest(path: Path | None) -> str:
-    if path is None or not path.exists():
+    """sha256 of the weights' content ("" when they cannot be read: the model's own load says why)."""
+    try:
+        return _digest(path) if path is not None and path.exists() else ""
+    except OSError:
         return ""
+
+
+def _digest(path: Path) -> str:
     h = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
