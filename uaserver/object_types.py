@@ -79,7 +79,6 @@ AI_MODEL_PROPERTIES = (prop("Framework", V.String), prop("Format", V.String), pr
                        prop("Inputs", V.String, True), prop("Outputs", V.String, True))
 AI_DEPLOYMENT_PROPERTIES = (prop("AcceleratorKind", V.String), prop("BatchSize", V.UInt32),
                             prop("FallbackPolicy", V.String), prop("RateLimit", V.String))
-AI_PROPERTY_NAMES = tuple(m.name for m in AI_MODEL_PROPERTIES + AI_DEPLOYMENT_PROPERTIES)
 
 OBJECT_TYPES: tuple[ObjectTypeSpec, ...] = (
     ObjectTypeSpec("EngineType", "", (var("QueueDepth", V.UInt32), var("SlotsTotal", V.UInt32),

@@ -34,9 +34,6 @@ class TypeCalls:
     def register(self, type_method: ua.NodeId, obj: ua.NodeId, callback: Callable) -> None:
         self._targets.setdefault(type_method, {})[obj] = callback
 
-    def instances(self, type_method: ua.NodeId) -> list[ua.NodeId]:
-        return list(self._targets.get(type_method, {}))
-
 
 def own_object_only(obj: ua.NodeId, callback: Callable) -> Callable:
     """An instance method's callback that answers BadMethodInvalid when the Call names another ObjectId."""
