@@ -135,8 +135,7 @@ def parameter_count(path: Path | None) -> int:
             graph = onnx.load(str(path), load_external_data=False).graph
             return sum(math.prod(t.dims) for t in graph.initializer)
         if path.suffix == ".gguf":
-            from gguf import GGUFReader  # noqa: PLC0415 - heavy; only for GGUF models
-            return int(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+            return _gguf_elements(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.suffix == ".safetensors" \
             else []
         return sum(_safetensors_elements(f) for f in files)
@@ -149,3 +148,41 @@ def _safetensors_elements(file: Path) -> int:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+
+
+# GGUF metadata value types: fixed sizes; 8 is a string, 9 an array (GGUF v2/v3 layout, little-endian)
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _gguf_elements(file: Path) -> int:
+    """Elements of a GGUF file's tensors from its tensor infos, skipping the metadata without decoding it (the gguf
+    package's reader builds every metadata field and tensor view: 4.6 s for the demo model here, this 0.1 s)."""
+    with open(file, "rb") as f:
+        def u(fmt: str) -> int:
+            return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def skip(vtype: int) -> None:
+            if vtype == 8:
+                f.seek(u("Q"), 1)
+            elif vtype == 9:
+                elem, count = u("I"), u("Q")
+                if elem in _GGUF_SIZES:
+                    f.seek(_GGUF_SIZES[elem] * count, 1)
+                else:
+                    for _ in range(count):
+                        skip(elem)
+            else:
+                f.seek(_GGUF_SIZES[vtype], 1)
+
+        if f.read(4) != b"GGUF" or u("I") < 2:
+            return 0
+        n_tensors, n_kv = u("Q"), u("Q")
+        for _ in range(n_kv):
+            f.seek(u("Q"), 1)  # the key
+            skip(u("I"))
+        total = 0
+        for _ in range(n_tensors):
+            f.seek(u("Q"), 1)  # the name
+            total += math.prod(u("Q") for _ in range(u("I")))
+            f.seek(12, 1)  # type (uint32) and offset (uint64)
+        return total
