@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from asyncua import Server, ua
 
+from appliance.cli import main as cli_main
 from appliance.plc_types import write_plc_types
 from harness import RunningAppliance
 from models.te_classifier import load_te_test_windows
@@ -417,3 +418,14 @@ def test_plc_types_scl_names_node_ids_that_the_server_answers(app):
             for method in infer[1:]:
                 assert status_name(await call(c, infer[0], method, [te_input(1)])) == "Good"
     run(go())
+
+
+def test_the_nodeset_cli_writes_to_stdout_and_refuses_an_unwritable_file(app, tmp_path, capsys):
+    assert cli_main(["nodeset", "--config", str(app.config_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("<?xml") and 'NodeId="ns=1;s=Types/ClassifierType"' in out
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli_main(["nodeset", "--config", str(app.config_path), "--out", str(blocker / "x.xml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("appliance: cannot write") and "Traceback" not in err
