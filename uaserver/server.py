@@ -24,6 +24,7 @@ from appliance.rate_limit import RateLimiter
 from appliance.tasks import TaskSet
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes
+from .ai_properties import AiProperties
 from .alarms import Alarms, classifiers_of
 from .asyncua_internals import (AppServer, ChannelGuard, advertise_host, configure_limits, external_sessions,
                                 install_session_factory, listening_port)
@@ -91,9 +92,11 @@ class ApplianceUaServer:
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
         self.jobs = JobMethods(config, services, self.inference)
         self.mailboxes: Mailboxes | None = None
+        self.ai = AiProperties(config)
         self.publisher = Publisher(services, Sources(health or (lambda: NO_GPU), supervision_alive or (lambda: True),
                                                      alarms or dict),
-                                   self.alarms, self.governance, self.jobs, self.conversations, metrics)
+                                   self.alarms, self.governance, self.jobs, self.conversations, metrics,
+                                   describe=self.ai.values)
         # Part 12 certificate management; the daemon sets certificate_changed (the expiry metric and alarm follow)
         self.certificate_changed: Callable[[], None] = lambda: None
         self.certificates = ServerConfiguration(config, pki, self.handlers, lambda: self.certificate_changed())
@@ -109,25 +112,32 @@ class ApplianceUaServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         server = await self._secure_server()
-        self.ns = await server.register_namespace(NAMESPACE_URI)
-        builder = AddressSpaceBuilder(server, self.ns)
-        classifiers = self.alarms.classifiers
-        self.nodes = await builder.build(self.device, self.services, tuple(self.publisher.sources.alarms()),
-                                         {n: (c.labels, c.alarm_classes, c.sources) for n, c in classifiers.items()},
-                                         tuple(self.governance.drift))
-        await builder.add_methods(self.nodes, self.method_specs(),
-                                  lambda spec: self.handlers.wrap(spec.name, spec.owner, spec.role, len(spec.inputs),
-                                                                  spec.body))
-        self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers)
-        await self.mailboxes.build(self.nodes.root)
-        await self.alarms.build(server, self.ns, self.nodes, self.handlers)
-        await self.jobs.build_events(server, self.ns, self.nodes)
+        await self.build_address_space(server)
         self._event_gen = await server.get_event_generator()
         self.server = server
         await server.start()
         await self.certificates.start(server)
         self.publisher.start(server, self.nodes)
+        self._event_tasks.start(asyncio.to_thread(lambda: [self.ai.weights_facts(n) for n in self.services]))
         log.info("OPC UA server listening on %s", self.config.server.endpoint)
+
+    async def build_address_space(self, server) -> None:
+        """The appliance namespace on `server`: ObjectTypes, instances, methods, mailboxes, alarms, events (what
+        `appliance nodeset` exports, built the same way without listening)."""
+        self.ns = await server.register_namespace(NAMESPACE_URI)
+        builder = AddressSpaceBuilder(server, self.ns)
+        classifiers = self.alarms.classifiers
+        self.nodes = await builder.build(self.device, self.services, tuple(self.publisher.sources.alarms()),
+                                         {n: (c.labels, c.alarm_classes, c.sources) for n, c in classifiers.items()},
+                                         tuple(self.governance.drift), self.ai.values)
+        await builder.add_methods(self.nodes, self.method_specs(),
+                                  lambda spec: self.handlers.wrap(spec.name, spec.owner, spec.role, len(spec.inputs),
+                                                                  spec.body))
+        self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers)
+        await self.mailboxes.build(self.nodes.root)
+        await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()})
+        await self.alarms.build(server, self.ns, self.nodes, self.handlers)
+        await self.jobs.build_events(server, self.ns, self.nodes)
 
     async def _secure_server(self) -> AppServer:
         """asyncua's server with the appliance's user manager, endpoints, certificates, policies and limits."""
