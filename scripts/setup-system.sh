@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages the tests use as real peers: Prometheus (promtool, a live scrape) and headless Chromium (the status
-# page), plus systemd-analyze (the unit's checks), iproute2 (a PLC's link cut in a network namespace) and kubectl (its built-in kustomize renders the fleet manifests).
+# page), plus systemd-analyze (the unit's checks), iproute2 (a PLC's link cut in a network namespace) and kubectl
+# (its built-in kustomize renders the fleet manifests).
 # Installs only what is missing; needs root and apt (CI runs as root).
 set -euo pipefail
 need=()
