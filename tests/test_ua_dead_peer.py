@@ -142,18 +142,23 @@ def test_a_plc_whose_link_goes_dead_mid_generate_is_seen_gone_and_treated_as_van
         plc_net.cut()
         cut = time.monotonic()
         at_cut = generated(app)
-        time.sleep(0.5)
-        assert generated(app) > at_cut, "the generation stopped when the link went down: nothing to detect"
+        assert wait_until(lambda: generated(app) > at_cut, 1.5), "the generation stopped with the link: no test"
 
-        # seen gone within dead_peer_timeout_s; its generation stops within 1 s after that
-        time.sleep(max(0.0, cut + DEAD_PEER_S + 1.0 - time.monotonic()))
-        at_deadline = generated(app)
+        # seen gone within dead_peer_timeout_s: its call is abandoned (counted as BadConnectionClosed) ...
+        def abandoned() -> bool:
+            return metric(scrape(app), "appliance_requests_total", model="chat", method="Generate",
+                          status="BadConnectionClosed") == abandoned_before + 1
+        assert wait_until(abandoned, DEAD_PEER_S + 5), (
+            f"the PLC's call was not abandoned {DEAD_PEER_S + 5} s after its link went dead (no FIN, no RST)")
+        seen_gone = time.monotonic() - cut
+        print(f"seen gone {seen_gone:.2f} s after the cut (dead_peer_timeout_s {DEAD_PEER_S})")
+        assert seen_gone <= DEAD_PEER_S + 0.5, f"seen gone only {seen_gone:.1f} s after the cut"
+        # ... and its generation stops within 1 s after that (the tokens metric is at most 1 s old)
         time.sleep(1.0)
-        assert generated(app) == at_deadline, (
-            f"the generation went on {DEAD_PEER_S + 1} s after the PLC's link went dead (no FIN, no RST)")
-        assert at_deadline < before + 12000, "the generation ran to its end instead of stopping"
-        assert metric(scrape(app), "appliance_requests_total", model="chat", method="Generate",
-                      status="BadConnectionClosed") == abandoned_before + 1
+        at_stop = generated(app)
+        time.sleep(1.0)
+        assert generated(app) == at_stop, "the generation went on after its client was seen gone"
+        assert at_stop < before + 12000, "the generation ran to its end instead of stopping"
         assert lines.empty(), "the PLC got an answer through a dead link"
 
         # the vanished PLC's session keeps its slot until the session times out, then the slot is free
