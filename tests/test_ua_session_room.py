@@ -17,6 +17,7 @@ import pytest
 from asyncua import ua
 
 from appliance.client import connect
+from certs.x509io import thumbprint
 from harness import RunningAppliance
 from onnx_models import affine_model
 from uaclient import call, floats, run, status_name
@@ -125,51 +126,66 @@ def test_a_client_that_breaks_its_channel_100_times_locks_no_one_out(app):
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """A table of 4 sessions, 3 per client identity."""
+    """A table of 5 sessions; 3 per client identity before its orphans are closed."""
     d = tmp_path_factory.mktemp("session-room-small")
     a = RunningAppliance(d / "state", {"cls": {"kind": "tensor", "path": str(affine_model(d / "cls.onnx"))}},
-                         {"security": {"limits": {"max_sessions": 4, "max_sessions_per_client": 3}}})
-    a.clients = [a.issue(f"plc{n}", "operator") for n in range(6)]
+                         {"security": {"limits": {"max_sessions": 5, "max_sessions_per_client": 3}}})
+    a.clients = [a.issue(f"plc{n}", "operator") for n in range(7)]
     yield a
     a.stop()
 
 
 def test_a_full_table_closes_its_oldest_orphan_and_refuses_only_when_every_channel_is_live(small):
+    earlier = len(audit_records(small))
+
     async def go():
         flaky, *plcs = small.clients
         for _ in range(3):  # three orphans
             await break_channel(await connect(small.endpoint, *flaky))
         live = []
-        for creds in plcs[:4]:  # each new client gets in: an orphan closed for each, the table stays at 4
+        for creds in plcs[:5]:  # each new client gets in: an orphan closed for each once the table is full
             live.append(await connect(small.endpoint, *creds))
             assert status_name(await call(live[-1], "cls", "Infer", infer_args(1))) == "Good"
-        assert await refused(small, plcs[4]) == "BadTooManySessions"  # four live channels: no room
+        assert await refused(small, plcs[5]) == "BadTooManySessions"  # five live channels: no room
         for c in live:  # the refusal took nothing from those that got in
             assert status_name(await call(c, "cls", "Infer", infer_args(2))) == "Good"
         await close(live.pop(0))
-        assert await refused(small, plcs[4]) == ""  # room again
+        assert await refused(small, plcs[5]) == ""  # room again
         for c in live:
             await close(c)
     run(go())
-    closes = [r for r in audit_records(small) if "session table" in r.get("detail", "")]
+    closes = [r for r in audit_records(small)[earlier:] if "session table" in r.get("detail", "")]
     assert len(closes) == 3, closes  # the three orphans, each when the table was full
+    assert {r["client"] for r in closes} == {thumbprint(small.clients[0][0].read_bytes())}
 
 
-def test_an_identity_at_its_bound_is_refused_only_while_each_of_its_sessions_has_a_live_channel(small):
+def test_an_identity_at_its_bound_makes_room_from_its_own_orphans_only(small):
+    """Past its bound an identity's own oldest orphan goes, not another PLC's older one (that PLC may come back);
+    an identity whose sessions all have live channels is not refused while the table has room."""
+    earlier = len(audit_records(small))
+
     async def go():
-        plc = small.clients[5]
-        live = [await connect(small.endpoint, *plc) for _ in range(3)]
+        other, plc, late = small.clients[0], small.clients[5], small.clients[6]
+        await break_channel(await connect(small.endpoint, *other))  # another PLC's orphan, the oldest session
+        a = await connect(small.endpoint, *plc)
+        await break_channel(await connect(small.endpoint, *plc))  # the identity's orphan
+        c = await connect(small.endpoint, *plc)
+        live = [a, c]
         try:
-            assert await refused(small, plc) == "BadTooManySessions"  # its bound, every channel live
-            assert await refused(small, small.clients[4]) == ""  # another identity is not held to it
-            await break_channel(live.pop(0))
-            fourth = await connect(small.endpoint, *plc)  # its orphan is closed to make room
-            live.append(fourth)
-            for c in live:
-                assert status_name(await call(c, "cls", "Infer", infer_args(3))) == "Good"
+            live.append(await connect(small.endpoint, *plc))  # its 4th: its own orphan is closed for it
+            live.append(await connect(small.endpoint, *plc))  # its 5th, all live: not refused, the table has room
+            for client in live:
+                assert status_name(await call(client, "cls", "Infer", infer_args(3))) == "Good"
+            # the table is full now: the other PLC's orphan is closed for a newcomer; then nothing is left to close
+            live.append(await connect(small.endpoint, *late))
+            assert await refused(small, late) == "BadTooManySessions"
         finally:
-            for c in live:
-                await close(c)
+            for client in live:
+                await close(client)
     run(go())
-    closes = [r for r in audit_records(small) if "max_sessions_per_client (3)" in r.get("detail", "")]
-    assert len(closes) == 1, closes
+    records = audit_records(small)[earlier:]
+    by_bound = [r["client"] for r in records if "max_sessions_per_client (3)" in r.get("detail", "")]
+    by_table = [r["client"] for r in records if "session table" in r.get("detail", "")]
+    # the identity's own orphan for its bound; the other PLC's only for the full table
+    assert by_bound == [thumbprint(small.clients[5][0].read_bytes())], by_bound
+    assert by_table == [thumbprint(small.clients[0][0].read_bytes())], by_table

@@ -90,8 +90,8 @@ class LimitsConfig:
     max_chunk_count: int | None = setting(None, optional(integer(1)))
     max_secure_channels: int = setting(32, integer(1))
     max_sessions: int = setting(64, integer(1))
-    # sessions one client identity (certificate + user) may hold; at the bound, or with the table full, its oldest
-    # session without a live channel is closed to make room, and a client is refused only when none is orphaned
+    # sessions of one client identity (certificate + user) before its oldest ones without a live channel are closed
+    # to make room (a full table closes the oldest such session too); only a table of live channels refuses a client
     max_sessions_per_client: int = setting(10, integer(1))
     max_requests_per_session: int = setting(16, integer(1))
     session_activation_timeout_s: float = setting(5.0, number(0, 3600, lo_open=True))

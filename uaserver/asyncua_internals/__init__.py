@@ -28,8 +28,7 @@ What is here, module by module, and which asyncua internals each relies on:
    (AddNodes). A session outlives its connection until its timeout (UaProcessor._should_close_session_on_transport_loss,
    close).
 7. session_table: room in the session table (orphaned sessions closed to make room for new ones), reading
-   InternalServer._external_sessions; ApplianceSession undoes a refused first activation (SessionState,
-   InternalSession._current_connections, _timeout_task).
+   InternalServer._external_sessions and InternalSession.state (SessionState).
 
 The package's modules import asyncua's internals only after the version check below has passed.
 """

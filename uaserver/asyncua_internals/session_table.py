@@ -3,27 +3,23 @@
 An activated session outlives its channel until its timeout (a vanished client may re-activate it and keep its
 conversation). A client on a flaky link that opens a new session each time it reconnects leaves one such orphan per
 broken channel, and before long the table is full for everyone. So:
-- one client identity (client certificate + user, as the rate limits count it) holds at most
-  `security.limits.max_sessions_per_client` sessions: at the bound its oldest session without a live channel is
-  closed to make room for the new one;
+- when a client identity (client certificate + user, as the rate limits count it) reaches
+  `security.limits.max_sessions_per_client` sessions, its oldest sessions without a live channel are closed to
+  make room for the new one: a flaky client keeps at most that many orphans, and never crowds out the orphans of
+  others (a PLC that will re-activate its session after a reboot);
 - with the table full (`security.limits.max_sessions`), the oldest session without a live channel is closed (the
   same client certificate's first) before CreateSession is refused.
-A client is refused (BadTooManySessions) only when every session in its way has a live channel. A session closed to
-make room is closed like any other (its KV slot freed), and its audit record says why.
+A client is refused (BadTooManySessions) only when the table is full and every session in it has a live channel: an
+identity whose sessions all have live channels is not refused while there is room (a SCADA, a test rig or a gateway
+may hold many at once). A session closed to make room is closed like any other (its KV slot freed), and its audit
+record says why.
 
 Reads the InternalServer's registry of client sessions (_external_sessions) and each ApplianceSession's `channel`
 (the processor serving it, None once its connection is gone).
 """
 from __future__ import annotations
 
-import logging
-
-from asyncua import ua
-from asyncua.common.utils import ServiceError
-
 from .sessions import ApplianceSession
-
-log = logging.getLogger(__name__)
 
 
 def caller_identity(session: ApplianceSession) -> str:
@@ -43,8 +39,8 @@ def _orphans(sessions: list[ApplianceSession]) -> list[ApplianceSession]:
 
 
 def admit_identity(iserver, max_per_client: int | None, session: ApplianceSession) -> None:
-    """At a session's first activation (its user now known): make room within its identity's bound by closing that
-    identity's oldest orphans, or raise ServiceError(BadTooManySessions) when all of them have live channels."""
+    """At a session's first activation (its user now known): at its identity's bound, close that identity's oldest
+    orphans to make room (as many as it is over, those it has)."""
     if not max_per_client:
         return
     me = caller_identity(session)
@@ -52,12 +48,7 @@ def admit_identity(iserver, max_per_client: int | None, session: ApplianceSessio
     excess = len(mine) + 1 - max_per_client
     if excess <= 0:
         return
-    orphans = _orphans(mine)
-    if len(orphans) < excess:
-        log.warning("refused a session of %s: %d sessions, each with a live channel (max_sessions_per_client %d)",
-                    me, len(mine), max_per_client)
-        raise ServiceError(ua.StatusCodes.BadTooManySessions)
-    for orphan in orphans[:excess]:
+    for orphan in _orphans(mine)[:excess]:
         orphan.evict(f"closed to make room: its channel was gone and its client reached max_sessions_per_client "
                      f"({max_per_client})")
 

@@ -32,8 +32,8 @@ WriteHook = Callable[["ApplianceSession", ua.WriteValue], Awaitable["ua.StatusCo
 class ApplianceSession(InternalSession):
     on_close: Callable[["ApplianceSession"], None] | None = None
     write_hook: WriteHook | None = None
-    # admission(session) at its first activation, its user known: raises ServiceError to refuse it (the session
-    # table's bound per client identity, session_table.admit_identity)
+    # admission(session) at its first activation, its user known: the session table's room per client identity
+    # (session_table.admit_identity)
     admission: Callable[["ApplianceSession"], None] | None = None
 
     def __init__(self, *args, **kwargs):
@@ -98,20 +98,8 @@ class ApplianceSession(InternalSession):
             self.user, self.nonce = previous_user, previous_nonce
             raise ServiceError(ua.StatusCodes.BadUserAccessDenied)
         if not was_active and self.admission is not None:
-            try:
-                self.admission(self)
-            except ServiceError:
-                self._undo_first_activation(previous_user, previous_nonce)
-                raise
+            self.admission(self)
         return result
-
-    def _undo_first_activation(self, previous_user, previous_nonce) -> None:
-        """The session goes back to created, as InternalSession.activate_session found it."""
-        self.user, self.nonce, self.state = previous_user, previous_nonce, SessionState.Created
-        InternalSession._current_connections = max(0, InternalSession._current_connections - 1)
-        if self._timeout_task is not None:
-            self._timeout_task.cancel()
-            self._timeout_task = None
 
     @property
     def closing(self) -> bool:
