@@ -65,10 +65,17 @@ async def classify_fault_run_until_raised(plc, seen: Events):
 
 async def refreshed_conditions(client, seen: Events, subscription_id: int) -> list:
     """ConditionRefresh on the SCADA's subscription: the condition events between RefreshStart and RefreshEnd."""
+    def kind(e) -> int | None:
+        event_type = field(e, "EventType")
+        return event_type.Identifier if isinstance(event_type, ua.NodeId) else None
+
     assert status_name(await refresh(client, subscription_id)) == "Good"
-    await seen.next(lambda e: field(e, "EventType") == ua.NodeId(ua.ObjectIds.RefreshStartEventType))
-    await seen.next(lambda e: field(e, "EventType") == ua.NodeId(ua.ObjectIds.RefreshEndEventType))
-    return [e for e in seen.events if field(e, "ConditionName")]
+    end = await seen.next(lambda e: kind(e) == ua.ObjectIds.RefreshEndEventType)
+    start = next(i for i, e in enumerate(seen.events) if kind(e) == ua.ObjectIds.RefreshStartEventType)
+    between = seen.events[start + 1:]  # RefreshEnd was taken out of the list by next(): the rest came before it
+    seen.events.clear()
+    assert end is not None
+    return [e for e in between if field(e, "ConditionName")]
 
 
 def test_a_scada_acknowledges_with_the_event_id_its_condition_refresh_showed(app):
@@ -87,10 +94,9 @@ def test_a_scada_acknowledges_with_the_event_id_its_condition_refresh_showed(app
                 await sub.subscribe_events(scada.nodes.server, REFRESH_TYPES)
                 shown = [e for e in await refreshed_conditions(scada, seen, sub.subscription_id)
                          if is_condition(CONDITION, True, False)(e)]
-                assert len(shown) == 1, [field(e, "ConditionName") for e in seen.events]
+                assert len(shown) == 1, [field(e, "Message") for e in shown]
                 refreshed_id = field(shown[0], "EventId")
                 assert field(shown[0], "NodeId") == condition and refreshed_id != original_id
-                seen.events.clear()
 
                 r = await acknowledge(scada, condition, refreshed_id, "IDV2 seen after the SCADA restart")
                 assert status_name(r) == "Good", "Acknowledge with the refreshed event's EventId was refused"
@@ -102,9 +108,10 @@ def test_a_scada_acknowledges_with_the_event_id_its_condition_refresh_showed(app
                 assert status_name(await add_comment(scada, condition, original_id, "shift log")) == "Good"
                 r = await add_comment(scada, condition, b"0" * 32, "made up")
                 assert status_name(r) == "BadEventIdUnknown"
+                for comment in ("feed valve", "shift log"):  # each comment's event, before the next refresh
+                    await seen.next(lambda e, c=comment: getattr(field(e, "Comment"), "Text", None) == c)
 
                 # a second refresh shows it acknowledged, and still active: the fault goes on
-                seen.events.clear()
                 again = [e for e in await refreshed_conditions(scada, seen, sub.subscription_id)
                          if field(e, "ConditionName") == CONDITION]
                 assert len(again) == 1 and field(again[0], "AckedState/Id") is True
