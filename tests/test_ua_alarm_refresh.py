@@ -7,7 +7,6 @@ own). The contract: Acknowledge (and AddComment) accept the EventId of a refresh
 """
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 import pytest
