@@ -180,7 +180,8 @@ class ApplianceUaServer:
                 der, uri).status,
             max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
             sessions=lambda: len(external_sessions(server)), max_nesting_depth=lim.max_nesting_depth,
-            max_array_length=lim.max_array_length, audit=self.handlers.event)
+            max_array_length=lim.max_array_length, audit=self.handlers.event,
+            dead_peer_timeout_s=cfg.server.dead_peer_timeout_s, max_sessions_per_client=lim.max_sessions_per_client)
         return server
 
     async def stop(self) -> None:

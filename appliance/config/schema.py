@@ -65,6 +65,9 @@ class ServerConfig:
     # the longest session timeout granted: a session whose client vanished (no CloseSession) lives this long at
     # most, then it is closed and its KV slot freed; re-activated on a new channel before then, it goes on
     session_timeout_s: float = setting(60.0, number(0, 86400, lo_open=True))
+    # a client that vanished without FIN or RST (power lost, cable pulled) is seen as gone within this many seconds
+    # (TCP keepalive and TCP_USER_TIMEOUT on every accepted connection), then treated as a vanished client
+    dead_peer_timeout_s: int = setting(10, integer(2, 7200))
 
     def __post_init__(self) -> None:
         if self.application_uri is None:
@@ -87,6 +90,9 @@ class LimitsConfig:
     max_chunk_count: int | None = setting(None, optional(integer(1)))
     max_secure_channels: int = setting(32, integer(1))
     max_sessions: int = setting(64, integer(1))
+    # sessions of one client identity (certificate + user) before its oldest ones without a live channel are closed
+    # to make room (a full table closes the oldest such session too); only a table of live channels refuses a client
+    max_sessions_per_client: int = setting(10, integer(1))
     max_requests_per_session: int = setting(16, integer(1))
     session_activation_timeout_s: float = setting(5.0, number(0, 3600, lo_open=True))
     max_array_length: int = setting(65536, integer(1))

@@ -14,6 +14,7 @@ What is here, module by module, and which asyncua internals each relies on:
 4. listening: subclasses of OPCUAProtocol and BinaryServer (data_received, connection_made, _make_protocol; reading
    _buffer, _limits); AppServer, asyncua's Server.start re-done (_setup_server_nodes, _policies,
    _get_bind_socket_info, bserver) to listen through the hardened BinaryServer and present the certificate chain;
+   every accepted connection's socket (transport extra info) gets keepalive and TCP_USER_TIMEOUT (dead peers);
    configure_limits and install_session_factory set InternalServer attributes (certificate_validator,
    create_session, max_connections, pending activation and session timeouts, discovery matching).
 5. channel: what processor and listening share (the guard built from the configuration, the errors a peer can cause
@@ -31,6 +32,8 @@ What is here, module by module, and which asyncua internals each relies on:
    channel_security_mode read the binary server's connections (BinaryServer.clients, their processor's
    _connection.security_policy); trust_list_to_binary / _from_binary encode the TrustList file with ua_binary's
    struct codec.
+8. session_table: room in the session table (orphaned sessions closed to make room for new ones), reading
+   InternalServer._external_sessions and InternalSession.state (SessionState).
 
 The package's modules import asyncua's internals only after the version check below has passed.
 """
