@@ -194,8 +194,8 @@ class Appliance:
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
                                     metrics=self.metrics, audit=self.audit, device=device, health=self.supervision.health,
                                     supervision_alive=self.supervision.alive, alarms=self.supervision.alarms,
-                                    variants=self.variant_services)
-        self.ua.certificate_changed = lambda: self._watch_certificate(pki)  # Part 12 ApplyChanges
+                                    variants=self.variant_services,
+                                    certificate_changed=lambda: self._watch_certificate(pki))  # Part 12 ApplyChanges
         await self.ua.start()
         if self.audit is not None and self.audit.torn:
             self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)

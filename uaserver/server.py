@@ -62,7 +62,8 @@ class ApplianceUaServer:
                  metrics=None, audit=None, device: str = "cpu", health: Callable[[], dict] | None = None,
                  supervision_alive: Callable[[], bool] | None = None,
                  alarms: Callable[[], dict[str, bool]] | None = None,
-                 variants: dict[str, dict[str, TensorModel | GenerativeModel]] | None = None):
+                 variants: dict[str, dict[str, TensorModel | GenerativeModel]] | None = None,
+                 certificate_changed: Callable[[], None] = lambda: None):
         self.config = config
         self.pki = pki
         self.trust_list = trust_list
@@ -97,9 +98,10 @@ class ApplianceUaServer:
                                                      alarms or dict),
                                    self.alarms, self.governance, self.jobs, self.conversations, metrics,
                                    describe=self.ai.values)
-        # Part 12 certificate management; the daemon sets certificate_changed (the expiry metric and alarm follow)
-        self.certificate_changed: Callable[[], None] = lambda: None
-        self.certificates = ServerConfiguration(config, pki, self.handlers, lambda: self.certificate_changed())
+        # Part 12 certificate management (not in an address space built for `appliance nodeset`, which has no PKI);
+        # certificate_changed: the expiry metric and alarm follow a new server certificate
+        self.certificates = (ServerConfiguration(config, pki, self.handlers, certificate_changed)
+                             if pki is not None else None)
 
     def method_specs(self) -> list[MethodSpec]:
         """Every method of the models and Admin, from each feature's table."""
@@ -116,7 +118,8 @@ class ApplianceUaServer:
         self._event_gen = await server.get_event_generator()
         self.server = server
         await server.start()
-        await self.certificates.start(server)
+        if self.certificates is not None:
+            await self.certificates.start(server)
         self.publisher.start(server, self.nodes)
         self._event_tasks.start(asyncio.to_thread(lambda: [self.ai.weights_facts(n) for n in self.services]))
         log.info("OPC UA server listening on %s", self.config.server.endpoint)
