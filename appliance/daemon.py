@@ -194,7 +194,8 @@ class Appliance:
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
                                     metrics=self.metrics, audit=self.audit, device=device, health=self.supervision.health,
                                     supervision_alive=self.supervision.alive, alarms=self.supervision.alarms,
-                                    variants=self.variant_services)
+                                    variants=self.variant_services,
+                                    certificate_changed=lambda: self._watch_certificate(pki))  # Part 12 ApplyChanges
         await self.ua.start()
         if self.audit is not None and self.audit.torn:
             self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)
@@ -215,7 +216,8 @@ class Appliance:
         expiring = left < self.config.security.cert_expiry_warning_days * 86400
         self.metrics.server_cert_expiring.set(1 if expiring else 0)
         if expiring:
-            log.warning("the server certificate expires in %.0f days: renew it (appliance certs init --force)",
+            log.warning("the server certificate expires in %.0f days: renew it (a GDS's push, `appliance certs csr` "
+                        "+ `install-server`, or `appliance certs init --force` with the appliance CA)",
                         left / 86400)
 
     def _watchdog_fault(self, message: str) -> None:

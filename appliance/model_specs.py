@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from .model_store import ModelStore, ModelStoreError
+from .workers.protocol import ModelSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -13,8 +16,6 @@ def model_spec(m, engine, device: str, state_dir: Path, version: str | None = No
     deployed with `appliance models deploy` serves its `current` version (or `version`; or, with `candidate`, the
     version a deploy in progress checks, if any), from the version's own folder; one whose `current` points nowhere
     is refused (Failed, with what to do)."""
-    from .model_store import ModelStore, ModelStoreError
-    from .workers.protocol import ModelSpec
     path, refused, label = str(m.resolved_path), "", m.version
     store = ModelStore(state_dir)
     if version is None and candidate:

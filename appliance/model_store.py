@@ -14,15 +14,12 @@ atomically, so a reader sees the old version or the new one, never neither. Old 
 after a switch, never `current`, `previous` or `candidate`. A worker loads a version's own folder (`version_path`),
 not through `current`: a worker that restarts loads what it served, whatever was switched meanwhile.
 
-The store itself never loads a model. `switch_checked` is the deploy and rollback of the command line: the version
-is switched in only once it has loaded, in a worker process of its own (workers/trial.py) and then, when the
-appliance runs, in the serving worker (Admin/ReloadModel over loopback); a version that fails either is withdrawn
-and `current` never named it, so no restart loads it.
+The store itself never loads a model: the deploy workflow that checks a version before switching it in is
+appliance/model_deploy.py, which uses the store.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import re
@@ -31,9 +28,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from models.file_digest import VERSION_CHARS, content_digest
+
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 LINKS = ("current", "previous", "candidate")  # names a version cannot take
-DIGEST_CHARS = 12  # version name from the content digest when no label is given
 
 
 class ModelStoreError(Exception):
@@ -43,26 +41,12 @@ class ModelStoreError(Exception):
 @dataclass(frozen=True)
 class VersionInfo:
     version: str
-    digest: str  # sha256 over the files' relative paths and contents
+    digest: str  # models/file_digest.content_digest of the version's files
     deployed_at: str
     source: str
     serving: bool
     previous: bool
     candidate: bool = False  # a deploy or rollback is checking it (or was interrupted while it did)
-
-
-def content_digest(source: Path) -> str:
-    """sha256 over every file under `source` (relative path and content, in sorted order), or over one file."""
-    h = hashlib.sha256()
-    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
-    for file in files:
-        rel = file.name if source.is_file() else file.relative_to(source).as_posix()
-        h.update(rel.encode() + b"\0")
-        with file.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:
@@ -185,7 +169,7 @@ class ModelStore:
         if source.is_dir() and not any(p.is_file() for p in source.rglob("*")):
             raise ModelStoreError(f"{source}: the folder holds no file")
         digest = content_digest(source)
-        version = version or digest[:DIGEST_CHARS]
+        version = version or digest[:VERSION_CHARS]  # no label: named by its content
         if not _VERSION.fullmatch(version) or version in LINKS:
             raise ModelStoreError(f"version {version!r}: expected 1-64 characters A-Z a-z 0-9 . _ - starting with a "
                                   f"letter or digit (not {' or '.join(repr(x) for x in LINKS)})")
@@ -220,7 +204,7 @@ class ModelStore:
         return version, True
 
     def deploy(self, name: str, source: Path, version: str | None = None, keep: int = 5) -> str:
-        """`add` and `switch` at once, without a check that the version loads (`switch_checked` makes it)."""
+        """`add` and `switch` at once, without a check that the version loads (model_deploy.switch_checked makes it)."""
         version, _ = self.add(name, source, version)
         self.switch(name, version, keep)
         return version
@@ -297,76 +281,3 @@ class ModelStore:
         tmp = path.with_name(f".manifest-{uuid.uuid4().hex}")
         tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(tmp, path)
-
-
-@dataclass(frozen=True)
-class ReloadResult:
-    done: bool
-    message: str
-    running: bool = True  # False: no appliance runs here (nothing to reload)
-
-
-def request_reload(config, name: str, timeout_s: float = 600.0) -> ReloadResult:
-    """Ask the running appliance on this box to reload the model (its candidate version while a deploy checks one,
-    else `current`): Admin/ReloadModel over OPC UA on loopback, as the box's commissioning engineer (a certificate
-    the local CA issues once, like `appliance call`'s commissioning operator)."""
-    from asyncua import ua
-
-    from .client import AdminUnreachable, call_admin
-
-    try:
-        r = call_admin(config, "ReloadModel", [ua.Variant(name, ua.VariantType.String)], timeout_s)
-    except AdminUnreachable as e:
-        if e.reason == "no_pki":
-            return ReloadResult(False, "the appliance has no PKI yet (never started): the version serves from its "
-                                       "first start", running=False)
-        return ReloadResult(False, "the appliance is not running: the version serves from its next start",
-                            running=False)
-    except (TimeoutError, OSError) as e:
-        return ReloadResult(False, f"ReloadModel did not answer ({type(e).__name__})")
-    if r.StatusCode.is_good():
-        return ReloadResult(True, f"the appliance now serves version {r.OutputArguments[0].Value}")
-    reason = getattr(r, "status_text", "")
-    if reason:
-        return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name}: {reason}")
-    return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name} (the reason is in the appliance's log and "
-                               "audit log)")
-
-
-@dataclass(frozen=True)
-class SwitchResult:
-    ok: bool
-    message: str  # what happened, for the engineer: the reason when the version was refused
-
-
-def switch_checked(config, name: str, version: str, created: bool, trial_timeout_s: float = 600.0) -> SwitchResult:
-    """Make `version` of model `name` serve, only once it has loaded: first in a worker process of its own (the
-    serving code, the configuration's settings), then, when the appliance runs, in its serving worker through the
-    `candidate` link. Either failing, the version is withdrawn (its copy removed when `created`) and the old one
-    serves on, now and after any restart."""
-    from .daemon import model_spec, resolve_device
-    from .workers.trial import LoadFailed, trial_load, trial_policy
-
-    store = ModelStore(Path(config.server.state_dir))
-    model = config.models[name]
-    serving = store.serving_version(name)
-    before = f"version {serving}" if serving else "the model of the configuration"
-    spec = model_spec(model, config.engine, resolve_device(config.engine.device).split(" ")[0],
-                      Path(config.server.state_dir), version=version)
-    try:
-        if spec.refused:
-            raise LoadFailed(spec.refused)
-        trial_load(spec, trial_policy(config), trial_timeout_s)
-        store.propose(name, version)
-        reload = request_reload(config, name)
-        if reload.running and not reload.done:
-            raise LoadFailed(f"the running appliance could not load it: {reload.message}")
-    except LoadFailed as e:
-        store.withdraw(name, version, remove=created)
-        return SwitchResult(False, f"version {version} was not switched in, it does not load: {e}; {before} "
-                                   "serves on" + (" (the rejected copy is deleted)" if created else ""))
-    except BaseException:
-        store.withdraw(name, version, remove=False)  # interrupted: `current` never changed
-        raise
-    store.switch(name, version, keep=model.keep_versions)
-    return SwitchResult(True, ("reloaded: " if reload.done else "not reloaded: ") + reload.message)

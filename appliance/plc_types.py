@@ -15,6 +15,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
+from uaserver.object_types import declared_methods, model_type
+
+from . import NAMESPACE_URI
 from .config import ModelConfig
 
 PLCOPEN_NS = "http://www.plcopen.org/xml/tc6_0201"
@@ -145,13 +148,24 @@ def scl_source(model: ModelConfig) -> str:
             out += [f'TYPE "{udt_name(model.name, method.name, direction)}"', "VERSION : 0.1", "   STRUCT"]
             out += [f"      {a.name} : {scl_type(a)};" for a in args]
             out += ["   END_STRUCT;", "", "END_TYPE", ""]
+    declared = declared_methods(model_type(model.kind, bool(model.labels)))
     for method in methods:
-        out += _scl_example_fb(model.name, method)
+        out += _scl_example_fb(model.name, method, declared[method.name][0])
     return "\n".join(out)
 
 
-def _scl_example_fb(model_name: str, method: Method) -> list[str]:
+def method_node_ids(model_name: str, method: str, declaring_type: str) -> dict[str, str]:
+    """The NodeIds a client interface needs, namespace by URI (the index may differ between servers): the model
+    object (ObjectId), its own method, and the method declared on its type (callable with any model of the type)."""
+    nsu = f"nsu={NAMESPACE_URI};s="
+    return {"ObjectId": f"{nsu}Appliance/Models/{model_name}",
+            "MethodId": f"{nsu}Appliance/Models/{model_name}/{method}",
+            "TypeMethodId": f"{nsu}Types/{declaring_type}/{method}"}
+
+
+def _scl_example_fb(model_name: str, method: Method, declaring_type: str) -> list[str]:
     prefix = type_prefix(model_name)
+    ids = method_node_ids(model_name, method.name, declaring_type)
     fb = f"{prefix}_{method.name}_Call"
     lines = [f'FUNCTION_BLOCK "{fb}"', "{ S7_Optimized_Access := 'TRUE' }", "VERSION : 0.1",
              "   VAR_INPUT", "      Execute : Bool;   // rising edge starts one call", "   END_VAR",
@@ -168,6 +182,11 @@ def _scl_example_fb(model_name: str, method: Method) -> list[str]:
               "   // (MaintainSession) and the method's NodeId come from the OPC UA client interface configured in",
               "   // TIA Portal (Basic256Sha256, SignAndEncrypt, user name). The parameters follow PLCopen",
               "   // UA_MethodCall (OPC 30001); check them against your TIA Portal version's help (not compiled here).",
+              "   // NodeIds (namespace urn:opcua-inference-appliance; `appliance nodeset` exports them all):",
+              f"   //   ObjectId      {ids['ObjectId']}",
+              f"   //   MethodId      {ids['MethodId']}",
+              f"   //   or by type    {ids['TypeMethodId']}",
+              f"   //                 (the same method of {declaring_type}: one call block serves every such model)",
               "   #Call(REQ := #Execute,"]
     if method.inputs:
         lines.append("         InputArguments := #Arguments,")

@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 log = logging.getLogger("appliance.users")
 
-ROLES = ("monitor", "operator", "engineer")
+ROLES = ("monitor", "operator", "engineer", "security_admin")
 MIN_PASSWORD_CHARS = 8
 MAX_PASSWORD_CHARS = 1024  # bounds the hashing work one login attempt can cause
 # Letters, digits and a few separators: safe in a PLC's STRING, a shell and a log line (same rule as the YAML).

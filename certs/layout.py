@@ -48,6 +48,11 @@ class PkiLayout:
     def own_key_pem(self) -> Path:
         return self.own / "key.pem"
 
+    @property
+    def own_issuers_der(self) -> Path:
+        # The issuer chain installed with a plant CA's certificate (Part 12); absent: the appliance CA issued it.
+        return self.own / "issuers.der"
+
     # The appliance CA: exported copies, its key, its trust anchor and its CRL.
     @property
     def ca_cert_der(self) -> Path:

@@ -22,6 +22,7 @@ from .identity import HOSTNAME, check_identity
 from .layout import CA_FILE_STEM, PkiLayout
 from .records import CertEntry, IssuedCert, PKIError, RevokedCert
 from .rolemap import RoleMap, check_role
+from .server_certificate import ServerCertificateStore, issued_by_appliance_ca
 from .store import CRL_REVOKED, StoredCert, load_snapshot
 from .x509io import (
     CertificateFormatError,
@@ -145,7 +146,12 @@ class PKI:
         if not (self.own_cert_path.is_file() and self.own_key_path.is_file()):
             self.init(uri, hosts, addrs, force=True)
             return True
+        ServerCertificateStore(self.pki_dir).finish_interrupted_install()
         problem = self._server_cert_problem(uri, hosts, addrs)
+        if problem and not issued_by_appliance_ca(self.layout):
+            # Installed through Part 12 or `certs install-server`: the plant's CA manages it, never replaced here.
+            log.warning("the server certificate %s; it was issued by the plant's CA: renew it there", problem)
+            problem = None
         created = False
         if problem and self.ca_key_path.is_file():
             log.warning("renewing the server certificate: %s", problem)
@@ -194,6 +200,7 @@ class PKI:
         write_atomic(self.own_key_path, builder.private_key_pem(key), SECRET)
         write_atomic(self.own_cert_path, to_der(cert), PUBLIC)
         write_atomic(self.own_cert_pem_path, to_pem(cert), PUBLIC)
+        self.layout.own_issuers_der.unlink(missing_ok=True)  # a plant CA's chain does not go with this one
         log.info("created the server certificate for %s (%s)", uri, ", ".join(hosts + addrs))
 
     def _load_ca(self) -> tuple[x509.Certificate, object]:

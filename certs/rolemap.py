@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .x509io import write_atomic
 
-ROLES = ("monitor", "operator", "engineer")
+ROLES = ("monitor", "operator", "engineer", "security_admin")
 
 
 def check_role(role: str) -> str:

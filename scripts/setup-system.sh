@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Debian packages the tests use as real peers: Prometheus (promtool, a live scrape) and headless Chromium (the status
-# page), plus systemd-analyze (the unit's checks) and kubectl (its built-in kustomize renders the fleet manifests).
+# page), plus systemd-analyze (the unit's checks), iproute2 (a PLC's link cut in a network namespace) and kubectl
+# (its built-in kustomize renders the fleet manifests).
 # Installs only what is missing; needs root and apt (CI runs as root).
 set -euo pipefail
 need=()
 command -v prometheus >/dev/null || need+=(prometheus)
 command -v chromium >/dev/null || need+=(chromium)
 command -v systemd-analyze >/dev/null || need+=(systemd)
+command -v ip >/dev/null || need+=(iproute2)  # tests/test_ua_dead_peer.py: a PLC in a network namespace
 # kubectl is not one of Debian's own packages: machines of this kind carry it (and the apt source it comes from);
 # elsewhere tests/test_k8s.py says it is skipped for want of it.
 optional=()

@@ -72,6 +72,7 @@ def test_minimal_file_names_only_its_models_and_everything_else_takes_the_contra
     assert (lim.max_message_size, lim.max_chunk_count) == (1048576, 18)  # ceil(1048576 / 65535) + 1
     assert (lim.max_secure_channels, lim.max_sessions, lim.max_requests_per_session) == (32, 64, 16)
     assert (lim.session_activation_timeout_s, cfg.server.session_timeout_s) == (5.0, 60.0)
+    assert (cfg.server.dead_peer_timeout_s, lim.max_sessions_per_client) == (10, 10)
     assert (lim.max_array_length, lim.max_string_length, lim.max_nesting_depth) == (65536, 65536, 8)
 
     assert cfg.users == []
@@ -111,6 +112,7 @@ def test_every_key_can_be_set():
     assert cfg.security.role_for_certificate("00" * 20, "O=Plant,CN=scada-01") == "operator"  # RFC 4514 order
     assert cfg.security.role_for_certificate("00" * 20, "CN=other") is None
     assert cfg.security.limits.max_chunk_count == 8 and cfg.server.session_timeout_s == 120.0
+    assert cfg.server.dead_peer_timeout_s == 20 and cfg.security.limits.max_sessions_per_client == 4
     assert [(u.name, u.role) for u in cfg.users] == [("plc-line3", "operator"), ("anna@plant", "engineer")]
     assert cfg.engine.device == "cuda:0" and cfg.engine.dtype == "bfloat16" and cfg.engine.slot_policy == "reject"
     assert list(cfg.models) == ["fault-classifier", "assistant"]  # file order
@@ -193,9 +195,12 @@ def test_a_config_built_from_a_dict_goes_through_yaml_text(tmp_path):
      "unknown section 'sever'; did you mean 'server'? valid sections: server, security, users,"),
     ("security:\n  limits:\n    max_sesions: 3\n", 3, "security.limits.max_sesions",
      "did you mean 'max_sessions'?"),
+    ("server:\n  dead_peer_timeout_s: 1\n", 2, "server.dead_peer_timeout_s", "expected an integer in [2, 7200], got 1"),
+    ("security:\n  limits:\n    max_sessions_per_client: 0\n", 3, "security.limits.max_sessions_per_client",
+     "expected an integer >= 1"),
     # users
     ("users:\n  - {name: bob, role: boss, password_hash: " + HASH + "}\n", 2, "users[0].role",
-     "expected one of monitor, operator, engineer, got 'boss'"),
+     "expected one of monitor, operator, engineer, security_admin, got 'boss'"),
     ("users:\n  - {name: 'b o b', role: monitor, password_hash: " + HASH + "}\n", 2, "users[0].name",
      "expected a user name of 1-64 characters"),
     ("users:\n  - {name: bob, role: monitor}\n", 2, "users[0].password_hash", "missing required key 'password_hash'"),
@@ -207,7 +212,7 @@ def test_a_config_built_from_a_dict_goes_through_yaml_text(tmp_path):
     ("security:\n  certificate_roles:\n    'AB:CD': engineer\n", 3, "security.certificate_roles['AB:CD']",
      "expected a SHA-1 thumbprint (40 hex digits, colons allowed) or a certificate subject"),
     ("security:\n  certificate_roles:\n    'CN=plc-01': admin\n", 3, "security.certificate_roles['CN=plc-01']",
-     "expected one of monitor, operator, engineer, got 'admin'"),
+     "expected one of monitor, operator, engineer, security_admin, got 'admin'"),
     ("security:\n  certificate_roles:\n    'CN=a, O=b': monitor\n    'O=b,CN=a': operator\n", 4,
      "security.certificate_roles['O=b,CN=a']", "the same certificate is mapped twice (first on line 3)"),
     ("security:\n  user_names: false\n  x509_users: false\n", 2, "security.user_names",

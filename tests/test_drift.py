@@ -110,7 +110,7 @@ def test_the_committed_reference_matches_the_shipped_model_and_its_names(tmp_pat
 
 @needs_data
 def test_the_committed_reference_is_reproduced_from_the_training_data(tmp_path):
-    from models.te_classifier.drift_reference import write_drift_reference
+    from tools.te_classifier.drift_reference import write_drift_reference
     written = json.loads(write_drift_reference(te.ONNX_PATH, tmp_path).read_text())
     assert_close(written, json.loads(REFERENCE.read_text()))
 

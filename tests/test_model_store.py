@@ -2,6 +2,7 @@
 whose `current` points nowhere, and the CLI verbs (audited)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,7 +13,8 @@ import pytest
 
 from appliance.cli import main
 from appliance.config import ConfigError, load_config
-from appliance.model_store import ModelStore, ModelStoreError, content_digest
+from appliance.model_store import ModelStore, ModelStoreError
+from models.file_digest import content_digest
 from models.te_classifier import ONNX_PATH
 
 
@@ -60,6 +62,13 @@ def test_a_single_file_can_be_deployed(tmp_path):
     store = ModelStore(tmp_path / "state")
     version = store.deploy("te", ONNX_PATH)
     assert (store.current_path("te") / ONNX_PATH.name).is_file() and version == content_digest(ONNX_PATH)[:12]
+    # One digest: a deployed file's version is the one its worker reports without a label (the file's sha256),
+    # and a folder holding only that file gets the same.
+    assert version == hashlib.sha256(ONNX_PATH.read_bytes()).hexdigest()[:12]
+    folder = tmp_path / "one"
+    folder.mkdir()
+    shutil.copy(ONNX_PATH, folder / "renamed.onnx")
+    assert store.add("te2", folder)[0] == version
 
 
 def test_old_versions_beyond_keep_are_deleted_but_never_current_or_previous(tmp_path):

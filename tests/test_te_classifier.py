@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from models import te_classifier as te
-from models.te_classifier import train as te_train
+from tools.te_classifier import train as te_train
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bibmon") is None,
                                 reason="the TE data wheel bibmon==1.2.0 is not installed")

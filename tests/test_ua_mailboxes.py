@@ -165,11 +165,52 @@ def test_a_request_while_busy_is_refused_and_the_running_job_goes_on(app):
             assert ("ErrorCode", ua.StatusCodes.BadTooManyOperations) in rec.seen
             assert s["Done"] is True and np.allclose(s["Output"], [3, 5, 7, 9])  # the running job finished
             assert await nodes["Request"].read_value() == n  # the refused value was not taken
-            # writing the same value again is no new request; n + 1 now runs
-            assert await write(c, (nodes["Request"], ua.Variant(n, V.UInt32))) == ["Good"]
+            # n + 1 now runs
             assert await write(c, (nodes["Request"], ua.Variant(n + 1, V.UInt32))) == ["Good"]
             s = await rec.until(lambda s: s.get("Response") == n + 1 and s.get("Busy") is False)
             assert s["Done"] is True and s["Error"] is False
+    run(go())
+
+
+def test_a_plc_that_rebooted_restarts_its_counter_and_never_reads_an_older_result(app):
+    """Every Write of Request starts a job, the value held too: a PLC writes 1, 2, 3, reboots (a new session, its
+    counter from 1 again) and writes 1, 2, 3 with new inputs. Each write turns Done false before it is answered, and
+    whenever the PLC then reads Done true with its number in Response, Output is the result of its new input."""
+    def x_of(i: int, boot: int) -> list[float]:
+        return [float(i), float(boot), 0.25 * i, float(10 * boot + i)]
+
+    async def handshake(c, nodes, rec, i: int, boot: int) -> None:
+        mark, was_done = len(rec.seen), rec.state.get("Done")
+        statuses = await write(c, (nodes["Input"], ua.Variant(x_of(i, boot), V.Float)),
+                               (nodes["Request"], ua.Variant(i, V.UInt32)))
+        assert statuses == ["Good", "Good"]
+        expected = [2 * v + 1 for v in x_of(i, boot)]
+        # as a PLC polls after its write: Done true with its Response must be its own result, from the first read
+        for _ in range(500):
+            done, response, output = [await nodes[k].read_value() for k in ("Done", "Response", "Output")]
+            if done and response == i:
+                assert np.allclose(output, expected), (
+                    f"boot {boot}, request {i}: Done with Response {i} showed {output}, not the result of {expected}")
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError(f"boot {boot}, request {i} was never answered")
+        # the subscriber saw the write take Done back (and Busy up) before the result came
+        await rec.until(lambda s: s.get("Response") == i and s.get("Done") is True and s.get("Busy") is False)
+        assert ("Busy", True) in rec.seen[mark:], rec.seen[mark:]
+        assert not was_done or ("Done", False) in rec.seen[mark:], rec.seen[mark:]
+
+    async def go():
+        for boot in (1, 2):  # boot 2: the same PLC after a restart, a new session, its counter from 1 again
+            async with session(app, *app.operator) as c:
+                nodes = await box_nodes(c, "line3")
+                rec = await subscribe(c, nodes)
+                for i in (1, 2, 3):
+                    await handshake(c, nodes, rec, i, boot)
+        async with session(app, *app.operator) as c:  # a third boot that sends only 3, the number held
+            nodes = await box_nodes(c, "line3")
+            rec = await subscribe(c, nodes)
+            await handshake(c, nodes, rec, 3, 3)
     run(go())
 
 

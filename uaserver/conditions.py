@@ -8,12 +8,14 @@ with NodeId `Appliance/Conditions/<alarm>` and a BrowseName without '/' (`Drift.
 Acknowledge and AddComment (EventId of one of the condition's events, a Comment), Enable and Disable, for
 engineers. A disabled condition sends no events and keeps its state; Enable sends it as it is. ConditionRefresh
 (i=3875) sends every retained condition again between RefreshStart and RefreshEnd events, to the subscription it
-names only, as SCADA clients ask after (re)connecting.
+names only, as SCADA clients ask after (re)connecting; Acknowledge and AddComment accept the EventId of a refreshed
+event as well as the original's (the SCADA knows only what the refresh showed it).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -30,6 +32,9 @@ METHODS = (("Acknowledge", ua.ObjectIds.AcknowledgeableConditionType_Acknowledge
            ("AddComment", ua.ObjectIds.ConditionType_AddComment, 2),
            ("Enable", ua.ObjectIds.ConditionType_Enable, 0),
            ("Disable", ua.ObjectIds.ConditionType_Disable, 0))
+# asyncua gives every event a new EventId, refreshed ones too: the last this many a refresh sent are acknowledgeable
+# (several SCADA clients refreshing after a restart), beside the condition's own last 8 events.
+REFRESHED_IDS_KEPT = 64
 
 
 class ConditionError(Exception):
@@ -66,6 +71,8 @@ class Condition:
     user: str = ""
     message: str = ""
     history: list[bytes] = field(default_factory=list)
+    # EventIds ConditionRefresh sent for it: a SCADA that (re)connected knows the condition only by one of these
+    refreshed: deque[bytes] = field(default_factory=lambda: deque(maxlen=REFRESHED_IDS_KEPT))
 
     @property
     def name(self) -> str:
@@ -157,7 +164,7 @@ class AlarmConditions:
         c = self.condition_of(nodeid)
         if not c.enabled:
             raise ConditionError("BadConditionDisabled")
-        if not event_id or event_id not in c.history:
+        if not event_id or (event_id not in c.history and event_id not in c.refreshed):
             raise ConditionError("BadEventIdUnknown")
         return c
 
@@ -238,9 +245,12 @@ class AlarmConditions:
             e.Comment = ua.LocalizedText(c.comment)
             e.ClientUserId = c.user
             await self._gen.trigger(message=c.message, subscription_id=subscription_id)
+            event_id = e.EventId.Value if isinstance(e.EventId, ua.Variant) else e.EventId
             if remember:
-                c.event_id = e.EventId.Value if isinstance(e.EventId, ua.Variant) else e.EventId
+                c.event_id = event_id
                 c.history = (c.history + [c.event_id])[-8:]
+            else:  # a refreshed event: the condition's state as it is, under an EventId of its own
+                c.refreshed.append(event_id)
 
 
 def _two_state(event, name: str, value: bool, true_text: str, false_text: str) -> None:

@@ -67,7 +67,8 @@ class Conversations:
 
     def session_closed(self, session: ApplianceSession) -> None:
         """Every close path of a session ends here: its slots go back, those with running jobs after the jobs."""
-        self._audit_event("session_close", session=session, detail=f"from {session.peer}")
+        reason = f": {session.close_reason}" if session.close_reason else ""
+        self._audit_event("session_close", session=session, detail=f"from {session.peer}{reason}")
         for model in self._all_models():
             if model.kind != "generative":
                 continue

@@ -25,7 +25,7 @@ from certs.x509io import thumbprint
 from .session import ApplianceUser, activation_context, anonymous_user
 
 log = logging.getLogger(__name__)
-ROLES = ("monitor", "operator", "engineer")
+ROLES = ("monitor", "operator", "engineer", "security_admin")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 
     Objects/Appliance/Mailboxes/<name>
       Input Float[] (tensor) | Prompt String (generative)    written by the client first
-      Request UInt32                                         written next: a new value starts one job on Input
+      Request UInt32                                         written next: every write starts one job on Input
       Busy  Done  Error Boolean   ErrorCode UInt32   Response UInt32 (the Request whose result is shown)
       Output Float[] | Text String   ModelVersion String   [ClassIndex Int32  Label String  Confidence Float]
 
@@ -172,8 +172,9 @@ class Mailboxes:
         return _status("Good")
 
     async def _new_request(self, box: Mailbox, session: ApplianceSession, number: int) -> ua.StatusCode:
-        if number == box.request:
-            return _status("Good")  # not a new value: nothing starts
+        # Every write starts a job, the value held too: a PLC that rebooted restarts its counter and meets its old
+        # numbers again. Done turns false (Busy true) before the write is answered, so the PLC never takes the
+        # held result for the answer to its new request.
         if box.busy:
             self._refused(box.config, session, "BadTooManyOperations", number)
             await self._set(box, Error=True, ErrorCode=ua.StatusCodes.BadTooManyOperations)

@@ -46,9 +46,13 @@ INFER_OUT = [argument("Output", V.Float, True, "k results back to back"),
 GENERATE_IN = [argument("Prompt", V.String, description="non-empty UTF-8, at most 16 KiB"),
                argument("MaxTokens", V.UInt32, description="1 .. engine.max_new_tokens"),
                argument("Temperature", V.Float, description="0 (greedy) .. 2")]
-GENERATE_OUT = [argument("Text", V.String), argument("TokenCount", V.UInt32), argument("FinishReason", V.String),
-                argument("ContextTokens", V.UInt32), argument("ContextLost", V.Boolean),
-                argument("ModelVersion", V.String)]
+GENERATE_OUT = [argument("Text", V.String, description="the reply, at most the model's max_text_chars"),
+                argument("TokenCount", V.UInt32, description="tokens of the reply"),
+                argument("FinishReason", V.String, description="stop | length | context_full | deadline"),
+                argument("ContextTokens", V.UInt32, description="tokens the conversation holds now"),
+                argument("ContextLost", V.Boolean, description="the earlier conversation was dropped since the "
+                         "last call"),
+                argument("ModelVersion", V.String, description="version of the weights that wrote Text")]
 CLASSIFY_OUT = [argument("ClassIndex", V.Int32, True, "arg-max class per sample"),
                 argument("Label", V.String, True, "its label"),
                 argument("Confidence", V.Float, True, "its probability"),
@@ -60,11 +64,12 @@ WAIT_MS = argument("WaitMs", V.UInt32, description="wait at most this long for t
 DONE = argument("Done", V.Boolean, description="false: the job still runs (Text holds what is there so far)")
 START_GENERATE_IN = [argument("ConversationId", V.String, description="empty: the calling session's conversation"),
                      *GENERATE_IN]
+START_OUT = [JOB_ID]
 GET_RESULT_IN = [JOB_ID, WAIT_MS]
 GET_INFER_RESULT_OUT = [DONE, *INFER_OUT]
 GET_GENERATE_RESULT_OUT = [DONE, *GENERATE_OUT]
 RELOAD_IN = [argument("Name", V.String, description="the model's name")]
-RELOAD_OUT = [argument("Version", V.String)]
+RELOAD_OUT = [argument("Version", V.String, description="the version now serving")]
 PROMOTE_IN = [argument("Model", V.String, description="the model's name"),
               argument("Variant", V.String, description="one of the model's YAML variants, 'main' for its own path, "
                        "or empty to restore the configured split")]

@@ -26,7 +26,14 @@ from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)
 
-ROLE_RANK = {"monitor": 0, "operator": 1, "engineer": 2}
+# What each role may do. security_admin is no rank above or below the others: it reads what a monitor reads and
+# manages the certificates (Part 12), nothing else; engineers manage them too only when the YAML says so.
+ROLE_RIGHTS = {
+    "monitor": frozenset({"monitor"}),
+    "operator": frozenset({"monitor", "operator"}),
+    "engineer": frozenset({"monitor", "operator", "engineer"}),
+    "security_admin": frozenset({"monitor", "security_admin"}),
+}
 FLOATS = (ua.VariantType.Float, ua.VariantType.Double)
 
 
@@ -106,9 +113,18 @@ def require_type(arg: Any, index: int, types: tuple, array: bool) -> Any:
     return arg.Value
 
 
-def require_role(session: ApplianceSession | None, needed: str) -> None:
+def role_rights(engineers_manage_certificates: bool = False) -> dict[str, frozenset[str]]:
+    """Each role's rights; `security.engineers_manage_certificates` adds certificate management to engineers'."""
+    if not engineers_manage_certificates:
+        return ROLE_RIGHTS
+    return {**ROLE_RIGHTS, "engineer": ROLE_RIGHTS["engineer"] | {"security_admin"}}
+
+
+def require_role(session: ApplianceSession | None, needed: str,
+                 rights: dict[str, frozenset[str]] = ROLE_RIGHTS) -> None:
+    """needed: the right a method asks for (monitor, operator, engineer or security_admin)."""
     role = session.role if session is not None else None
-    if role is None or ROLE_RANK.get(role, -1) < ROLE_RANK[needed]:
+    if role is None or needed not in rights.get(role, ()):
         raise AccessDenied()
 
 
@@ -117,7 +133,7 @@ class MethodHandlers:
 
     def __init__(self, *, metrics, audit, max_array_length: int, max_string_length: int,
                  request_timeout_s: float, rate_limiter=None, audit_on_failure: str = "refuse",
-                 audit_queue_size: int = 10000):
+                 audit_queue_size: int = 10000, engineers_manage_certificates: bool = False):
         self.metrics = metrics
         self.audit = audit
         self.max_array_length = max_array_length
@@ -130,6 +146,7 @@ class MethodHandlers:
         # event loop (at 1 call in flight they overlap the client's round trip instead of adding to it).
         self._audit_writer = AuditWriter(audit, audit_queue_size, metrics) if audit is not None else None
         self.audit_on_failure = audit_on_failure
+        self.rights = role_rights(engineers_manage_certificates)
 
     def audit_failing(self) -> bool:
         """The audit log cannot be written now (a write failed, or the writer's queue is full)."""
@@ -169,7 +186,7 @@ class MethodHandlers:
             try:
                 if self.draining:
                     raise NotReady("the appliance is shutting down")
-                require_role(ctx.session, role)
+                require_role(ctx.session, role, self.rights)
                 if self.rate_limiter is not None and not self._within_rate(ctx.session):
                     status, ctx.event = "BadTooManyOperations", "rate_limited"
                     return status_result(status)

@@ -35,7 +35,7 @@ class Sources:
 
 class Publisher:
     def __init__(self, services: dict, sources: Sources, alarms: Alarms, governance: Governance, jobs: JobMethods,
-                 conversations: Conversations, metrics):
+                 conversations: Conversations, metrics, describe: Callable[[object], dict] | None = None):
         self.services = services
         self.sources = sources
         self.alarms = alarms
@@ -43,6 +43,8 @@ class Publisher:
         self.jobs = jobs
         self.conversations = conversations
         self.metrics = metrics
+        self.describe = describe  # a model's draft AI properties (ai_properties.py): name -> (value, VariantType)
+        self._described: dict[tuple[str, str], object] = {}  # the values written (most change rarely)
         self.server: Server | None = None
         self.nodes: ApplianceNodes | None = None
         self.heartbeat = 0
@@ -106,6 +108,10 @@ class Publisher:
             await write(s, m.values["LastLatencyMs"], float(st.last_latency_ms), V.Double)
             await write(s, m.values["Heartbeat"], int(st.heartbeat), V.UInt32)
             await write(s, m.values["WorkerRestarts"], int(st.worker_restarts) % 2**32, V.UInt32)
+            for key, (value, vtype) in (self.describe(st) if self.describe else {}).items():
+                if self._described.get((st.name, key)) != value:
+                    await write(s, m.values[f"AI/{key}"], value, vtype)
+                    self._described[(st.name, key)] = value
             if st.kind == "tensor":
                 await write(s, m.values["InputShape"], [int(d) for d in st.input_shape], V.UInt32)
                 await write(s, m.values["OutputShape"], [int(d) for d in st.output_shape], V.UInt32)

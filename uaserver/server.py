@@ -24,6 +24,7 @@ from appliance.rate_limit import RateLimiter
 from appliance.tasks import TaskSet
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes
+from .ai_properties import AiProperties
 from .alarms import Alarms, classifiers_of
 from .asyncua_internals import (AppServer, ChannelGuard, advertise_host, configure_limits, external_sessions,
                                 install_session_factory, listening_port)
@@ -36,6 +37,7 @@ from .mailboxes import Mailboxes
 from .method_table import MethodSpec
 from .methods import MethodHandlers
 from .publishing import NO_GPU, Publisher, Sources
+from .server_configuration import ServerConfiguration
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,8 @@ class ApplianceUaServer:
                  metrics=None, audit=None, device: str = "cpu", health: Callable[[], dict] | None = None,
                  supervision_alive: Callable[[], bool] | None = None,
                  alarms: Callable[[], dict[str, bool]] | None = None,
-                 variants: dict[str, dict[str, TensorModel | GenerativeModel]] | None = None):
+                 variants: dict[str, dict[str, TensorModel | GenerativeModel]] | None = None,
+                 certificate_changed: Callable[[], None] = lambda: None):
         self.config = config
         self.pki = pki
         self.trust_list = trust_list
@@ -79,7 +82,8 @@ class ApplianceUaServer:
                                        request_timeout_s=config.engine.request_timeout_s,
                                        rate_limiter=RateLimiter(config.security.rate_limits),
                                        audit_on_failure=config.audit.on_failure,
-                                       audit_queue_size=config.audit.queue_size)
+                                       audit_queue_size=config.audit.queue_size,
+                                       engineers_manage_certificates=config.security.engineers_manage_certificates)
         self.governance = Governance(config, services, variants or {},
                                      request_timeout_s=config.engine.request_timeout_s, metrics=metrics,
                                      emit_event=self.emit_event)
@@ -89,9 +93,15 @@ class ApplianceUaServer:
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
         self.jobs = JobMethods(config, services, self.inference)
         self.mailboxes: Mailboxes | None = None
+        self.ai = AiProperties(config)
         self.publisher = Publisher(services, Sources(health or (lambda: NO_GPU), supervision_alive or (lambda: True),
                                                      alarms or dict),
-                                   self.alarms, self.governance, self.jobs, self.conversations, metrics)
+                                   self.alarms, self.governance, self.jobs, self.conversations, metrics,
+                                   describe=self.ai.values)
+        # Part 12 certificate management (not in an address space built for `appliance nodeset`, which has no PKI);
+        # certificate_changed: the expiry metric and alarm follow a new server certificate
+        self.certificates = (ServerConfiguration(config, pki, self.handlers, certificate_changed)
+                             if pki is not None else None)
 
     def method_specs(self) -> list[MethodSpec]:
         """Every method of the models and Admin, from each feature's table."""
@@ -104,24 +114,33 @@ class ApplianceUaServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         server = await self._secure_server()
+        await self.build_address_space(server)
+        self._event_gen = await server.get_event_generator()
+        self.server = server
+        await server.start()
+        if self.certificates is not None:
+            await self.certificates.start(server)
+        self.publisher.start(server, self.nodes)
+        self._event_tasks.start(asyncio.to_thread(lambda: [self.ai.weights_facts(n) for n in self.services]))
+        log.info("OPC UA server listening on %s", self.config.server.endpoint)
+
+    async def build_address_space(self, server) -> None:
+        """The appliance namespace on `server`: ObjectTypes, instances, methods, mailboxes, alarms, events (what
+        `appliance nodeset` exports, built the same way without listening)."""
         self.ns = await server.register_namespace(NAMESPACE_URI)
         builder = AddressSpaceBuilder(server, self.ns)
         classifiers = self.alarms.classifiers
         self.nodes = await builder.build(self.device, self.services, tuple(self.publisher.sources.alarms()),
                                          {n: (c.labels, c.alarm_classes, c.sources) for n, c in classifiers.items()},
-                                         tuple(self.governance.drift))
+                                         tuple(self.governance.drift), self.ai.values)
         await builder.add_methods(self.nodes, self.method_specs(),
                                   lambda spec: self.handlers.wrap(spec.name, spec.owner, spec.role, len(spec.inputs),
                                                                   spec.body))
         self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers)
         await self.mailboxes.build(self.nodes.root)
+        await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()})
         await self.alarms.build(server, self.ns, self.nodes, self.handlers)
         await self.jobs.build_events(server, self.ns, self.nodes)
-        self._event_gen = await server.get_event_generator()
-        self.server = server
-        await server.start()
-        self.publisher.start(server, self.nodes)
-        log.info("OPC UA server listening on %s", self.config.server.endpoint)
 
     async def _secure_server(self) -> AppServer:
         """asyncua's server with the appliance's user manager, endpoints, certificates, policies and limits."""
@@ -164,7 +183,8 @@ class ApplianceUaServer:
                 der, uri).status,
             max_sessions=lim.max_sessions, max_requests_per_session=lim.max_requests_per_session,
             sessions=lambda: len(external_sessions(server)), max_nesting_depth=lim.max_nesting_depth,
-            max_array_length=lim.max_array_length, audit=self.handlers.event)
+            max_array_length=lim.max_array_length, audit=self.handlers.event,
+            dead_peer_timeout_s=cfg.server.dead_peer_timeout_s, max_sessions_per_client=lim.max_sessions_per_client)
         return server
 
     async def stop(self) -> None:

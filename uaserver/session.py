@@ -54,7 +54,7 @@ activation_context: contextvars.ContextVar[ActivationContext | None] = contextva
 class ApplianceUser(User):
     """asyncua's User plus our role and a printable identity for the audit log."""
 
-    appliance_role: str = "monitor"  # monitor | operator | engineer
+    appliance_role: str = "monitor"  # monitor | operator | engineer | security_admin
     identity: str = "anonymous"  # "x509:<thumbprint>" | "user:<name>" | "anonymous"
 
 

@@ -11,6 +11,7 @@ nothing prints a stack trace.
     call.py       call MODEL (--input | --prompt)
     models.py     models list | deploy | rollback | prepare | promote
     plc_types.py  plc-types MODEL --format scl|plcopenxml
+    nodeset.py    nodeset [--out FILE]: the information model as NodeSet2 XML
     audit.py      audit verify [FILE]
 """
 from __future__ import annotations
@@ -20,9 +21,9 @@ import logging
 import sys
 
 from ..config import ConfigError
-from . import audit, call, certs, models, plc_types, serve, users
+from . import audit, call, certs, models, nodeset, plc_types, serve, users
 
-VERB_GROUPS = (serve, certs, users, call, models, plc_types, audit)  # the order `appliance --help` lists them
+VERB_GROUPS = (serve, certs, users, call, models, plc_types, nodeset, audit)  # the order `appliance --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""`appliance audit verify [FILE]`: check the audit trail's hash chain (appliance.audit walks it); without FILE, the
+"""`appliance audit verify [FILE]`: check the audit trail's hash chain (appliance.audit.verify walks it); without FILE, the
 configuration's audit.jsonl and the CLI's admin.jsonl beside it."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`appliance certs init | issue | list | trust | reject | revoke | export-server`: the appliance's PKI.
+"""`appliance certs init | issue | list | trust | reject | revoke | export-server`: the appliance's PKI
+(`certs csr | install-server`, the Part 12 steps on the box, are in certs_push.py).
 
 Each cmd_* function takes plain arguments, prints what it did and returns the exit code (0 done, 2 refused, with
 the reason and the file concerned on stderr); certs.pki does the work. Every action but list and export-server
@@ -18,6 +19,7 @@ from certs.rolemap import ROLES
 from certs.validate import TrustList
 from certs.x509io import parse_certificates, san_uris
 
+from . import certs_push
 from .common import audit_admin, load_config_arg
 
 OK, ERROR = 0, 2
@@ -44,6 +46,7 @@ def register(sub) -> None:
     x.add_argument("name")
     x = csub.add_parser("export-server", help="the server certificate and CA as DER and PEM")
     x.add_argument("--out")
+    certs_push.register(csub)  # csr, install-server
     for action_parser in csub.choices.values():
         action_parser.add_argument("--config")
     c.set_defaults(func=run_certs)
@@ -62,6 +65,8 @@ def run_certs(args) -> int:
 def _dispatch(args, config) -> int:
     state_dir = Path(config.server.state_dir)
     action = args.certs_action
+    if action in ("csr", "install-server"):
+        return certs_push.run(args, config)
     if action == "init":
         from ..daemon import certificate_names
         hostnames, ips = certificate_names(config)

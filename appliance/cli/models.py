@@ -54,7 +54,8 @@ def run_models(args) -> int:
 
 def _change(args, config) -> int:
     """list, promote, deploy or rollback; every outcome but list's is audited."""
-    from ..model_store import ModelStore, ModelStoreError, switch_checked
+    from ..model_deploy import switch_checked
+    from ..model_store import ModelStore, ModelStoreError
     store = ModelStore(Path(config.server.state_dir))
     action = args.models_action
     try:

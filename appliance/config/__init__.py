@@ -14,6 +14,7 @@ The package, by role (each module imports only those above it):
     schema.py     every section, key, default and rule (ServerConfig, SecurityConfig, EngineConfig, ModelConfig, ...)
     checks.py     checks across settings: model files and labels, fallbacks, mailboxes, limits, max_samples
     loader.py     the whole file: sections, users, models, mailboxes, then the checks; the demo
+    docs.py       docs/configuration.md, written from the schema (`python -m appliance.config.docs`)
 
 Other modules import from `appliance.config`, which re-exports the public names below.
 """

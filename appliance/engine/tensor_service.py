@@ -17,12 +17,12 @@ import numpy as np
 
 from appliance.engine.batcher import BatchPolicy, DynamicBatcher
 from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
-from appliance.engine.versioning import content_version
 from appliance.call_checks import check_samples
 from appliance.errors import ApplianceError, EngineFailure, NotReady
 from appliance.engine.liveness import Liveness
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
+from models.file_digest import VERSION_CHARS, content_digest
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class TensorModelService(ModelStatus):
     def _load(self) -> _Loaded:
         """In a worker thread: the version is hashed before loading, so it names the bytes that were loaded
         unless the file is replaced in between (replace files atomically: write beside, then rename)."""
-        version = self.version_label or content_version(self.path)
+        version = self.version_label or content_digest(self.path)[:VERSION_CHARS]
         backend = load_tensor_backend(self.path, self.backend_choice, self.device, self.threads,
                                       tensorrt=self.tensorrt, timing_batch=self.policy.max_batch_size)
         return _Loaded(backend, version)

@@ -14,6 +14,7 @@ What is here, module by module, and which asyncua internals each relies on:
 4. listening: subclasses of OPCUAProtocol and BinaryServer (data_received, connection_made, _make_protocol; reading
    _buffer, _limits); AppServer, asyncua's Server.start re-done (_setup_server_nodes, _policies,
    _get_bind_socket_info, bserver) to listen through the hardened BinaryServer and present the certificate chain;
+   every accepted connection's socket (transport extra info) gets keepalive and TCP_USER_TIMEOUT (dead peers);
    configure_limits and install_session_factory set InternalServer attributes (certificate_validator,
    create_session, max_connections, pending activation and session timeouts, discovery matching).
 5. channel: what processor and listening share (the guard built from the configuration, the errors a peer can cause
@@ -26,6 +27,13 @@ What is here, module by module, and which asyncua internals each relies on:
    copies an instantiated object from its NodeData (AddressSpace._nodes) through the InternalServer's own session
    (AddNodes). A session outlives its connection until its timeout (UaProcessor._should_close_session_on_transport_loss,
    close).
+7. certificates: present_certificate swaps the server certificate and key for new channels (InternalServer.certificate,
+   private_key, endpoints; each SecurityPolicyFactory of Server._policies); open_channels, close_channels_later and
+   channel_security_mode read the binary server's connections (BinaryServer.clients, their processor's
+   _connection.security_policy); trust_list_to_binary / _from_binary encode the TrustList file with ua_binary's
+   struct codec.
+8. session_table: room in the session table (orphaned sessions closed to make room for new ones), reading
+   InternalServer._external_sessions and InternalSession.state (SessionState).
 
 The package's modules import asyncua's internals only after the version check below has passed.
 """
@@ -66,6 +74,9 @@ from .listening import (  # noqa: E402
     listening_port)
 from .nodes import external_sessions, instantiate_many, subscription_of, write_together  # noqa: E402
 from .processor import HardenedProcessor  # noqa: E402
+from .certificates import (  # noqa: E402
+    channel_security_mode, close_channels_later, open_channels, present_certificate, trust_list_from_binary,
+    trust_list_to_binary)
 from .sessions import MIN_PUBLISHING_INTERVAL_MS, ApplianceSession  # noqa: E402
 
 __all__ = [
@@ -77,4 +88,6 @@ __all__ = [
     "install_session_factory", "listening_port",
     "external_sessions", "instantiate_many", "subscription_of", "write_together",
     "HardenedProcessor", "MIN_PUBLISHING_INTERVAL_MS", "ApplianceSession",
+    "channel_security_mode", "close_channels_later", "open_channels", "present_certificate",
+    "trust_list_from_binary", "trust_list_to_binary",
 ]

@@ -60,6 +60,10 @@ class ChannelGuard:
     offload_password_check: bool = True
     # audit(event, session=..., status=..., detail=..., **fields): logins, refused certificates, sessions
     audit: Callable[..., None] | None = None
+    # a peer that vanished without FIN or RST is seen as gone within this many seconds (None: TCP's own minutes)
+    dead_peer_timeout_s: int | None = None
+    # sessions one client identity may hold before its oldest one without a live channel is closed to make room
+    max_sessions_per_client: int | None = None
 
     def record(self, event: str, **fields) -> None:
         if self.audit is not None:

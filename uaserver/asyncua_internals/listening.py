@@ -3,6 +3,7 @@ through them, and the InternalServer's settings (items 3 and 4)."""
 from __future__ import annotations
 
 import logging
+import socket
 
 from asyncua import Server, ua
 from asyncua.common.connection import TransportLimits
@@ -52,12 +53,43 @@ class HardenedProtocol(OPCUAProtocol):
         return configured
 
     def connection_made(self, transport) -> None:
+        watch_for_dead_peer(transport, self.guard.dead_peer_timeout_s)
         super().connection_made(transport)
         if self.processor is not None:
             processor = HardenedProcessor(self.iserver, self.transport, self.limits)
             processor.guard = self.guard
             processor.set_policies(self.policies)
             self.processor = processor
+
+
+# A PLC that loses power or its cable sends no FIN or RST: without these options its connection looks alive, a call
+# of it runs to its end and its session is held, until TCP gives up after many minutes. Keepalive probes an idle
+# connection from half the timeout on, once a second (or so) after that; TCP_USER_TIMEOUT closes the connection when
+# probes or unacknowledged answers have gone unanswered for the whole timeout. The kernel then reports the connection
+# lost (ETIMEDOUT) and it goes the way of any vanished client's.
+
+def dead_peer_options(timeout_s: int) -> list[tuple[int, int, int]]:
+    """(level, option, value) of the socket options that see a vanished peer within timeout_s (an integer >= 2)."""
+    idle = max(1, timeout_s // 2)
+    probes = min(127, max(1, timeout_s - idle))  # Linux allows at most 127 probes
+    interval = max(1, -(-(timeout_s - idle) // probes))
+    return [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, probes),
+            (socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, timeout_s * 1000)]
+
+
+def watch_for_dead_peer(transport, timeout_s: int | None) -> None:
+    sock = transport.get_extra_info("socket")
+    if not timeout_s or sock is None:
+        return
+    try:
+        for level, option, value in dead_peer_options(timeout_s):
+            sock.setsockopt(level, option, value)
+    except OSError as exc:  # a socket closed at once: nothing left to watch
+        log.warning("no dead-peer detection on the connection from %s: %s", transport.get_extra_info("peername"),
+                    exc)
 
 
 class HardenedBinaryServer(BinaryServer):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 import time
@@ -18,6 +19,7 @@ from ..session import clean_audit_entry_id, current_audit_entry_id, current_sess
 from .channel import PEER_ERRORS, ChannelGuard, error_message, leaf_certificate, transport_status
 from .decoding import cached_nodeid_from_binary, call_parameters_from_binary, request_header_from_binary, \
     response_to_binary
+from .session_table import admit_identity, make_room
 from .sessions import ApplianceSession
 
 log = logging.getLogger(__name__)
@@ -113,6 +115,8 @@ class HardenedProcessor(UaProcessor):
         (see _should_close_session_on_transport_loss)."""
         for task in list(self._calls or ()):
             task.cancel()
+        if isinstance(self.session, ApplianceSession) and self.session.channel is self:
+            self.session.channel = None  # an orphan now, until re-activated on a new channel or timed out
         await super().close()
 
     def _should_close_session_on_transport_loss(self) -> bool:
@@ -218,10 +222,14 @@ class HardenedProcessor(UaProcessor):
         if self.session is not None:
             # One session per connection: a second CreateSession would orphan the first.
             raise ServiceError(ua.StatusCodes.BadTooManySessions)
-        if self.guard.sessions() >= self.guard.max_sessions:
-            raise ServiceError(ua.StatusCodes.BadTooManySessions)
+        if (self.guard.sessions() >= self.guard.max_sessions
+                and not await make_room(self.iserver, self.guard.max_sessions, channel_cert)):
+            raise ServiceError(ua.StatusCodes.BadTooManySessions)  # every session has a live channel
         result = await super()._process_message(typeid, requesthdr, seqhdr, body)
         if isinstance(self.session, ApplianceSession):
+            self.session.channel = self
+            self.session.admission = functools.partial(admit_identity, self.iserver,
+                                                       self.guard.max_sessions_per_client)
             self.session.channel_certificate = channel_cert
             self.session.client_uri = params.ClientDescription.ApplicationUri or ""
             self.session.peer = peer
@@ -256,6 +264,7 @@ class HardenedProcessor(UaProcessor):
         try:
             result = await super()._process_message(typeid, requesthdr, seqhdr, body)
             if isinstance(session, ApplianceSession):
+                session.channel = self
                 self.guard.record("login", session=session,
                                   detail=f"{_token_kind(params.UserIdentityToken)} from {session.peer}"
                                   + (" (re-activated on a new channel)" if reconnect else ""))

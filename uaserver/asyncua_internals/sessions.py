@@ -1,13 +1,14 @@
 """The client session: random ids, its channel's certificate, close hooks, writes (item 2)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from asyncua import ua
 from asyncua.common.utils import ServiceError
-from asyncua.server.internal_session import InternalSession
+from asyncua.server.internal_session import InternalSession, SessionState
 
 from certs.x509io import thumbprint
 
@@ -31,6 +32,9 @@ WriteHook = Callable[["ApplianceSession", ua.WriteValue], Awaitable["ua.StatusCo
 class ApplianceSession(InternalSession):
     on_close: Callable[["ApplianceSession"], None] | None = None
     write_hook: WriteHook | None = None
+    # admission(session) at its first activation, its user known: the session table's room per client identity
+    # (session_table.admit_identity)
+    admission: Callable[["ApplianceSession"], None] | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -48,6 +52,10 @@ class ApplianceSession(InternalSession):
         self.peer: str = ""
         self.outstanding_calls = 0
         self._close_hooks_ran = False
+        self.opened = time.monotonic()
+        self.channel: object | None = None  # the processor of its live channel; None once that connection is gone
+        self.close_reason = ""  # why the appliance closed it, for the audit record ("" for the usual paths)
+        self._closing_task: asyncio.Task | None = None
 
     # asyncua's session timeout loop measures inactivity from _last_activity: a session with a call running is
     # active (a Generate may run longer than the session timeout, and closing the session would abandon it).
@@ -89,7 +97,25 @@ class ApplianceSession(InternalSession):
             # Re-activation may renew a session, never hand it to another user; the owner's nonce stays valid.
             self.user, self.nonce = previous_user, previous_nonce
             raise ServiceError(ua.StatusCodes.BadUserAccessDenied)
+        if not was_active and self.admission is not None:
+            self.admission(self)
         return result
+
+    @property
+    def closing(self) -> bool:
+        return self.state == SessionState.Closed or self._closing_task is not None
+
+    def evict(self, reason: str) -> None:
+        """Close it soon (from synchronous code, e.g. activation): it holds no place in the table from now on."""
+        if self.closing:
+            return
+        self._closing_task = asyncio.get_running_loop().create_task(self.close_for_room(reason))
+
+    async def close_for_room(self, reason: str) -> None:
+        """Close it to make room for another session; the audit record of its close says why."""
+        self.close_reason = reason
+        log.info("session %s of %s %s", self.key[:8], self.identity, reason)
+        await self.close_session(True)
 
     async def write(self, params: ua.WriteParameters) -> list[ua.StatusCode]:
         """Only the mailboxes' inputs are writable, by the roles and identities the YAML names; every other node is

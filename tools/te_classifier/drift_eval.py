@@ -1,6 +1,6 @@
 """Evaluate drift detection on the held-out Tennessee Eastman test files (never used to build the reference).
 
-    python -m models.te_classifier.drift_eval [--window N] [--test psi|ks] [--threshold X] [--markdown]
+    python -m tools.te_classifier.drift_eval [--window N] [--test psi|ks] [--threshold X] [--markdown]
 
 Each dNN_te.dat is fed as a PLC would: one Infer call per process sample (every 3 minutes), carrying the window of
 the last 20 samples, oldest row first. Detection delay: process samples from the fault onset (row 160) until State
@@ -16,7 +16,7 @@ import numpy as np
 
 from appliance.drift import DriftDetector
 from models.te_classifier import FAULT_ONSET_ROW, N_CLASSES, ONNX_PATH, WINDOW, load_te_rows, sliding_windows
-from models.te_classifier.drift_reference import DRIFT_REFERENCE_NAME
+from tools.te_classifier.drift_reference import DRIFT_REFERENCE_NAME
 
 MINUTES_PER_SAMPLE = 3
 

@@ -1,8 +1,8 @@
-"""Append-only JSON Lines audit log of every method call and administrative action, hash-chained.
+"""The writer of the append-only JSON Lines audit log of every method call and administrative action, hash-chained.
 
 Each line is one record: {"seq", "time", ...fields..., "prev", "hash"} where "prev" is the SHA-256 of the previous
 line (its bytes, without the newline) and "hash" the SHA-256 of the record's canonical JSON without "hash".
-`verify()` walks the rotated files oldest to newest and names the file and line of every broken link.
+appliance.audit.verify walks the rotated files oldest to newest and names the file and line of every broken link.
 
 What the chain does and does not prove (honestly):
 - It detects editing, deleting, inserting or reordering records *inside* the log by someone who does not rewrite
@@ -16,7 +16,6 @@ What the chain does and does not prove (honestly):
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -26,27 +25,17 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import numpy as np
+from .digest import DigestOf
+from .records import FIELDS, GENESIS, chain_files, rotated, sha256_hex
 
 log = logging.getLogger("appliance.audit")
 
-GENESIS = "0" * 64  # the "prev" of the very first record
 FSYNC_INTERVAL_S = 1.0
 _TAIL_BLOCK = 64 * 1024
-_FIELDS = ("event", "action", "correlation_id", "audit_entry_id", "session", "client", "user", "role", "model",
-           "version", "input_digest", "output_digest", "status", "latency_ms", "detail")
-# What a record is about (its "event" field); README lists them for auditors.
-EVENTS = ("call", "role_denied", "rate_limited", "audit_refused", "login", "login_failed", "certificate_refused",
-          "session_open", "session_close", "alarm_acknowledged", "deploy", "rollback", "promote", "reload",
-          "commissioning_certificate", "model_event", "admin", "audit_resume")
 
 
 class AuditLogClosed(RuntimeError):
     """A record after close(): counted as a write failure like any other."""
-
-
-def _canonical(obj: dict) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 # A record's keys in sorted order, "hash" left out (_with_hash puts it in): the canonical JSON of a record is written
@@ -58,7 +47,7 @@ _json_string = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=Fa
 
 
 def _record_json(rec: dict) -> bytes:
-    """_canonical(rec) for a record of _SORTED_KEYS (strings, but for seq and latency_ms): tests/test_audit.py
+    """canonical(rec) for a record of _SORTED_KEYS (strings, but for seq and latency_ms): tests/test_audit.py
     checks each line against json.dumps."""
     return ("{" + ",".join([f'"{k}":{repr(rec[k]) if k in _NUMBERS else _json_string(rec[k])}'
                             for k in _SORTED_KEYS]) + "}").encode()
@@ -68,16 +57,12 @@ def _storable(text: str) -> str:
     return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _with_hash(canonical: bytes, digest_hex: str) -> bytes:
-    """_canonical(record | {"hash": digest_hex}) from _canonical(record), without encoding the record twice: "hash"
+def _with_hash(unhashed: bytes, digest_hex: str) -> bytes:
+    """canonical(record | {"hash": digest_hex}) from canonical(record), without encoding the record twice: "hash"
     sorts between "event" and "input_digest", and `,"input_digest":` can only be that key (inside a JSON string
     every quote is escaped)."""
-    at = canonical.index(b',"input_digest":')
-    return canonical[:at] + b',"hash":"' + digest_hex.encode() + b'"' + canonical[at:]
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    at = unhashed.index(b',"input_digest":')
+    return unhashed[:at] + b',"hash":"' + digest_hex.encode() + b'"' + unhashed[at:]
 
 
 _second_text = (-1, "")  # (a whole second since the epoch, its "%Y-%m-%dT%H:%M:%S." in UTC): formatted once a second
@@ -90,50 +75,6 @@ def _utc_now() -> str:
     if _second_text[0] != second:
         _second_text = (second, datetime.fromtimestamp(second, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S."))
     return f"{_second_text[1]}{int((now - second) * 1000):03d}Z"
-
-
-def digest(data: bytes | str | list[float] | np.ndarray) -> str:
-    """"sha256:<hex of the first 16 bytes>" of a canonical encoding: a type tag, then the bytes, the UTF-8 text,
-    or the values as little-endian float64 (so a list and an array of the same numbers digest alike)."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        tag, body = b"bytes\0", data
-    elif isinstance(data, str):
-        tag, body = b"str\0", data.encode("utf-8", "surrogatepass")
-    else:
-        body = np.ascontiguousarray(data, dtype="<f8").ravel()
-        if np.isnan(body).any():
-            body = np.where(np.isnan(body), np.nan, body)  # one NaN bit pattern
-        tag = b"f64\0"
-    hashed = hashlib.sha256(tag)
-    hashed.update(body)
-    return "sha256:" + hashed.hexdigest()[:32]
-
-
-class DigestOf:
-    """digest(data), computed when the record is written (str() of it): on the audit writer's thread, not on the
-    event loop that answers the call. `data` must not change after: an array from the network or the engine."""
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes | str | list[float] | np.ndarray):
-        self.data = data
-
-    def __str__(self) -> str:
-        return digest(self.data)
-
-
-def _rotated(path: Path, index: int) -> Path:
-    return path.with_name(f"{path.name}.{index}")
-
-
-def _chain_files(path: Path) -> list[Path]:
-    """The log's files oldest first: audit.jsonl.N ... audit.jsonl.1, audit.jsonl."""
-    indexes = []
-    for p in path.parent.glob(path.name + ".*"):
-        suffix = p.name[len(path.name) + 1:]
-        if suffix.isdigit():
-            indexes.append(int(suffix))
-    files = [_rotated(path, i) for i in sorted(indexes, reverse=True)]
-    return files + [path] if path.exists() else files
 
 
 def _tail(path: Path) -> tuple[bytes | None, bytes, int]:
@@ -215,7 +156,7 @@ class AuditLog:
             self._fh = os.fdopen(fd, "ab")
             if torn_note:
                 self.torn = torn_note
-                self._write_locked({**dict.fromkeys(_FIELDS, ""), "event": "audit_resume", "action": "audit_resume",
+                self._write_locked({**dict.fromkeys(FIELDS, ""), "event": "audit_resume", "action": "audit_resume",
                                     "user": "system", "status": "TornLine", "latency_ms": 0.0, "detail": torn_note})
                 self._fh.flush()
                 _call_hook("torn-line", self._on_torn, torn_note)
@@ -229,18 +170,18 @@ class AuditLog:
         """Continue the chain from the newest complete line on disk; returns a note when the current file ends in
         a torn (newline-less) line, which is then reported, closed and acknowledged by an audit_resume record."""
         note = ""
-        for p in reversed(_chain_files(self.path)):
+        for p in reversed(chain_files(self.path)):
             if p == self.path and p.stat().st_size == 0:
                 continue
             last, fragment, torn_line = _tail(p)
             if fragment and p == self.path:
-                note = (f"{_rotated(p, 1).name}:{torn_line}: incomplete last line found at start (the process stopped "
+                note = (f"{rotated(p, 1).name}:{torn_line}: incomplete last line found at start (the process stopped "
                         "mid-write); the file is kept as it is and the chain continues in a new file from the "
                         "complete line before it")
                 self._fail(f"audit log {note}")
             if last is None:
                 continue
-            self._prev = _sha256(last)
+            self._prev = sha256_hex(last)
             try:
                 self._seq = int(json.loads(last)["seq"])
             except (ValueError, KeyError, TypeError):
@@ -311,11 +252,11 @@ class AuditLog:
         """One record into the file's buffer; the caller flushes."""
         rec = {**fields, "seq": self._seq + 1, "time": _utc_now(), "prev": self._prev}
         unhashed = _record_json(rec)
-        line = _with_hash(unhashed, _sha256(unhashed))
+        line = _with_hash(unhashed, sha256_hex(unhashed))
         if self._fh.tell() > 0 and self._fh.tell() + len(line) + 1 > self.max_bytes:
             self._rotate_locked()
         self._fh.write(line + b"\n")
-        self._seq, self._prev = rec["seq"], _sha256(line)
+        self._seq, self._prev = rec["seq"], sha256_hex(line)
 
     def _maybe_fsync_locked(self) -> None:
         now = time.monotonic()
@@ -349,14 +290,14 @@ class AuditLog:
 
     def _shift_files_locked(self) -> None:
         """audit.jsonl -> audit.jsonl.1 -> .2 ...; the oldest beyond keep_files is dropped."""
-        oldest = _rotated(self.path, self.keep_files)
+        oldest = rotated(self.path, self.keep_files)
         if oldest.exists():
             oldest.unlink()
         for i in range(self.keep_files - 1, 0, -1):
-            if _rotated(self.path, i).exists():
-                os.replace(_rotated(self.path, i), _rotated(self.path, i + 1))
+            if rotated(self.path, i).exists():
+                os.replace(rotated(self.path, i), rotated(self.path, i + 1))
         if self.keep_files > 0:
-            os.replace(self.path, _rotated(self.path, 1))
+            os.replace(self.path, rotated(self.path, 1))
         else:
             self.path.unlink()
 
@@ -413,78 +354,3 @@ def _call_hook(what: str, hook, *args) -> None:
         log.exception("audit %s hook failed", what)
 
 
-def verify(path: Path) -> tuple[bool, list[str]]:
-    """Check the chain across the rotated files, oldest to newest. Returns (ok, problems), each problem naming its
-    file and 1-based line. The first record of the oldest file anchors the chain (older files may be rotated away).
-    A torn last line (power cut) acknowledged by the audit_resume record that follows it is not a problem: see
-    `verify_report` for the tears."""
-    problems, _ = verify_report(path)
-    return not problems, problems
-
-
-def verify_report(path: Path) -> tuple[list[str], list[str]]:
-    """(problems, tears): tears are torn last lines of a file that the appliance found at start and acknowledged
-    with an audit_resume record chained to the last complete record before them."""
-    path = Path(path)
-    problems: list[str] = []
-    tears: list[str] = []
-    prev_line_hash: str | None = None
-    prev_seq: int | None = None
-    last_edited = ""  # the previous line, when its own hash failed: explains the next line's broken link
-    pending_tear = ""  # a torn last line of the previous file, waiting for its audit_resume
-    for p in _chain_files(path):
-        try:
-            data = p.read_bytes()
-        except OSError as exc:
-            problems.append(f"{p.name}: cannot be read ({exc.strerror})")
-            continue
-        lines = data.split(b"\n")
-        ends_with_newline = bool(lines) and lines[-1] == b""
-        if ends_with_newline:
-            lines.pop()
-        for number, line in enumerate(lines, start=1):
-            where = f"{p.name}:{number}"
-            after_edit, last_edited = last_edited, ""
-            try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict):
-                    raise ValueError
-            except ValueError:
-                if number == len(lines) and not ends_with_newline:
-                    pending_tear = where  # judged by the record that follows (in the next file)
-                else:
-                    problems.append(f"{where}: not a complete JSON record (edited?)")
-                continue
-            if pending_tear:
-                if rec.get("action") == "audit_resume" and rec.get("prev") == prev_line_hash:
-                    tears.append(f"{pending_tear}: torn last line (the power or the process stopped mid-write); "
-                                 f"acknowledged at {where}, the chain continues from the line before it")
-                else:
-                    problems.append(f"{pending_tear}: not a complete JSON record and no audit_resume follows it")
-                pending_tear = ""
-            claimed = rec.pop("hash", None)
-            if claimed != _sha256(_canonical(rec)):
-                problems.append(f"{where}: record hash does not match its content (edited?)")
-                last_edited = where
-            elif prev_line_hash is not None and rec.get("prev") != prev_line_hash:
-                cause = (f"the line before it, {after_edit}, was altered" if after_edit
-                         else "a record before it was deleted or reordered")
-                problems.append(f"{where}: previous-hash link broken ({cause})")
-            elif prev_seq is not None and rec.get("seq") != prev_seq + 1:
-                problems.append(f"{where}: sequence number {rec.get('seq')} does not follow {prev_seq}")
-            prev_line_hash = _sha256(line)
-            prev_seq = rec.get("seq") if isinstance(rec.get("seq"), int) else None
-    if pending_tear:
-        problems.append(f"{pending_tear}: torn last line, not yet acknowledged (the appliance has not started since "
-                        "the power or the process stopped mid-write)")
-    return problems, tears
-
-
-def count_records(path: Path) -> tuple[int, int]:
-    """(records, files) of the log, counting non-empty lines."""
-    files = _chain_files(Path(path))
-    records = 0
-    for p in files:
-        with open(p, "rb") as fh:
-            records += sum(1 for line in fh if line.strip())
-    return records, len(files)

@@ -1,6 +1,6 @@
 """Write te_classifier.drift.json: the drift reference statistics of the shipped classifier, from its training data.
 
-    python -m models.te_classifier.drift_reference [--out DIR]
+    python -m tools.te_classifier.drift_reference [--out DIR]
 
 No retraining: the committed ONNX graph is only run. The reference is normal operation as the model learned it: the
 per-variable distribution of the normal-operation training file d00.dat (the newest row of each of its windows, i.e.

@@ -1,6 +1,6 @@
 """Train the Tennessee Eastman fault classifier and write the shipped artifacts.
 
-    python -m models.te_classifier.train [--out DIR] [--seed N] [--threads N]
+    python -m tools.te_classifier.train [--out DIR] [--seed N] [--threads N]
 
 Writes te_classifier.onnx, te_classifier.pt2 (torch.export ExportedProgram), metrics.json and te_classifier.drift.json into --out (default: this package) and
 prints the evaluation. Fitting uses the dNN.dat training files only; the held-out dNN_te.dat files give the reported
@@ -22,6 +22,7 @@ from torch import nn
 from models.te_classifier import (
     CLASS_NAMES, HARD_FAULTS, MODEL_DIR, N_CLASSES, N_VARIABLES, WINDOW, load_te_rows, load_te_test_windows,
     load_te_train_windows)
+from tools.te_classifier.drift_reference import write_drift_reference
 
 OPSET = 17
 
@@ -262,8 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                               "fault; windows straddling row 160 are dropped",
     })
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    from models.te_classifier.drift_reference import write_drift_reference  # the drift reference of this graph
-    write_drift_reference(onnx_path, args.out)
+    write_drift_reference(onnx_path, args.out)  # the drift reference of this graph
     print(f"trained in {train_s:.1f} s on {fit_info['train_windows']} windows; normal bias {fit_info['normal_bias']};"
           f" export max abs diff {max_diff:.1e}")
     print(f"test accuracy {metrics['accuracy']:.3f} (without 3/9/15: {metrics['accuracy_without_faults_3_9_15']:.3f})"

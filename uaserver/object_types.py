@@ -1,0 +1,236 @@
+"""The appliance's ObjectTypes: what a client meets, declared once on a type (variables, properties, methods with
+their argument descriptions, ModellingRule Mandatory or Optional), so that engineering tools (TIA Portal, CODESYS,
+UaModeler) import one interface and a PLC function block written for "a tensor model" calls any model.
+
+    BaseObjectType
+      ApplianceType            State Device Heartbeat; Models Engine Health Alarms Admin [Mailboxes]
+      ModelType (abstract)     the contract's model variables, the draft AI ModelType/DeploymentType properties,
+                               CancelJob ReleaseJob
+        TensorModelType        InputShape OutputShape MaxSamples; Infer StartInfer GetInferResult; [Drift]
+          ClassifierType       Classify; Last
+        GenerativeModelType    Generate Converse EndConversation ResetContext StartGenerate GetGenerateResult
+      MailboxType (abstract)   Request Busy Done Error ErrorCode Response ModelVersion
+        TensorMailboxType      Input Output [ClassIndex Label Confidence]
+        GenerativeMailboxType  Prompt Text
+      EngineType HealthType AdminType DriftType LastResultType
+
+NodeIds are strings in the appliance namespace, `Types/<TypeName>[/<Member>...]`, like the instances' (stable from
+one build to the next, so an exported file matches every appliance of the same configuration).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncua import Node, ua
+
+from .method_table import (CLASSIFY_OUT, CONVERSATION_ID, CONVERSE_IN, GENERATE_IN, GENERATE_OUT, GET_GENERATE_RESULT_OUT,
+                           GET_INFER_RESULT_OUT, GET_RESULT_IN, INFER_IN, INFER_OUT, JOB_ID, PROMOTE_IN, RELOAD_IN,
+                           RELOAD_OUT, START_GENERATE_IN, START_OUT)
+
+V = ua.VariantType
+MANDATORY, OPTIONAL = ua.ObjectIds.ModellingRule_Mandatory, ua.ObjectIds.ModellingRule_Optional
+TYPES_PATH = "Types"
+FOLDER = "FolderType"  # the standard FolderType (ns 0) for containers: Models, Alarms, Mailboxes
+
+
+@dataclass(frozen=True)
+class Member:
+    """One instance declaration of a type."""
+    name: str
+    kind: str  # variable | property | object | method
+    vtype: ua.VariantType | None = None  # variables and properties
+    array: bool = False
+    rule: int = MANDATORY
+    type_name: str = ""  # objects: the member's ObjectType (FOLDER for the standard FolderType)
+    inputs: tuple = ()  # methods: ua.Argument lists
+    outputs: tuple = ()
+
+
+@dataclass(frozen=True)
+class ObjectTypeSpec:
+    name: str
+    supertype: str  # "" for BaseObjectType
+    members: tuple[Member, ...]
+    abstract: bool = False
+    description: str = ""
+
+
+def var(name, vtype, array=False, rule=MANDATORY):
+    return Member(name, "variable", vtype, array, rule)
+
+
+def prop(name, vtype, array=False, rule=MANDATORY):
+    return Member(name, "property", vtype, array, rule)
+
+
+def obj(name, type_name, rule=MANDATORY):
+    return Member(name, "object", rule=rule, type_name=type_name)
+
+
+def method(name, inputs, outputs, rule=MANDATORY):
+    return Member(name, "method", rule=rule, inputs=tuple(inputs), outputs=tuple(outputs))
+
+
+# The OPC Foundation's draft AI information model (http://opcfoundation.org/UA/AI/, draft 0.2.0, provisional): the
+# property names of its ModelType and DeploymentType that fit this appliance. Version and State are the contract's
+# variables of the same names (not duplicated); the rest are properties of every model object.
+AI_MODEL_PROPERTIES = (prop("Framework", V.String), prop("Format", V.String), prop("TaskKind", V.String),
+                       prop("Digest", V.String), prop("Quantization", V.String), prop("ParameterCount", V.UInt64),
+                       prop("Inputs", V.String, True), prop("Outputs", V.String, True))
+AI_DEPLOYMENT_PROPERTIES = (prop("AcceleratorKind", V.String), prop("BatchSize", V.UInt32),
+                            prop("FallbackPolicy", V.String), prop("RateLimit", V.String))
+
+OBJECT_TYPES: tuple[ObjectTypeSpec, ...] = (
+    ObjectTypeSpec("EngineType", "", (var("QueueDepth", V.UInt32), var("SlotsTotal", V.UInt32),
+                                      var("SlotsInUse", V.UInt32)), description="the engine's queue and KV slots"),
+    ObjectTypeSpec("HealthType", "", (var("WatchdogState", V.String), var("GpuTemperatureC", V.Double),
+                                      var("GpuMemoryUsedBytes", V.UInt64), var("GpuEccErrors", V.UInt64)),
+                   description="the accelerator's watchdog"),
+    ObjectTypeSpec("AdminType", "", (method("ReloadModel", RELOAD_IN, RELOAD_OUT),
+                                     method("PromoteVariant", PROMOTE_IN, [])),
+                   description="engineers' methods"),
+    ObjectTypeSpec("DriftType", "", (var("State", V.String), var("Score", V.Double), var("Feature", V.String),
+                                     var("Since", V.DateTime)), description="input drift against the reference"),
+    ObjectTypeSpec("LastResultType", "", (var("ClassIndex", V.Int32), var("Label", V.String),
+                                          var("Confidence", V.Float), var("Time", V.DateTime)),
+                   description="the latest classification result"),
+    ObjectTypeSpec("ModelType", "", (
+        var("Kind", V.String), var("Version", V.String), var("Backend", V.String), var("State", V.String),
+        var("RequestCount", V.UInt64), var("ErrorCount", V.UInt64), var("LastLatencyMs", V.Double),
+        var("Heartbeat", V.UInt32), var("WorkerRestarts", V.UInt32),
+        *AI_MODEL_PROPERTIES, *AI_DEPLOYMENT_PROPERTIES,
+        method("CancelJob", [JOB_ID], []), method("ReleaseJob", [JOB_ID], [])),
+        abstract=True, description="a served model"),
+    ObjectTypeSpec("TensorModelType", "ModelType", (
+        var("InputShape", V.UInt32, True), var("OutputShape", V.UInt32, True), var("MaxSamples", V.UInt32),
+        method("Infer", INFER_IN, INFER_OUT), method("StartInfer", INFER_IN, START_OUT),
+        method("GetInferResult", GET_RESULT_IN, GET_INFER_RESULT_OUT), obj("Drift", "DriftType", OPTIONAL)),
+        description="a tensor model: Float[] in, Float[] out"),
+    ObjectTypeSpec("ClassifierType", "TensorModelType", (
+        method("Classify", INFER_IN, CLASSIFY_OUT), obj("Last", "LastResultType")),
+        description="a tensor model with class labels"),
+    ObjectTypeSpec("GenerativeModelType", "ModelType", (
+        method("Generate", GENERATE_IN, GENERATE_OUT), method("Converse", CONVERSE_IN, GENERATE_OUT),
+        method("EndConversation", [CONVERSATION_ID], []), method("ResetContext", [], []),
+        method("StartGenerate", START_GENERATE_IN, START_OUT),
+        method("GetGenerateResult", GET_RESULT_IN, GET_GENERATE_RESULT_OUT)),
+        description="a generative (text) model"),
+    ObjectTypeSpec("MailboxType", "", (
+        var("Request", V.UInt32), var("Busy", V.Boolean), var("Done", V.Boolean), var("Error", V.Boolean),
+        var("ErrorCode", V.UInt32), var("Response", V.UInt32), var("ModelVersion", V.String)),
+        abstract=True, description="a request / busy / done handshake for clients without methods"),
+    ObjectTypeSpec("TensorMailboxType", "MailboxType", (
+        var("Input", V.Float, True), var("Output", V.Float, True), var("ClassIndex", V.Int32, rule=OPTIONAL),
+        var("Label", V.String, rule=OPTIONAL), var("Confidence", V.Float, rule=OPTIONAL)),
+        description="a tensor model's mailbox"),
+    ObjectTypeSpec("GenerativeMailboxType", "MailboxType", (var("Prompt", V.String), var("Text", V.String)),
+                   description="a generative model's mailbox"),
+    ObjectTypeSpec("ApplianceType", "", (
+        var("State", V.String), var("Device", V.String), var("Heartbeat", V.UInt32), obj("Models", FOLDER),
+        obj("Engine", "EngineType"), obj("Health", "HealthType"), obj("Alarms", FOLDER), obj("Admin", "AdminType"),
+        obj("Mailboxes", FOLDER, OPTIONAL)), description="the inference appliance"),
+)
+BY_NAME = {t.name: t for t in OBJECT_TYPES}
+
+
+def type_path(name: str) -> str:
+    return f"{TYPES_PATH}/{name}"
+
+
+def supertypes(name: str) -> list[str]:
+    """The type and its appliance supertypes, most derived first."""
+    out = []
+    while name:
+        out.append(name)
+        name = BY_NAME[name].supertype
+    return out
+
+
+def declared_methods(name: str) -> dict[str, tuple[str, Member]]:
+    """Every method an instance of the type offers: method name -> (the type that declares it, its Member)."""
+    out: dict[str, tuple[str, Member]] = {}
+    for t in reversed(supertypes(name)):
+        for m in BY_NAME[t].members:
+            if m.kind == "method":
+                out[m.name] = (t, m)
+    return out
+
+
+def model_type(kind: str, classifier: bool) -> str:
+    if kind == "generative":
+        return "GenerativeModelType"
+    return "ClassifierType" if classifier else "TensorModelType"
+
+
+DEFAULTS = {V.String: "", V.Boolean: False, V.Double: 0.0, V.Float: 0.0, V.UInt32: 0, V.UInt64: 0, V.Int32: 0}
+
+
+class TypeBuilder:
+    """Adds the ObjectTypes to a server's address space (before the instances, which reference them)."""
+
+    def __init__(self, server, ns: int):
+        self.server = server
+        self.ns = ns
+
+    def nid(self, path: str) -> ua.NodeId:
+        return ua.NodeId(path, self.ns)
+
+    def type_id(self, name: str) -> ua.NodeId:
+        if name == FOLDER:
+            return ua.NodeId(ua.ObjectIds.FolderType)
+        return self.nid(type_path(name))
+
+    async def build(self, add_method) -> dict[str, ua.NodeId]:
+        """Every type of OBJECT_TYPES; add_method(parent, path, member) adds a declared method (with its arguments
+        and the dispatcher that runs an instance's method). Returns type name -> its NodeId."""
+        base = self.server.get_node(ua.ObjectIds.BaseObjectType)
+        made: dict[str, ua.NodeId] = {}
+        for spec in OBJECT_TYPES:  # supertypes come first in the table
+            parent = base if not spec.supertype else self.server.get_node(made[spec.supertype])
+            path = type_path(spec.name)
+            node = await parent.add_object_type(self.nid(path), ua.QualifiedName(spec.name, self.ns))
+            if spec.abstract:
+                await node.write_attribute(ua.AttributeIds.IsAbstract, ua.DataValue(ua.Variant(True, V.Boolean)))
+            if spec.description:
+                await node.write_attribute(ua.AttributeIds.Description,
+                                           ua.DataValue(ua.Variant(ua.LocalizedText(spec.description),
+                                                                   V.LocalizedText)))
+            for m in spec.members:
+                child = await self._member(node, path, m, add_method)
+                await child.add_reference(ua.NodeId(m.rule), ua.ObjectIds.HasModellingRule, bidirectional=False)
+            made[spec.name] = node.nodeid
+        return made
+
+    async def _member(self, parent, path: str, m: Member, add_method):
+        child_path = f"{path}/{m.name}"
+        qname = ua.QualifiedName(m.name, self.ns)
+        if m.kind == "method":
+            return await add_method(parent, child_path, m)
+        if m.kind == "object":
+            obj = await parent.add_object(self.nid(child_path), qname)
+            await retype(obj, self.type_id(m.type_name))
+            return obj
+        value = ua.Variant([] if m.array else (None if m.vtype == V.DateTime else DEFAULTS[m.vtype]), m.vtype)
+        add = parent.add_property if m.kind == "property" else parent.add_variable
+        node = await add(self.nid(child_path), qname, value, m.vtype, ua.NodeId(m.vtype.value))
+        if m.array:
+            await set_array(node)
+        return node
+
+
+async def set_array(node) -> None:
+    """A one-dimensional array of any length (asyncua leaves ValueRank unset for a list value without dimensions)."""
+    await node.write_value_rank(1)
+    await node.write_array_dimensions([0])
+
+
+async def retype(node, type_id: ua.NodeId) -> None:
+    """Point an object's HasTypeDefinition at type_id (asyncua creates plain objects as BaseObjectType). A parent's
+    reference carries the TypeDefinition that Browse answers, taken when it was added: it is added anew."""
+    for ref in await node.get_references(ua.ObjectIds.HasTypeDefinition, ua.BrowseDirection.Forward):
+        await node.delete_reference(ref.NodeId, ua.ObjectIds.HasTypeDefinition, bidirectional=False)
+    await node.add_reference(type_id, ua.ObjectIds.HasTypeDefinition, bidirectional=False)
+    for ref in await node.get_references(ua.ObjectIds.HierarchicalReferences, ua.BrowseDirection.Inverse):
+        parent = Node(node.session, ref.NodeId)
+        await parent.delete_reference(node, ref.ReferenceTypeId, bidirectional=False)
+        await parent.add_reference(node, ref.ReferenceTypeId, bidirectional=False)
