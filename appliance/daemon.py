@@ -21,7 +21,9 @@ from .device import on_gpu, resolve_device
 from .metrics import Metrics
 from .model_port import GenerativeModel, TensorModel
 from .model_specs import model_spec
-from .supervision import Supervision
+from .errors import DeadlineExceeded
+from .supervision import SupervisedFacts, Supervision
+from .tasks import TaskSet
 from .systemd_loop import tell_systemd
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,13 @@ class Appliance:
         self.audit = None
         self.metrics: Metrics | None = None
         self._watchdog_task: asyncio.Task | None = None
-        self._background: set[asyncio.Task] = set()  # short tasks (a prompt publish, a GPU worker's stop), kept
-        self.supervision = Supervision(self)  # the 1 Hz tick, alarms, readiness, status
+        self._background = TaskSet(log, "background")  # short tasks (a prompt publish, a GPU worker's stop), kept
+        self.cert_expiry_s = 0.0  # what appliance_server_certificate_expiry_seconds shows
+        # the 1 Hz tick, alarms, readiness, status: it reads the models and workers, and these few facts
+        self.supervision = Supervision(self.services, self.supervisors, SupervisedFacts(
+            metrics=lambda: self.metrics, watchdog=lambda: self.watchdog, gpu_fault=lambda: self.gpu_fault,
+            audit_torn=lambda: self.audit is not None and bool(self.audit.torn),
+            cert_expiry_s=lambda: self.cert_expiry_s, ua=lambda: self.ua))
         self._stopping = False
         self.gpu_fault: str | None = None  # the watchdog stopped the GPU workers: State Fault
 
@@ -86,8 +93,8 @@ class Appliance:
         groups: dict[str, list] = {}
         for name, m in self.config.models.items():
             groups.setdefault(m.worker or name, []).append(m)
-        services = {}
-        self.variant_services = {}
+        services = self.services  # filled in place: supervision holds the same dict
+        self.variant_services.clear()
         for m in self.config.models.values():  # each A/B variant in a worker of its own
             for variant, v in m.variants.items():
                 clone = dataclasses.replace(m, name=f"{m.name}@{variant}", path=str(v.resolved_path),
@@ -128,17 +135,7 @@ class Appliance:
         """A worker's restart began or ended: the address space (State, WorkerRestarting and its condition) shows it
         now, not at the next 0.25 s tick, so a control room sees the alarm clear as the model turns Ready."""
         if self.ua is not None and self.ua.server is not None and not self._stopping:
-            self._keep(self.ua.publish_values())
-
-    def _keep(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task) -> None:
-        self._background.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task failed", exc_info=task.exception())
+            self._background.start(self.ua.publish_values())
 
     def _audit_state(self, failing: bool, reason: str) -> None:
         """From the audit writer's thread: the log cannot be written (disk full, ...) or is written again."""
@@ -184,7 +181,7 @@ class Appliance:
         self.watchdog.poll()
         self._watchdog_task = asyncio.create_task(self.watchdog.run(wd.interval_s), name="watchdog")
 
-        self.services = self.build_services(device)
+        self.build_services(device)
         for sup in self.supervisors:  # workers start loading while the server comes up
             if self._stopping:
                 sup.begin_stop()  # SIGTERM came while starting: start no worker
@@ -199,7 +196,7 @@ class Appliance:
         await self.ua.start()
         if self.audit is not None and self.audit.torn:
             self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)
-        if self.supervision.cert_expiry_s < cfg.security.cert_expiry_warning_days * 86400:
+        if self.cert_expiry_s < cfg.security.cert_expiry_warning_days * 86400:
             self.ua.emit_event("The server certificate expires within "
                                f"{cfg.security.cert_expiry_warning_days} days: renew it with "
                                "`appliance certs init --force`", severity=700)
@@ -212,7 +209,7 @@ class Appliance:
         from datetime import datetime, timezone
         left = (pki.server_cert_not_after() - datetime.now(timezone.utc)).total_seconds()
         self.metrics.server_cert_expiry.set(left)
-        self.supervision.cert_expiry_s = left
+        self.cert_expiry_s = left
         expiring = left < self.config.security.cert_expiry_warning_days * 86400
         self.metrics.server_cert_expiring.set(1 if expiring else 0)
         if expiring:
@@ -229,7 +226,7 @@ class Appliance:
             self.ua.emit_event(f"Watchdog fault: {message}; models on the GPU stopped", severity=1000)
         for sup in self.supervisors:
             if any(on_gpu(spec) for spec in sup.specs):
-                self._keep(sup.give_up(f"stopped by the GPU watchdog: {message}"))  # Failed, with why
+                self._background.start(sup.give_up(f"stopped by the GPU watchdog: {message}"))  # Failed, with why
 
     def _watchdog_event(self, state: str, previous: str, message: str) -> None:
         log.warning("watchdog %s -> %s: %s", previous, state, message)
@@ -252,7 +249,7 @@ class Appliance:
 
     def reload_soon(self, notifier) -> None:
         """SIGHUP's handler: the reload runs as a kept task (a failure is logged, the stop waits for it)."""
-        self._keep(self.reload_config(notifier))
+        self._background.start(self.reload_config(notifier))
 
     async def reload_config(self, notifier) -> None:
         """SIGHUP (`systemctl reload`): re-read what can change live: the log level and the rate limits (the trust
@@ -271,8 +268,7 @@ class Appliance:
                 return
             configure_logging(new)
             if self.ua is not None:
-                from .rate_limit import RateLimiter
-                self.ua.handlers.rate_limiter = RateLimiter(new.security.rate_limits)
+                self.ua.set_rate_limits(new.security.rate_limits)
             log.warning("configuration re-read from %s: logging and rate limits applied; other changes need a "
                         "restart", self.config.source)
         finally:
@@ -282,20 +278,13 @@ class Appliance:
         """Stop taking calls; let those in flight finish within server.drain_timeout_s; answer the rest BadTimeout."""
         if self.ua is None:
             return
-        self.ua.handlers.draining = True
-        loop = asyncio.get_running_loop()
-        end = loop.time() + self.config.server.drain_timeout_s
-        while self.ua.handlers.in_flight and loop.time() < end:
-            await asyncio.sleep(0.02)
-        if self.ua.handlers.in_flight:
-            log.warning("%d calls still running after %.1f s: answering them BadTimeout", self.ua.handlers.in_flight,
-                        self.config.server.drain_timeout_s)
-            from .errors import DeadlineExceeded
+        timeout_s = self.config.server.drain_timeout_s
+
+        def answer_overdue() -> None:
+            log.warning("calls still running after %.1f s: answering them BadTimeout", timeout_s)
             for sup in self.supervisors:
                 sup.fail_pending(DeadlineExceeded("the appliance is shutting down"))
-            end = loop.time() + 2.0
-            while self.ua.handlers.in_flight and loop.time() < end:  # the answers go out
-                await asyncio.sleep(0.01)
+        await self.ua.drain(timeout_s, answer_overdue)
 
     def begin_stop(self) -> None:
         """SIGTERM (systemctl stop, a reboot): from now on a worker that ends is no crash, and none is started.
@@ -313,10 +302,10 @@ class Appliance:
             await self.http.stop()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors), return_exceptions=True)
         await self.supervision.stop()
-        tasks = [t for t in (self._watchdog_task, *self._background) if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+            await asyncio.gather(self._watchdog_task, return_exceptions=True)
+        await self._background.cancel_all()
         if self.watchdog is not None and self.watchdog.backend is not None:
             self.watchdog.backend.close()  # each backend's close handles its own errors
 

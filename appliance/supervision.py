@@ -2,16 +2,38 @@
 gauges, the heartbeat timestamp a stall rule watches), whether supervision runs, the alarms, readiness for
 /readyz, the status page's snapshot and the one-line status systemd shows.
 
-It reads the Appliance's public parts (its models, supervisors, watchdog, audit log, OPC UA server) and changes none.
+It reads the models, their workers' supervisors and the few facts of SupervisedFacts, and changes none of them.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .daemon import Appliance
+from .model_port import GenerativeModel, TensorModel
+
+
+class UaView(Protocol):
+    """What supervision reads of the OPC UA server (uaserver.server.ApplianceUaServer)."""
+    running: bool
+    state: str
+    device: str
+    heartbeat: int
+
+    def audit_failing(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class SupervisedFacts:
+    """The appliance's parts that exist only once it started, each read when needed (None until then)."""
+    metrics: Callable[[], Any]  # appliance.metrics.Metrics | None
+    watchdog: Callable[[], Any]  # appliance.watchdog.Watchdog | None
+    gpu_fault: Callable[[], str | None]  # why the GPU watchdog stopped the GPU workers (Fault), if it did
+    audit_torn: Callable[[], bool]  # a torn last audit line was found at start
+    cert_expiry_s: Callable[[], float]  # seconds until the server certificate expires
+    ua: Callable[[], UaView | None]
 
 TICK_S = 1.0
 STALLED_AFTER_S = 2.5  # no tick for this long: supervision stopped (Heartbeat stops, WATCHDOG=1 too)
@@ -19,11 +41,12 @@ NO_GPU = {"WatchdogState": "NoGpu", "GpuTemperatureC": 0.0, "GpuMemoryUsedBytes"
 
 
 class Supervision:
-    def __init__(self, app: "Appliance"):
-        self.app = app
+    def __init__(self, services: dict[str, TensorModel | GenerativeModel], supervisors: list, facts: SupervisedFacts):
+        self.services = services  # the appliance's own dict and list, filled as it starts
+        self.supervisors = supervisors
+        self.facts = facts
         self._last_tick = time.monotonic()
         self._task: asyncio.Task | None = None
-        self.cert_expiry_s = 0.0  # what appliance_server_certificate_expiry_seconds shows
 
     def start(self) -> None:
         self._last_tick = time.monotonic()
@@ -37,9 +60,9 @@ class Supervision:
     async def _loop(self) -> None:
         while True:
             self._last_tick = time.monotonic()
-            for model in self.app.services.values():
+            for model in self.services.values():
                 model.tick_heartbeat()
-            if self.app.metrics is not None:
+            if self.facts.metrics() is not None:
                 self._publish_metrics()
             await asyncio.sleep(TICK_S)
 
@@ -48,13 +71,13 @@ class Supervision:
         task = self._task
         if task is None or task.done() or time.monotonic() - self._last_tick > STALLED_AFTER_S:
             return False
-        return all(s.supervising for s in self.app.supervisors)
+        return all(s.supervising for s in self.supervisors)
 
     def _publish_metrics(self) -> None:
-        m = self.app.metrics
+        m = self.facts.metrics()
         m.heartbeat_timestamp.set_to_current_time()  # this tick (a stall rule watches it)
         slots_total = slots_used = parked = 0
-        for name, model in self.app.services.items():
+        for name, model in self.services.items():
             st = model.status()
             m.queue_depth.labels(name).set(st.queue_depth)
             m.model_ready.labels(name).set(1 if st.state == "Ready" else 0)
@@ -71,25 +94,26 @@ class Supervision:
             m.alarm_active.labels(alarm).set(1 if active else 0)
 
     def alarms(self) -> dict[str, bool]:
-        app = self.app
-        statuses = [m.status() for m in app.services.values()]
-        wd = app.watchdog.state if app.watchdog is not None else "NoGpu"
-        audit_failed = app.ua is not None and app.ua.handlers.audit_failing()
-        return {"EngineFault": app.gpu_fault is not None, "WorkerRestarting": any(st.restarting for st in statuses),
+        facts = self.facts
+        statuses = [m.status() for m in self.services.values()]
+        watchdog, ua = facts.watchdog(), facts.ua()
+        wd = watchdog.state if watchdog is not None else "NoGpu"
+        return {"EngineFault": facts.gpu_fault() is not None,
+                "WorkerRestarting": any(st.restarting for st in statuses),
                 "ModelFailed": any(st.state == "Failed" for st in statuses), "GpuWarning": wd == "Warning",
-                "GpuCritical": wd == "Critical", "AuditLogFailed": bool(audit_failed),
-                "AuditLogTorn": bool(app.audit is not None and app.audit.torn)}
+                "GpuCritical": wd == "Critical", "AuditLogFailed": bool(ua is not None and ua.audit_failing()),
+                "AuditLogTorn": bool(facts.audit_torn())}
 
     def health(self) -> dict:
-        wd = self.app.watchdog
+        wd = self.facts.watchdog()
         if wd is None:
             return NO_GPU
         return {"WatchdogState": wd.state, "GpuTemperatureC": wd.temperature_c,
                 "GpuMemoryUsedBytes": wd.memory_used_bytes, "GpuEccErrors": wd.ecc_errors}
 
     def readiness(self) -> tuple[bool, list[str]]:
-        app, reasons = self.app, []
-        for name, model in app.services.items():
+        reasons: list[str] = []
+        for name, model in self.services.items():
             st = model.status()
             if st.state != "Ready":
                 reasons.append(f"model {name} is {st.state}" + (f": {st.failure_reason}" if st.failure_reason
@@ -97,9 +121,10 @@ class Supervision:
                                                                  if st.restarting else ""))
             elif not model.supervisor.answering():
                 reasons.append(f"model {name}: its worker does not answer liveness checks")
-        if app.ua is None or app.ua.server is None:
+        ua, watchdog = self.facts.ua(), self.facts.watchdog()
+        if ua is None or not ua.running:
             reasons.append("OPC UA server is not running")
-        if app.watchdog is not None and app.watchdog.state == "Critical":
+        if watchdog is not None and watchdog.state == "Critical":
             reasons.append("watchdog is Critical")
         if not self.alive():
             reasons.append("worker supervision has stopped")
@@ -107,16 +132,15 @@ class Supervision:
 
     def status_snapshot(self) -> dict:
         """What the status page shows (no secrets: no paths, thumbprints or user names)."""
-        app = self.app
-        statuses = [m.status() for m in app.services.values()]
+        statuses = [m.status() for m in self.services.values()]
         buckets: dict[str, dict[float, float]] = {}
-        for family in app.metrics.request_duration.collect():
+        for family in self.facts.metrics().request_duration.collect():
             for sample in family.samples:
                 if sample.name.endswith("_bucket"):
                     le = float(sample.labels["le"])
                     per = buckets.setdefault(sample.labels["model"], {})
                     per[le] = per.get(le, 0.0) + sample.value
-        ua = app.ua
+        ua = self.facts.ua()
         return {
             "state": ua.state if ua is not None else "Starting",
             "device": ua.device if ua is not None else "",
@@ -130,14 +154,15 @@ class Supervision:
                        "slots_total": sum(st.slots_total for st in statuses),
                        "slots_in_use": sum(st.slots_in_use for st in statuses)},
             "alarms": self.alarms(),
-            "certificate_expiry_s": self.cert_expiry_s,
+            "certificate_expiry_s": self.facts.cert_expiry_s(),
             "calls": {st.name: float(st.request_count) for st in statuses},
             "latency_buckets": {m: sorted(b.items()) for m, b in buckets.items()},
         }
 
     def status_line(self) -> str:
         """One line for `systemctl status`: the appliance's state and each model's."""
-        state = self.app.ua.state if self.app.ua is not None else "Starting"
+        ua = self.facts.ua()
+        state = ua.state if ua is not None else "Starting"
         models = ", ".join(f"{n} {m.status().state}" + (" (worker restarting)" if m.status().restarting else "")
-                           for n, m in self.app.services.items())
+                           for n, m in self.services.items())
         return f"{state}: {models}"

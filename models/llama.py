@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from models import packed_rows, quant
+from models import packed_rows, quant, torch_internals
 from models.forward import LayerWeights, ModelWeights, Rows, forward
 from models.forward_ops import KernelOps, TorchOps
 from models.llama_config import LlamaConfig
@@ -54,7 +54,7 @@ class Linear:
         packed = None
         if pack and w.dtype in (torch.float32, torch.bfloat16):  # the dtypes oneDNN's packed linear takes
             try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
+                packed = torch_internals.onednn_pack_linear_weight(w, PACK_BATCH_HINT)
             except (RuntimeError, AttributeError):  # no oneDNN for this dtype/CPU: plain matmuls
                 packed = None
         return cls(w if packed is None else None, packed, w.shape[0], w.shape[1])

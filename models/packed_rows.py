@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models import torch_internals
+
 EXACT_ROWS = 8  # decode batches: every count up to here is its own kernel
 MAX_ROWS = 512  # larger inputs run in blocks of this many rows
 
@@ -41,5 +43,5 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     padded = padded_rows(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
-    y = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    y = torch_internals.onednn_linear(x, packed, bias)
     return y if padded == rows else y[:rows]

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_layout
+from models import torch_internals
 
 GROUP = cpu_layout.QK  # the block size every format's scales (or sub-scales) come in multiples of
 ROW_CHUNK = 256  # rows dequantised / quantized at a time (a multiple of the 16-row panel)
@@ -207,8 +208,8 @@ def _(data, type_name, n, k, ids, library, isa):
 # dispatcher directly: a torch.library.custom_op imports torch._dynamo at its first call (models/compiled_decode.py).
 _OPS = torch.library.Library("quant", "FRAGMENT")
 _OPS.define("torch_int4_mm(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor")
-_OPS.impl("torch_int4_mm", lambda x, packed, scales_zeros: torch._weight_int4pack_mm_for_cpu(x, packed, GROUP,
-                                                                                            scales_zeros), "CPU")
+_OPS.impl("torch_int4_mm", lambda x, packed, scales_zeros: torch_internals.int4_matmul(x, packed, GROUP, scales_zeros),
+          "CPU")
 
 
 @torch.library.register_fake("quant::torch_int4_mm")
@@ -239,7 +240,7 @@ class BlockLinear:
             groups = m.int4_groups() if m.type_name in FOUR_BIT and m.shape[0] % 16 == 0 else None
             if groups is not None:  # torch's CPU int4 op, fp32 activations
                 q, scale, zero = groups
-                self._int4 = (torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1),
+                self._int4 = (torch_internals.int4_pack(q.to(torch.int32).contiguous(), 1),
                               torch.stack([scale.t(), zero.t()], dim=-1).float().contiguous())
             else:
                 self._dense = m.dequantize()
@@ -256,7 +257,7 @@ class BlockLinear:
         if self.kernels is not None:
             y = self.kernels.matmul(x2, self.matrix.data, self.matrix.type_name, self.out_features)
         elif self._int4 is not None:
-            y = torch._weight_int4pack_mm_for_cpu(x2, self._int4[0], GROUP, self._int4[1])
+            y = torch_internals.int4_matmul(x2, self._int4[0], GROUP, self._int4[1])
         else:
             y = F.linear(x2, self._dense)
         if bias is not None:

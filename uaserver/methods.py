@@ -148,6 +148,10 @@ class MethodHandlers:
         self.audit_on_failure = audit_on_failure
         self.rights = role_rights(engineers_manage_certificates)
 
+    def set_rate_limits(self, rate_limiter) -> None:
+        """SIGHUP's reload: the new limits apply from the next call on."""
+        self.rate_limiter = rate_limiter
+
     def audit_failing(self) -> bool:
         """The audit log cannot be written now (a write failed, or the writer's queue is full)."""
         w = self._audit_writer

@@ -205,6 +205,36 @@ class ApplianceUaServer:
     # ---- what the daemon reads and asks ----
 
     @property
+    def running(self) -> bool:
+        return self.server is not None
+
+    def audit_failing(self) -> bool:
+        """The audit log cannot be written now (Alarms/AuditLogFailed)."""
+        return self.handlers.audit_failing()
+
+    def set_rate_limits(self, rate_limits) -> None:
+        """Apply `security.rate_limits` anew (SIGHUP's reload): from the next call on."""
+        self.handlers.set_rate_limits(RateLimiter(rate_limits))
+
+    async def drain(self, timeout_s: float, answer_overdue: Callable[[], None]) -> int:
+        """Stop taking calls (new ones answer BadInvalidState) and wait up to timeout_s for those in flight; if some
+        still run, answer_overdue() makes the engine answer them, and their answers get 2 s to go out. Returns how
+        many were still running at timeout_s."""
+        handlers = self.handlers
+        handlers.draining = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while handlers.in_flight and loop.time() < end:
+            await asyncio.sleep(0.02)
+        overdue = handlers.in_flight
+        if overdue:
+            answer_overdue()
+            end = loop.time() + 2.0
+            while handlers.in_flight and loop.time() < end:  # the answers go out
+                await asyncio.sleep(0.01)
+        return overdue
+
+    @property
     def port(self) -> int:
         return listening_port(self.server) if self.server else 0
 
