@@ -9,12 +9,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from appliance.config.checks import BUILTIN_ALARMS
-from appliance.supervision import Supervision
+from appliance.supervision import SupervisedFacts, Supervision
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = ["normal"] + [f"f{i}" for i in range(1, 22)]  # the te-classifier answers 22 classes
@@ -98,5 +97,7 @@ def test_distinct_names_pass(tmp_path):
 
 def test_the_reserved_names_are_the_alarms_the_appliance_raises():
     # the check's list follows the Booleans supervision puts under Alarms (plus the Drift folder)
-    app = SimpleNamespace(services={}, watchdog=None, ua=None, gpu_fault=None, audit=None)
-    assert set(Supervision(app).alarms()) | {"Drift"} == set(BUILTIN_ALARMS)
+    none = lambda: None  # noqa: E731 - an appliance that has not started its parts
+    facts = SupervisedFacts(metrics=none, watchdog=none, gpu_fault=none, audit_torn=lambda: False,
+                            cert_expiry_s=lambda: 0.0, ua=none)
+    assert set(Supervision({}, [], facts).alarms()) | {"Drift"} == set(BUILTIN_ALARMS)
