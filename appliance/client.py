@@ -4,10 +4,12 @@ Used by `appliance call` (commissioning), the benchmarks and the tests.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 
 from asyncua import Client, ua
 from asyncua.crypto import security_policies
+from asyncua.ua.ua_binary import struct_from_binary
 from cryptography import x509
 
 from . import NAMESPACE_URI
@@ -64,14 +66,34 @@ async def model_node(client: Client, model: str):
     return await objects.get_child([f"{ns}:Appliance", f"{ns}:Models", f"{ns}:{model}"]), ns
 
 
+class CallResult(ua.CallMethodResult):
+    """A method's result and its status text (the reason the server gave for a refusal; "" when none)."""
+
+    status_text: str = ""
+
+
+OPERATION_LOCALIZED_TEXT = 0x40  # RequestHeader.ReturnDiagnostics: each operation's status text
+
+
 async def call_method(client: Client, parent, method_node, args: list[ua.Variant]) -> ua.CallMethodResult:
-    """Call and return the raw result (status code, argument results, outputs) instead of raising."""
-    request = ua.CallMethodRequest()
-    request.ObjectId = parent.nodeid
-    request.MethodId = method_node.nodeid
-    request.InputArguments = args
-    results = await client.uaclient.call([request])
-    return results[0]
+    """Call and return the raw result (status code, argument results, outputs) instead of raising. The call asks
+    for the operation's status text (ReturnDiagnostics): a refusal's reason is then the result's `status_text`
+    ("" when the server gave none)."""
+    item = ua.CallMethodRequest()
+    item.ObjectId = parent.nodeid
+    item.MethodId = method_node.nodeid
+    item.InputArguments = args
+    request = ua.CallRequest()
+    request.Parameters.MethodsToCall = [item]
+    request.RequestHeader.ReturnDiagnostics = OPERATION_LOCALIZED_TEXT
+    response = struct_from_binary(ua.CallResponse, await client.uaclient.protocol.send_request(request))
+    response.ResponseHeader.ServiceResult.check()
+    result = CallResult(**{f.name: getattr(response.Results[0], f.name) for f in fields(ua.CallMethodResult)})
+    info = response.DiagnosticInfos[0] if response.DiagnosticInfos else None
+    table = response.ResponseHeader.StringTable or []
+    if info is not None and info.LocalizedText is not None and 0 <= info.LocalizedText < len(table):
+        result.status_text = table[info.LocalizedText]
+    return result
 
 
 class AdminUnreachable(Exception):

@@ -41,6 +41,9 @@ def request_reload(config, name: str, timeout_s: float = 600.0) -> ReloadResult:
         return ReloadResult(False, f"ReloadModel did not answer ({type(e).__name__})")
     if r.StatusCode.is_good():
         return ReloadResult(True, f"the appliance now serves version {r.OutputArguments[0].Value}")
+    reason = getattr(r, "status_text", "")
+    if reason:
+        return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name}: {reason}")
     return ReloadResult(False, f"ReloadModel answered {r.StatusCode.name} (the reason is in the appliance's log and "
                                "audit log)")
 

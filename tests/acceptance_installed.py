@@ -229,10 +229,8 @@ def test_backend_and_weights_are_what_the_same_cpu_gives_outside(box):
     # the weights format the CPU gets (tests/cpu_view.py: the loader's own choice, in the plain shell)
     view = json.loads(box.run(PY, "/root/cpu_view.py", "/root/cpu-view").stdout.strip().splitlines()[-1])
     backend = box.calls["assistant/Backend"]
-    if view["weights"] in ("int4", "int8"):  # one format from torch's capability (else: measured, in Backend)
-        assert view["weights"] in backend, (view, backend)
-    elif isinstance(view["weights"], str):
-        assert not re.search(r"int[48]", backend), (view, backend)
+    # the path serving is one of those the loader chose among on this CPU (cpu_view: weight_plan.cpu_paths)
+    assert any(path in backend for path in view["weights"]), (view, backend)
     # The kernels the service maps are the package's prebuilt ones (the box has no compiler to build others)
     mapped = box.client("kernels", box.show("MainPID")["MainPID"])
     assert all(lib.startswith("/opt/appliance/venv/") for lib in mapped["libs"]), mapped

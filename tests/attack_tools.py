@@ -56,18 +56,30 @@ def status_of(exc: BaseException | None) -> str:
 REFUSAL_WITHIN_S = 15.0  # a refusal arrives within this; no answer by then is a hang, never a refusal
 
 
-async def refusal(coro, timeout: float = REFUSAL_WITHIN_S) -> BaseException | None:
-    """Run coro: None if it succeeded, else the refusal it met within `timeout` seconds: an OPC UA status code (a
-    service fault, a method or ErrorMessage status) or the server closing the connection. Anything else fails the
-    test: a client-side timeout means the server did not answer (a hang is not a refusal), and an unexpected error
-    of the client is not the server's refusal either."""
+async def refusal(coro, timeout: float = REFUSAL_WITHIN_S, *, alive=None) -> BaseException | None:
+    """Run coro: None if it succeeded, else the refusal it met within `timeout` seconds. A refusal is an OPC UA
+    status code (a service fault, a method or ErrorMessage status), or the server closing the connection while it
+    still answers a legitimate client afterwards: `alive` (an async callable, e.g. `lambda: legit_infer(app)`) is
+    then run and must succeed. Anything else fails the test: a refused TCP connect (no server listens: it died), a
+    close without `alive` or after which the server no longer answers (a crash is not a refusal), a client-side
+    timeout (the server hung), and an unexpected error of the client."""
     try:
         await asyncio.wait_for(coro, timeout)
     except (asyncio.TimeoutError, TimeoutError) as exc:
         raise AssertionError(f"no answer within {timeout:g} s: the server hung instead of refusing") from exc
     except ua.UaStatusCodeError as exc:
         return exc
+    except ConnectionRefusedError as exc:
+        raise AssertionError("the TCP connect was refused: no server listens (did it die?); not a refusal") from exc
     except (ConnectionError, asyncio.IncompleteReadError, EOFError) as exc:  # the server closed the channel
+        if alive is None:
+            raise AssertionError(f"the connection closed ({exc!r}); a close is a refusal only when the server still "
+                                 "answers a legitimate client: pass alive=") from exc
+        try:
+            await asyncio.wait_for(alive(), timeout)
+        except Exception as after:  # noqa: BLE001 - any failure of the legitimate client means the server is gone
+            raise AssertionError(f"the connection closed ({exc!r}) and then a legitimate client failed ({after!r}):"
+                                 " the server crashed, it did not refuse") from exc
         return exc
     return None
 

@@ -78,7 +78,9 @@ def test_a_deploy_that_fails_leaves_the_old_version_serving_now_and_after_any_re
         assert infer_once(app, plc) == ("Good", [3.0] * 4, "v1")
 
         for source, label, reason in ((corrupt, "bad", "does not load: the ONNX model could not be loaded"),
-                                      (wider, "wide", "the running appliance could not load it")):
+                                      (wider, "wide", "the running appliance could not load it: ReloadModel "
+                                       "answered BadInternalError: reload failed: the new weights change the sample "
+                                       "shapes ([4] -> [5]")):
             p, answers = deploy_under_load(app, plc, "deploy", "affine", str(source), "--version", label)
             assert p.returncode == 2, p.stdout + p.stderr
             assert f"version {label} was not switched in" in p.stderr and reason in p.stderr, p.stderr

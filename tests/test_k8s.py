@@ -2,7 +2,8 @@
 renderer Flux and Argo CD embed) are valid Kubernetes 1.37 resources (kubernetes-validate, strict); the generated
 ConfigMap carries a configuration the appliance accepts and a changed YAML changes the DaemonSet's pod template (so a
 GitOps apply rolls it); the state hostPath is made the service user's before the appliance starts; probes use the
-contract's endpoints; the GPU overlay asks for a GPU."""
+contract's endpoints; the GPU overlay asks for a GPU; a fleet applies the base and the GPU overlay side by side
+(different DaemonSet names and selectors, each on its own nodes: one appliance per node)."""
 from __future__ import annotations
 
 import shutil
@@ -96,6 +97,49 @@ def test_the_gpu_overlay_asks_for_a_gpu_and_keeps_the_rest():
     container = pod(gpu)["containers"][0]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 1, "memory": "16Gi"}
     assert pod(gpu)["nodeSelector"] == {"opcua-appliance": "true", "nvidia.com/gpu.present": "true"}
-    for key in ("initContainers", "volumes", "securityContext", "hostNetwork"):
+    for key in ("initContainers", "securityContext", "hostNetwork"):
         assert pod(gpu)[key] == pod(base)[key], key
-    assert gpu["ConfigMap"] == base["ConfigMap"]
+    # the same volumes, the config one naming the overlay's own (suffixed) ConfigMap
+    assert [v for v in pod(gpu)["volumes"] if v["name"] != "config"] == \
+        [v for v in pod(base)["volumes"] if v["name"] != "config"]
+    assert {"name": "config", "configMap": {"name": gpu["ConfigMap"]["metadata"]["name"]}} in pod(gpu)["volumes"]
+    assert gpu["ConfigMap"]["data"] == base["ConfigMap"]["data"]
+
+
+def node_matches(spec: dict, labels: dict[str, str]) -> bool:
+    """Whether the scheduler may place this pod spec on a node with these labels: its nodeSelector and its required
+    node affinity (the operators the manifests use), as the Kubernetes scheduler reads them."""
+    if any(labels.get(k) != v for k, v in spec.get("nodeSelector", {}).items()):
+        return False
+    required = spec.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    if not required:
+        return True
+    operators = {"In": lambda k, vs: k in labels and labels[k] in vs,
+                 "NotIn": lambda k, vs: k not in labels or labels[k] not in vs,
+                 "Exists": lambda k, vs: k in labels, "DoesNotExist": lambda k, vs: k not in labels}
+    return any(all(operators[e["operator"]](e["key"], e.get("values", [])) for e in term["matchExpressions"])
+               for term in required["nodeSelectorTerms"])
+
+
+def test_a_fleet_applies_the_base_and_the_gpu_overlay_side_by_side():
+    base, gpu = render(K8S / "base"), render(K8S / "overlays" / "gpu")
+    # applied together, no object of one overwrites a different object of the other (the shared Namespace is equal)
+    for kind in base:
+        same_name = base[kind]["metadata"]["name"] == gpu[kind]["metadata"]["name"]
+        assert not same_name or base[kind] == gpu[kind], kind
+    assert base["DaemonSet"]["metadata"]["name"] == "opcua-appliance"
+    assert gpu["DaemonSet"]["metadata"]["name"] == "opcua-appliance-gpu"
+    # neither DaemonSet's selector takes the other's pods (a DaemonSet controller fights over pods it selects)
+    for one, other in ((base, gpu), (gpu, base)):
+        selector = one["DaemonSet"]["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= one["DaemonSet"]["spec"]["template"]["metadata"]["labels"].items()
+        assert not selector.items() <= other["DaemonSet"]["spec"]["template"]["metadata"]["labels"].items()
+    # each appliance node gets exactly one of them (both bind the host's ports 4840 and 9464); others get none
+    nodes = {"cpu": {"opcua-appliance": "true"},
+             "gpu": {"opcua-appliance": "true", "nvidia.com/gpu.present": "true"},
+             "gpu-label-false": {"opcua-appliance": "true", "nvidia.com/gpu.present": "false"},
+             "not-an-appliance": {"nvidia.com/gpu.present": "true"}}
+    placed = {name: [d["DaemonSet"]["metadata"]["name"] for d in (base, gpu) if node_matches(pod(d), labels)]
+              for name, labels in nodes.items()}
+    assert placed == {"cpu": ["opcua-appliance"], "gpu": ["opcua-appliance-gpu"],
+                      "gpu-label-false": ["opcua-appliance"], "not-an-appliance": []}

@@ -2,31 +2,27 @@
 (KillMode=control-group, the default), workers included. Here `appliance serve` runs as its own process group with a
 tensor and a generative worker, a SCADA client subscribes to WorkerRestarting and the Part 9 conditions, calls are in
 flight, and SIGTERM (with SIGCONT, as systemd sends) goes to the whole group. The calls in flight are answered Good,
-no alarm is raised, no ERROR logged, no worker started, and serve exits 0 within the unit's TimeoutStopSec."""
+no alarm is raised, no ERROR logged, no worker started, and serve exits 0 within the unit's TimeoutStopSec.
+
+And during the first start's background compile of the decode step (a process the generative worker forks, with
+the worker's command line): the group's SIGTERM leaves nothing of the group within the drain time, and a kill -9 of
+serve takes the worker and its compiler with it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
-import yaml
 from asyncua import ua
 
-from harness import free_ports
 from onnx_models import heavy_model
+from serve_process import ROOT, Serve, children, command_line, group_members, wait_for_gone, worker_pids
 from uaclient import call, floats, session, status_name
-from worker_probes import DataChanges, Events, field, process_gone
+from worker_probes import DataChanges, Events, field
 
-ROOT = Path(__file__).resolve().parents[1]
 V = ua.VariantType
 
 
@@ -35,59 +31,6 @@ def timeout_stop_s() -> float:
     text = (ROOT / "systemd" / "appliance.service").read_text()
     (value,) = re.findall(r"^TimeoutStopSec=(\d+)s?$", text, re.M)
     return float(value)
-
-
-def worker_pids(serve_pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == serve_pid and fields[0] != "Z":
-                    found.append(int(entry))
-    return found
-
-
-class Serve:
-    """`appliance serve` as systemd runs it: a process group of its own, its output in a log file."""
-
-    def __init__(self, tmp: Path, models: dict, drain_s: float):
-        self.state_dir = tmp / "state"
-        self.port, self.metrics_port = free_ports(2)
-        self.endpoint = f"opc.tcp://127.0.0.1:{self.port}"
-        doc = {"server": {"endpoint": self.endpoint, "state_dir": str(self.state_dir), "drain_timeout_s": drain_s},
-               "metrics": {"listen": f"127.0.0.1:{self.metrics_port}"}, "watchdog": {"backend": "none"},
-               "engine": {"compile": "off"}, "models": models}
-        config = tmp / "appliance.yaml"
-        config.write_text(yaml.safe_dump(doc))
-        self.log_path = tmp / "serve.log"
-        self._log = self.log_path.open("w")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(config)], env=env,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        end = time.monotonic() + 180
-        while time.monotonic() < end:
-            with contextlib.suppress(urllib.error.URLError, ConnectionError, OSError):
-                if urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/readyz", timeout=2).status == 200:
-                    return
-            assert self.proc.poll() is None, self.log_path.read_text()
-            time.sleep(0.2)
-        raise AssertionError("serve did not become ready:\n" + self.log_path.read_text()[-3000:])
-
-    def issue(self, name: str, role: str):
-        import socket
-
-        from certs.pki import PKI
-        out = self.state_dir / "clients"
-        PKI(self.state_dir).issue(name, role, out, socket.gethostname())
-        return out / f"{name}.der", out / f"{name}.key.pem"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self._log.close()
 
 
 def test_sigterm_to_the_whole_group_is_a_planned_stop(tmp_path):
@@ -144,10 +87,62 @@ def test_sigterm_to_the_whole_group_is_a_planned_stop(tmp_path):
         serve.close()
 
 
-def wait_for_gone(pids: list[int], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if all(process_gone(pid) for pid in pids):
-            return True
+DRAIN_S = 5.0
+
+
+def compilers_of(worker: int) -> list[int]:
+    """The worker's forked children: the decode step's compiler (models/compiled_decode.py forks it)."""
+    line = command_line(worker)
+    return [pid for pid in children(worker) if command_line(pid) == line]
+
+
+def serve_while_compiling(tmp_path) -> tuple[Serve, int, list[int]]:
+    """serve with a generative model on its first start (engine.compile: auto, no package yet): Ready, then the
+    worker forks the compiler of the decode step; answered once the compiler runs."""
+    pytest.importorskip("transformers")
+    from tiny_llm import make_model_dir
+    make_model_dir(tmp_path / "chat")
+    serve = Serve(tmp_path, {"chat": {"kind": "generative", "path": str(tmp_path / "chat")}}, drain_s=DRAIN_S,
+                  engine={"compile": "auto"})
+    (worker,) = worker_pids(serve.proc.pid)
+    end = time.monotonic() + 60
+    while not (compilers := compilers_of(worker)) and time.monotonic() < end:
         time.sleep(0.05)
-    return False
+    assert compilers, "the worker forked no compiler:\n" + serve.log_path.read_text()[-3000:]
+    time.sleep(1.0)  # the compile under way (tracing, or Inductor's g++)
+    assert set(compilers) <= set(group_members(serve.proc.pid))  # what systemd's stop signals
+    return serve, worker, compilers
+
+
+def test_sigterm_to_the_group_during_a_background_compile_leaves_nothing(tmp_path):
+    serve, worker, compilers = serve_while_compiling(tmp_path)
+    try:
+        pgid = serve.proc.pid
+        signalled = time.monotonic()
+        os.killpg(pgid, signal.SIGTERM)  # systemd: SIGTERM, then SIGCONT, to every process of the unit
+        os.killpg(pgid, signal.SIGCONT)
+        code = serve.proc.wait(DRAIN_S + 5)
+        while group_members(pgid) and time.monotonic() < signalled + DRAIN_S:
+            time.sleep(0.05)
+        left = {pid: command_line(pid) for pid in group_members(pgid)}
+        print(f"serve exited {code} after {time.monotonic() - signalled:.2f} s; left: {left}")
+        assert not left, left  # the compiler (and its g++) ended with the stop, not TimeoutStopSec later
+        assert code == 0
+        assert not re.findall(r"^\S+ \S+ (?:ERROR|CRITICAL) .*$", serve.log_path.read_text(), re.M)
+    finally:
+        serve.close()
+
+
+def test_kill_9_of_serve_during_a_background_compile_takes_the_worker_and_its_compiler(tmp_path):
+    serve, worker, compilers = serve_while_compiling(tmp_path)
+    try:
+        pgid = serve.proc.pid
+        os.kill(serve.proc.pid, signal.SIGKILL)
+        serve.proc.wait(5)
+        assert wait_for_gone([worker, *compilers], 3), {p: command_line(p) for p in [worker, *compilers]}
+        end = time.monotonic() + 30  # a g++ the compiler had started finishes its file (it is no child of ours)
+        while group_members(pgid) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not group_members(pgid), {pid: command_line(pid) for pid in group_members(pgid)}
+    finally:
+        serve.close()

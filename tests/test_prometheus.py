@@ -35,6 +35,8 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None or shutil.whi
 
 
 def test_rules_pass_promtool():
+    # the unit tests include boxes whose clocks are off (no NTP): one 60 s behind that ticks and must not alert, one
+    # 10 min ahead that stalls and must; a rule comparing the box's clock with Prometheus's fails both
     for args in (["check", "rules", "appliance-rules.yml"], ["test", "rules", "appliance-rules.test.yml"],
                  ["check", "config", "prometheus.yml"]):
         out = subprocess.run(["promtool", *args], cwd=DEPLOY / "prometheus", capture_output=True, text=True,

@@ -4,6 +4,8 @@ same CPU features and memory as a shell (a /proc mounted with the unit's own Pro
 The installed unit under systemd as PID 1: scripts/acceptance.sh."""
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import re
@@ -83,12 +85,28 @@ def test_the_service_sees_the_cpu_and_memory_a_shell_sees(tmp_path):
 @needs_namespaces
 def test_the_check_sees_what_procsubset_pid_hides(tmp_path):
     """The check above can fail: ProcSubset=pid (as the unit had it) hides cpuinfo and meminfo, and torch then
-    reports DEFAULT (where the weight format follows torch's capability, weights: auto falls back to float32)."""
+    reports DEFAULT. The weight paths do not follow torch's view: our kernels read the CPU's features with cpuid,
+    so a hidden /proc leaves the loader the same paths (no silent fall back to float32 where the CPU has AVX2)."""
     shell, hidden = cpu_view(tmp_path), cpu_view(tmp_path, proc_mount_options("invisible", "pid"))
     assert not hidden["cpuinfo_readable"] and hidden["meminfo"] == {}
     assert hidden["capability"] == "DEFAULT"
-    if shell["capability"] != "DEFAULT" and isinstance(shell["weights"], str):
-        assert hidden["weights"] == "float32" != shell["weights"]
+    assert isinstance(shell["weights"], list) and "float32" in shell["weights"]
+    assert hidden["weights"] == shell["weights"] and hidden["avx2"] == shell["avx2"], (hidden, shell)
+    if shell["avx2"]:
+        assert "blocks/int8/avx2" in hidden["weights"] and hidden["cpu_kernels"], hidden
+
+
+def test_cpu_view_imports_only_what_exists():
+    """tests/cpu_view.py once caught an ImportError of functions that no longer existed and reported another
+    view instead: every name it imports must exist, and it catches no ImportError."""
+    tree = ast.parse(CPU_VIEW.read_text())
+    imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for alias in node.names if node.module != "__future__"]
+    assert ("appliance.engine.weight_plan", "cpu_paths") in imported
+    for module, name in imported:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    caught = [ast.unparse(h.type) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) and h.type is not None]
+    assert not any("ImportError" in c for c in caught), caught
 
 
 @needs_analyze

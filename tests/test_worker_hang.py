@@ -21,7 +21,7 @@ from asyncua import ua
 from harness import RunningAppliance
 from onnx_models import hang_model
 from uaclient import call, floats, read, run, session, status_name
-from worker_probes import HttpSampler, hook_environment, process_gone, wait_for
+from worker_probes import DataChanges, HttpSampler, hook_environment, process_gone, wait_for
 
 SLACK_S = 0.3  # a call's trip from the client to the engine thread, and a published value's 0.25 s tick
 RESTART_BACKOFF_S = 1.0  # the replacement comes a second after the kill: time to watch the stopped Heartbeat
@@ -103,6 +103,68 @@ def test_a_hung_generative_forward_pass_is_caught_within_the_timeout(tmp_path, m
                 assert status_name(await call(c, "chat", "Generate", generate_args("Hello"))) == "Good"
                 assert await read(c, "Models", "chat", "WorkerRestarts") == 1
         run(after())
+    finally:
+        app.stop()
+
+
+def test_a_hung_tokenizer_is_caught_and_the_kill_shows_in_worker_restarting_and_worker_up(tmp_path, monkeypatch):
+    """The prompt's tokenization (a chat template or pre-tokenizer in a loop) hangs instead of a forward pass: the
+    call is answered all the same, one timeout later; from the kill until the replacement is Ready the control room
+    sees Alarms/WorkerRestarting true (a SCADA subscription) and appliance_worker_up 0 (/metrics), and neither
+    before the kill nor after."""
+    pytest.importorskip("transformers")
+    from tiny_llm import make_model_dir
+    timeout = 3.0
+    trigger = tmp_path / "hang-now"
+    hook_environment(monkeypatch, trigger, at="tokenizer")
+    make_model_dir(tmp_path / "chat")
+    app = RunningAppliance(tmp_path / "state", {"chat": {"kind": "generative", "path": str(tmp_path / "chat")}},
+                           {"engine": {"worker_timeout_s": timeout, "worker_restart_backoff_s": RESTART_BACKOFF_S}})
+    try:
+        plc, scada = app.issue("plc", "operator"), app.issue("scada", "monitor")
+        wall_minus_mono = time.time() - time.monotonic()
+
+        async def go():
+            async with session(app, *plc) as c, session(app, *scada) as s:
+                assert status_name(await call(c, "chat", "Generate", generate_args("Hello"))) == "Good"
+                ns = await s.get_namespace_index("urn:opcua-inference-appliance")
+                alarm = await s.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Alarms", f"{ns}:WorkerRestarting"])
+                changes = DataChanges()
+                changes.names = {alarm: "WorkerRestarting"}
+                sub = await s.create_subscription(20, changes)
+                await sub.subscribe_data_change([alarm])
+                beats, stop = [], asyncio.Event()
+                reader = asyncio.create_task(read_heartbeats(s, "chat", beats, stop))
+                await asyncio.sleep(1.5)
+                trigger.write_text("")
+                r = await call(c, "chat", "Generate", generate_args("The pump"))  # its tokenization hangs
+                answered = time.monotonic()
+                await asyncio.to_thread(wait_for, lambda: app.app.services["chat"].status().state == "Ready", 60,
+                                        "chat Ready again")
+                await asyncio.sleep(1.5)
+                stop.set()
+                await reader
+                assert status_name(await call(c, "chat", "Generate", generate_args("Hello"))) == "Good"
+                return answered, status_name(r), beats, changes
+        with HttpSampler(app.metrics_url) as sampler:
+            answered, status, beats, changes = run(go(), timeout=180)
+        hang = float(Path(f"{trigger}.hung").read_text())
+        print(f"tokenizer hung at 0, killed and answered at {answered - hang:.2f} s (worker_timeout_s {timeout:g})")
+        check_caught_in_time(hang, answered, timeout, 0.0, sampler, beats, status)
+        # WorkerRestarting: false through the hang, true from the kill, false again once the model is Ready
+        flips = [(t - wall_minus_mono, v) for t, v in changes.of("WorkerRestarting")]
+        assert flips[0][1] is False and [v for t, v in flips if t > hang] == [True, False], flips
+        (raised, _), (cleared, _) = [(t, v) for t, v in flips if t > hang]
+        assert hang + timeout - 0.3 <= raised <= answered + 0.5, (raised - hang, answered - hang)
+        back = min(s.sent_mono for s in sampler.samples if s.sent_mono > answered and s.ready == 200)
+        assert abs(cleared - back) <= 0.6, (cleared - hang, back - hang)
+        # appliance_worker_up: 1 while the stall is shorter than the timeout, 0 from the kill until Ready, then 1
+        before = sampler.between(hang + 0.3, hang + timeout - 0.5, monotonic=True)
+        during = sampler.between(raised + 0.3, cleared - 0.3, monotonic=True)
+        after = sampler.between(back + 0.3, math.inf, monotonic=True)
+        assert before and all(x.worker_up.get("chat") == 1.0 for x in before), [x.worker_up for x in before]
+        assert len(during) >= 3 and all(x.worker_up.get("chat") == 0.0 for x in during), [x.worker_up for x in during]
+        assert after and all(x.worker_up.get("chat") == 1.0 for x in after), [x.worker_up for x in after]
     finally:
         app.stop()
 

@@ -129,9 +129,11 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-def hook_environment(monkeypatch, hang_file) -> None:
-    """Worker processes started from now on load tests/hooks/sitecustomize.py, armed with `hang_file` (see there)."""
+def hook_environment(monkeypatch, hang_file, at: str = "runner") -> None:
+    """Worker processes started from now on load tests/hooks/sitecustomize.py, armed with `hang_file`, hanging in
+    the engine step (`runner`) or the prompt's tokenization (`tokenizer`); see there."""
     hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hooks")
     current = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", hooks + (os.pathsep + current if current else ""))
     monkeypatch.setenv("APPLIANCE_TEST_HANG_FILE", str(hang_file))
+    monkeypatch.setenv("APPLIANCE_TEST_HANG_AT", at)

@@ -4,6 +4,7 @@ and the Admin methods (ReloadModel, PromoteVariant).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,10 +18,21 @@ from appliance.variants import Promotions, choose
 
 from .address_space import ApplianceNodes, write
 from .method_table import ADMIN, PROMOTE_IN, RELOAD_IN, RELOAD_OUT, MethodSpec
-from .methods import CallContext, caller_identity, require_type
+from .methods import CallContext, caller_identity, require_ready, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
+
+
+_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?(?:[/\\][^/\\\s:'\"(),;]+)+[/\\]?")
+
+
+def public_reason(message: str) -> str:
+    """A failure's message as a status text may show it: every file path reduced to its last part (a status text
+    never reveals where the appliance keeps its files), one line, at most 400 characters."""
+    text = _PATH.sub(lambda m: m.group(0).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1] or "?", message)
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:399] + "…"
 
 
 class Governance:
@@ -44,6 +56,14 @@ class Governance:
                 MethodSpec(ADMIN, "PromoteVariant", PROMOTE_IN, [], "engineer", self._promote)]
 
     # ---- who answers ----
+
+    def route(self, model: ServedModel, ctx: CallContext) -> ServedModel:
+        """The one routing of every model call, synchronous or a job (Infer, Classify, Generate, Converse, StartInfer,
+        StartGenerate, mailboxes): the answering model (variant, fallback), refused with BadInvalidState unless it
+        is Ready. A PLC meets the same variant through a job as through the call."""
+        answering = self.answering(model, ctx)
+        require_ready(answering)
+        return answering
 
     def answering(self, model: ServedModel, ctx: CallContext) -> ServedModel:
         """The model that answers the call: the one asked (or its caller's A/B variant), or the first of its
@@ -157,7 +177,8 @@ class Governance:
         try:
             version = await svc.reload()
         except ApplianceError as e:
-            self.emit_event(f"Reloading model {name} failed: {e}", severity=800)
+            ctx.status_text = public_reason(str(e))  # the engineer reads why, with the code (no paths)
+            self.emit_event(f"Reloading model {name} failed: {ctx.status_text}", severity=800)
             raise
         ctx.version = version
         self.emit_event(f"Model {name} reloaded, version {version}", severity=300)

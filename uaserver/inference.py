@@ -19,7 +19,7 @@ from .conversations import Conversations
 from .governance import Governance
 from .method_table import CLASSIFY_OUT, GENERATE_IN, GENERATE_OUT, INFER_IN, INFER_OUT, MethodSpec, generate_outputs, \
     infer_outputs
-from .methods import CallContext, MethodHandlers, require_ready, require_type
+from .methods import CallContext, MethodHandlers, require_type
 
 V = ua.VariantType
 
@@ -57,8 +57,7 @@ class Inference:
         fallback), its result recorded for the audit, drift updated after the answer is sent."""
         samples = self.samples(svc, samples_arg)
         ctx.input_digest = DigestOf(samples)
-        model = self.governance.answering(svc, ctx)
-        require_ready(model)
+        model = self.governance.route(svc, ctx)
         r = await model.infer(samples, self.handlers.deadline())
         ctx.version = r.model_version
         ctx.output_digest = DigestOf(r.output)
@@ -99,8 +98,7 @@ class Inference:
                                              svc.name, 0)
             prompt, max_tokens, temperature = self.generate_args(args, first)
             ctx.input_digest = DigestOf(prompt)
-            model = self.governance.answering(svc, ctx)
-            require_ready(model)
+            model = self.governance.route(svc, ctx)
             r = await model.generate(key, prompt, max_tokens, temperature, self.handlers.deadline())
             ctx.version = r.model_version
             ctx.output_digest = DigestOf(r.text)

@@ -24,7 +24,7 @@ from .address_space import ApplianceNodes
 from .inference import Inference
 from .method_table import (GET_GENERATE_RESULT_OUT, GET_INFER_RESULT_OUT, GET_RESULT_IN, INFER_IN, JOB_ID,
                            START_GENERATE_IN, MethodSpec, generate_outputs)
-from .methods import CallContext, MethodStatus, caller_identity, require_ready, require_type
+from .methods import CallContext, MethodStatus, caller_identity, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -76,8 +76,7 @@ class JobMethods:
         async def body(ctx: CallContext, args):
             samples = inference.samples(svc, args[0])
             ctx.input_digest = DigestOf(samples)
-            model = inference.governance.answering(svc, ctx)
-            require_ready(model)
+            model = inference.governance.route(svc, ctx)
             st = model.status()
             check_samples(samples, st.input_shape, st.max_samples)  # refused now, as Infer would refuse it
             deadline = self._bound()
@@ -104,25 +103,25 @@ class JobMethods:
             check_generate(prompt, max_tokens, temperature, self.config.engine.max_new_tokens, first=1)
             ctx.input_digest = DigestOf(prompt)
             key = conversations.key(ctx, conversation, svc.name, 0) if conversation else ctx.session.key
-            require_ready(svc)
+            model = inference.governance.route(svc, ctx)  # the variant or fallback Generate would meet
             finish_by = self._bound()
             deadline = finish_by + JOB_ANSWER_GRACE_S
             on_session = not conversation  # the session's own slot: kept for the job if the session closes
 
             async def run(on_progress):
                 try:
-                    return await svc.generate(key, prompt, max_tokens, temperature, deadline, on_progress,
-                                              finish_by=finish_by)
+                    return await model.generate(key, prompt, max_tokens, temperature, deadline, on_progress,
+                                                finish_by=finish_by)
                 finally:
                     if on_session:
-                        conversations.job_ended(svc, key)
+                        conversations.job_ended(model, key)
             if on_session:  # counted before the session can close
-                conversations.job_started(svc, key)
+                conversations.job_started(model, key)
             try:
                 job = self.store.start(caller_identity(ctx.session), svc.name, "generate", run)
             except ResourceUnavailable:
                 if on_session:
-                    conversations.job_ended(svc, key)
+                    conversations.job_ended(model, key)
                 raise
             return [ua.Variant(job.id, V.UInt32)]
         return body

@@ -71,12 +71,23 @@ class CallContext:
     audit_entry_id: str = ""
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0  # when the answer was ready (0: not yet)
+    status_text: str = ""  # why a refused call was refused, for the engineer: no paths or other internals
+
+
+class TextedResult(ua.CallMethodResult):
+    """A CallMethodResult that carries a status text beside its fields (encoded as the CallMethodResult it is)."""
+
+    status_text: str = ""
 
 
 def status_result(status: str, n_args: int = 0, arg_index: int | None = None,
-                  arg_status: str | None = None) -> ua.CallMethodResult:
-    res = ua.CallMethodResult()
+                  arg_status: str | None = None, text: str = "") -> ua.CallMethodResult:
+    """A refusal's result; `text` rides along as its status text (the operation's DiagnosticInfo LocalizedText,
+    answered to a client that asks for it in RequestHeader.ReturnDiagnostics: asyncua_internals/processor.py)."""
+    res = TextedResult() if text else ua.CallMethodResult()
     res.StatusCode = ua.StatusCode(getattr(ua.StatusCodes, status))
+    if text:
+        res.status_text = text
     if arg_index is not None and n_args:
         res.InputArgumentResults = [
             ua.StatusCode(getattr(ua.StatusCodes, arg_status) if i == arg_index else ua.StatusCodes.Good)
@@ -206,7 +217,7 @@ class MethodHandlers:
                 return status_result(status, len(args), e.index, ARGUMENT_STATUS_FOR_KIND[e.kind])
             except ApplianceError as e:
                 status = status_for(e)
-                return status_result(status)
+                return status_result(status, text=ctx.status_text)
             except asyncio.CancelledError:
                 # The client's connection is gone (or the server stops): no one can receive an answer. Counted and
                 # audited as abandoned; the engine stopped working on it when the cancellation reached the worker.

@@ -16,7 +16,7 @@ from yaml.nodes import Node, SequenceNode
 from .builtin import BUILTIN_MODELS, resolve_builtin
 from .rules import resolve_path
 from .schema import GENERATIVE_ONLY, TENSOR_ONLY, UA_CHUNK_BODY, ApplianceConfig
-from .yaml_walk import Context, Fields, did_you_mean, shown
+from .yaml_walk import Context, Fields, did_you_mean, key_path, shown
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -299,3 +299,38 @@ def check_alarm_sources(cfg: ApplianceConfig, ctx: Context) -> None:
                 mine = [b for b, c in cfg.mailboxes.items() if c.model == name]
                 ctx.error(ctx.nodes.get(key), key, f"expected a mailbox of model '{name}' ({', '.join(mine) or 'none'})"
                           f" or an identity ('user:NAME', 'x509:THUMBPRINT'), got {shown(value)}")
+
+
+# The Booleans the appliance itself puts under Objects/Appliance/Alarms (appliance/supervision.py's alarms(), and
+# the Drift folder of the models' drift alarms): a class label or a source may not take one of these BrowseNames.
+BUILTIN_ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical", "AuditLogFailed",
+                  "AuditLogTorn", "Drift")
+
+
+def check_alarm_names(cfg: ApplianceConfig, ctx: Context) -> None:
+    """No two children of Alarms share a BrowseName: each alarm class adds Alarms/<label> and each alarm source a
+    folder Alarms/<source>, beside the built-in alarms and the Drift folder (a client browsing by name would meet
+    only one of them). Reserved even without drift configured, so turning drift on never breaks a configuration."""
+    taken: dict[str, str] = {name: "a built-in alarm of the appliance" for name in BUILTIN_ALARMS}
+    for name, model in cfg.models.items():
+        path = key_path("models", name)
+        if not model.labels or f"{path}.labels" in ctx.bad or f"{path}.alarm_classes" in ctx.bad:
+            continue
+        seq = ctx.nodes.get(f"{path}.alarm_classes")
+        for i, c in enumerate(model.alarm_class_indices):
+            label = model.labels[c]
+            node = seq.value[i] if isinstance(seq, SequenceNode) and i < len(seq.value) else seq
+            if label in taken:
+                ctx.error(node, f"{path}.alarm_classes[{i}]", f"the alarm class {shown(label)} would be "
+                          f"Alarms/{label}, which is already {taken[label]}: give the class another label")
+            else:
+                taken[label] = f"an alarm class of model '{name}'"
+    for name, model in cfg.models.items():
+        path = key_path("models", name)
+        for source in model.alarm_sources:
+            key = f"{key_path(path, 'alarm_sources')}.{source}"
+            if source in taken:
+                ctx.error(ctx.nodes.get(key), key, f"the source {shown(source)} would be the folder Alarms/{source},"
+                          f" which is already {taken[source]}: give the source another name")
+            else:
+                taken[source] = f"an alarm source of model '{name}'"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from appliance.cgroup_memory import memory_cgroup
 from appliance.engine.llm_settings import (ACTIVATIONS, COMPILE, DTYPES, MEMORY_HEADROOM, QUANT_KERNELS, WEIGHTS,
                                            GenerativeSettings)
 from appliance.engine.slots import POLICIES
@@ -73,16 +74,21 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
     cache = None
     if current is not None and _same_cache_shape(current.cache, config, s.kv_slots, max_seq_len, kv_dtype, device):
         cache = current.cache  # every slot is dropped at the swap; no need for a second cache
+    backend = plan.backend
     if cache is None:
         need = KVCache.nbytes_for(config, s.kv_slots, max_seq_len, kv_dtype)
-        available = _available_memory(device)
+        available, bound = _available_memory(device)
         if available is not None and need > MEMORY_HEADROOM * available:
             raise EngineFailure(
                 f"the KV cache for kv_slots={s.kv_slots} x max_seq_len={max_seq_len} needs "
-                f"{need / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of memory is available; "
-                "lower kv_slots or max_seq_len")
+                f"{need / 2**30:.2f} GiB but only {available / 2**30:.2f} GiB of memory is available, bounded by "
+                f"{bound}; lower kv_slots or max_seq_len")
+        if available is not None:
+            log.info("model %s: KV cache %.2f GiB of %.2f GiB free, bounded by %s", name, need / 2**30,
+                     available / 2**30, bound)
+            backend += f"; KV cache {need / 2**30:.2f} GiB, memory bounded by {bound}"
         cache = KVCache(config, s.kv_slots, max_seq_len, kv_dtype, device)
-    log.info("model %s: %s", name, plan.backend)
+    log.info("model %s: %s", name, backend)
     compiled = None
     if s.compile != "off" and device == "cpu":
         from models.compiled_decode import CompiledDecode
@@ -92,7 +98,7 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
             # package loads in milliseconds, before Ready, so the box never serves eager decode while a compile
             # takes a core
             compile_decode(name, compiled)
-    return LoadedEngine(model, cache, tokenizer, version_label or version, plan.backend, max_seq_len, compiled,
+    return LoadedEngine(model, cache, tokenizer, version_label or version, backend, max_seq_len, compiled,
                         plan.weight_format, plan.record)
 
 
@@ -180,20 +186,30 @@ def _same_cache_shape(cache: Any, config: Any, n_slots: int, max_seq_len: int, d
             and kv.shape[5] == config.head_dim and str(kv.device).split(":")[0] == device.split(":")[0])
 
 
-def _available_memory(device: str) -> int | None:
-    """Bytes free for a new allocation: MemAvailable on the host, free memory on a GPU."""
+def _available_memory(device: str) -> tuple[int | None, str]:
+    """Bytes free for a new allocation and what bounds them: on a GPU its free memory; on the host the smaller of
+    MemAvailable and what the process's cgroup still allows (systemd's MemoryMax=, a pod's memory limit: a box
+    with 32 GB and a service capped at 8 GB has 8 to give, and the cgroup's OOM killer takes the rest)."""
     if device.startswith("cuda"):
         import torch
         free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free)
+        return int(free), "the GPU's free memory"
+    host = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    host = int(line.split()[1]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    cgroup = memory_cgroup()
+    cap = cgroup.limit() if cgroup is not None else None
+    if cap is not None:
+        log.info("memory: %s at %s, %.2f GiB free under it; MemAvailable %s", cap.describe(), cap.cgroup,
+                 cap.available / 2**30, f"{host / 2**30:.2f} GiB" if host is not None else "unreadable")
+        if host is None or cap.available < host:
+            return cap.available, cap.describe()
+    return host, "the host's MemAvailable"
 
 
 def load_failure_reason(exc: BaseException) -> str:

@@ -37,6 +37,45 @@ class WeightPlan:
     record: Any = None  # models.path_choice.Record when the path was measured
 
 
+@dataclass
+class CpuPaths:
+    paths: list  # models.path_choice.PathName: the paths the settings allow on this CPU (several: measured)
+    notes: list[str]  # what Backend says about anything faster that is unavailable
+    cpu: Any  # kernels.cpu_quant.CpuInfo, or None where our kernels cannot run
+    types: dict[str, str]  # GGUF tensor name -> its type
+    weights: str  # the `weights` setting, `auto` narrowed to the file's dtype for a float file
+
+
+def cpu_paths(path: Path, s: GenerativeSettings) -> CpuPaths:
+    """The paths plan_weights chooses among on this CPU (cpuid, the file's tensor types, the settings), without
+    loading anything: what tests/cpu_view.py reports for a process under the unit's sandbox."""
+    from kernels import cpu_quant
+    from models import path_choice, quant
+
+    cache_dir = Path(s.weight_cache_dir) if s.weight_cache_dir else None
+    compute = s.dtype if s.dtype != "auto" else "float32"
+    types: dict[str, str] = {}
+    if path.is_file() and path.suffix == ".gguf":
+        from models.weight_cache import gguf_tensor_types
+        types = gguf_tensor_types(path, cache_dir)
+    notes: list[str] = []
+    without_kernel = sorted(set(types.values()) - set(quant.BLOCK_TYPES) - set(DENSE_TYPES))
+    if without_kernel:
+        notes.append(f"no kernel for {', '.join(without_kernel)}: those matrices requantized to Q8_0")
+    layer_types = {t for n, t in types.items() if n not in HEAD_GGUF_NAMES}
+    cpu, isas, why = cpu_quant.usable_isas(Path(s.cpu_kernel_dir) if s.cpu_kernel_dir else None)
+    if why:
+        notes.append(f"our kernels unavailable: {why}")
+    weights = s.weights
+    if weights == "auto" and not (set(types.values()) & set(quant.BLOCK_TYPES) or without_kernel):
+        weights = compute  # a float file (or an HF directory): its dtype, nothing to measure
+    dense_ok = [s.dtype] if s.dtype != "auto" else ["float32", "bfloat16"]
+    paths = [p for p in path_choice.candidates(weights, s.activations, s.quant_kernels, isas, layer_types,
+                                               quant.FOUR_BIT)
+             if p.quantized or p.weights in dense_ok or weights == p.weights]
+    return CpuPaths(paths, notes, cpu, types, weights)
+
+
 def plan_weights(path: Path, s: GenerativeSettings, device: str, measure: Callable | None = None,
                  remeasure: bool = False, kl: Callable | None = None) -> WeightPlan:
     """Load the model's weights along the path the settings (and, for auto, this CPU's measurements) give."""
@@ -58,28 +97,9 @@ def plan_weights(path: Path, s: GenerativeSettings, device: str, measure: Callab
         return WeightPlan(model, loaded.config, loaded.tokenizer, loaded.version, f"cuda {compute}: dense weights",
                           compute, False, compute)
 
-    from kernels import cpu_quant
     compute = s.dtype if s.dtype != "auto" else "float32"
-    gguf = path.is_file() and path.suffix == ".gguf"
-    types: dict[str, str] = {}
-    if gguf:
-        from models.weight_cache import gguf_tensor_types
-        types = gguf_tensor_types(path, cache_dir)
-    notes: list[str] = []
-    without_kernel = sorted(set(types.values()) - set(quant.BLOCK_TYPES) - set(DENSE_TYPES))
-    if without_kernel:
-        notes.append(f"no kernel for {', '.join(without_kernel)}: those matrices requantized to Q8_0")
-    layer_types = {t for n, t in types.items() if n not in HEAD_GGUF_NAMES}
-    cpu, isas, why = cpu_quant.usable_isas(kernel_dir)
-    if why:
-        notes.append(f"our kernels unavailable: {why}")
-    weights = s.weights
-    if weights == "auto" and not (set(types.values()) & set(quant.BLOCK_TYPES) or without_kernel):
-        weights = compute  # a float file (or an HF directory): its dtype, nothing to measure
-    dense_ok = [s.dtype] if s.dtype != "auto" else ["float32", "bfloat16"]
-    paths = [p for p in path_choice.candidates(weights, s.activations, s.quant_kernels, isas, layer_types,
-                                               quant.FOUR_BIT)
-             if p.quantized or p.weights in dense_ok or weights == p.weights]
+    options = cpu_paths(path, s)
+    paths, notes, cpu, types, weights = options.paths, options.notes, options.cpu, options.types, options.weights
     if not paths:
         raise EngineFailure(f"no way to run this model with weights: {s.weights}, activations: {s.activations}, "
                             f"quant_kernels: {s.quant_kernels} here" + (f" ({'; '.join(notes)})" if notes else ""))

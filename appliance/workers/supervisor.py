@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from appliance.cgroup_memory import MemoryCgroup, memory_cgroup
 from appliance.errors import ApplianceError, DeadlineExceeded, EngineFailure, NotReady, error_from
 from appliance.workers import protocol as p
 from appliance.workers.worker import MEMORY_EXIT
@@ -78,6 +79,8 @@ class WorkerSupervisor:
         self.restarts = 0
         self.last_tick = time.monotonic()  # the supervision loop's own heartbeat
         self.death_reason = ""  # why the worker last died or was killed
+        self._cgroup: MemoryCgroup | None = None  # the worker's memory cgroup, read at its start
+        self._oom_kills: int | None = None  # that cgroup's OOM kill count then
         self.on_restart: list[Callable[[], None]] = []  # listeners (remote models drop session state)
         self.on_change: list[Callable[[], None]] = []  # listeners: a model started or ended restarting, or failed
         self._recovering: set[str] = set()  # models whose worker died and whose replacement has not loaded them
@@ -236,6 +239,9 @@ class WorkerSupervisor:
         if self.metrics is not None:
             for name in self.snapshots:
                 self.metrics.worker_up.labels(name).set(0 if name in self._recovering else 1)
+        # its cgroup's OOM kills so far: a SIGKILL with more of them is the OOM killer's (a memory cap), not anonymous
+        self._cgroup = memory_cgroup(self.process.pid)
+        self._oom_kills = self._cgroup.oom_kills() if self._cgroup is not None else None
         log.info("worker %s started (pid %d)", self.group, self.process.pid)
 
     async def _watch(self) -> str:
@@ -269,11 +275,26 @@ class WorkerSupervisor:
             reason, self._kill_reason = self._kill_reason, ""
         elif code == MEMORY_EXIT:
             reason = "it exceeded engine.worker_memory_mb"
+        elif code == -signal.SIGKILL and (oom := self._oom_killed()):
+            reason = oom
         elif code is not None and code < 0:
             reason = f"it was killed by signal {signal.Signals(-code).name}"
         else:
             reason = f"it exited with status {code}"
         return reason
+
+    def _oom_killed(self) -> str:
+        """Why a worker killed by SIGKILL died, where its cgroup's OOM kill count rose since it started; else ""."""
+        if self._cgroup is None or self._oom_kills is None:
+            return ""
+        now = self._cgroup.oom_kills()
+        if now is None or now <= self._oom_kills:
+            return ""
+        cap = self._cgroup.limit()
+        events = "memory.events" if self._cgroup.version == 2 else "memory.oom_control"
+        return (f"it was killed by the OOM killer: {cap.describe() if cap else 'its cgroup'} was reached "
+                f"({events} oom_kill {self._oom_kills} -> {now}); lower kv_slots or max_seq_len, or raise the "
+                "limit (MemoryMax= of the unit, the pod's memory limit)")
 
     def _on_message(self, message) -> None:
         """Each message from the worker, as it is decoded (see protocol.Channel)."""

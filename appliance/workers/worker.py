@@ -4,7 +4,8 @@ Hosts the engine services of its models (tensor: dynamic batcher + backend; gene
 its own event loop and answers the serve process over the inherited socket. It knows nothing of OPC UA: failures
 travel as engine reasons. It ends when the serve process says Stop, when the socket closes, or when the serve
 process dies (PR_SET_PDEATHSIG), so no worker outlives its parent; SIGTERM and SIGINT, which a stop of the systemd
-unit or Ctrl-C send to every process, it ignores: serve stops it once the calls in flight are answered.
+unit or Ctrl-C send to every process, it ignores: serve stops it once the calls in flight are answered. A process it
+forks (the decode step's compiler) gets both signals back and ends with the worker.
 
 Liveness: each Ping is answered with since when the current engine operation has run (engine/liveness.py), from
 the moment the process runs (the engines are imported in a thread); a worker stopped by SIGSTOP answers nothing.
@@ -337,15 +338,47 @@ def _peak_rss_mb() -> float:
 WORKER_NICE = 5  # added to the serve process's niceness (see main)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this process when the serve process dies, even by kill -9 (Linux); elsewhere the socket's EOF does."""
+def _die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """`sig` to this process when its parent dies, even by kill -9 (Linux); elsewhere the socket's EOF does."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):
         pass
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
+
+
+def _forked_children_end_with_the_worker() -> None:
+    """A process this worker forks (the decode step's compiler, models/compiled_decode.py, or a helper a library
+    forks) ends with the planned stop and with the worker: fork keeps the worker's ignored SIGTERM and SIGINT (and
+    exec keeps an ignored signal ignored, for the compiler's own g++) but drops PR_SET_PDEATHSIG, so such a child
+    outlived a `systemctl stop` (which then waited TimeoutStopSec) and a kill -9 of serve (a core busy for
+    minutes). In each child: SIGTERM and SIGINT back to their default, and SIGTERM when the worker dies."""
+    worker = os.getpid()
+
+    def in_child() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (ValueError, OSError):  # not this interpreter's main thread: at the C level then
+                ctypes.CDLL(None).signal(int(sig), 0)  # 0: SIG_DFL
+        _die_with_parent(worker, signal.SIGTERM)
+    os.register_at_fork(after_in_child=in_child)
+
+
+WORKER_OOM_SCORE_ADJ = 500  # added to the kernel's OOM badness: a worker goes before the serve process
+
+
+def _prefer_as_oom_victim() -> None:
+    """Where the cgroup's memory cap is reached, the OOM killer takes a worker (which serve reports and replaces),
+    not the serve process (which would take the OPC UA server and every model with it). Raising one's own
+    oom_score_adj needs no privilege."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(WORKER_OOM_SCORE_ADJ))
+    except OSError as exc:
+        log.info("the worker could not raise its oom_score_adj: %s", exc)
 
 
 async def _main(fd: int) -> None:
@@ -372,6 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    _forked_children_end_with_the_worker()
     # The loop shares the GIL with the engine thread; 5 ms switches would add to every call (see daemon.serve).
     sys.setswitchinterval(0.0005)
     global _group
@@ -384,6 +418,7 @@ def main(argv: list[str] | None = None) -> None:
         os.nice(WORKER_NICE)
     except OSError as exc:  # a seccomp filter without setpriority: the worker serves at serve's priority
         log.warning("the worker could not lower its CPU priority: %s", exc)
+    _prefer_as_oom_victim()
     try:
         asyncio.run(_main(args.fd))
     except EOFError:

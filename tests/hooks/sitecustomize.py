@@ -5,8 +5,10 @@ on the PYTHONPATH of the appliance's workers and names a trigger file in APPLIAN
 appliance knows of it, and without that variable it does nothing.
 
 Armed, the first engine step (appliance.engine.runner.ModelRunner.run: a forward pass) that begins while the trigger
-file exists never ends, as a forward pass stuck in a kernel would. It claims the file first (renamed to
-`<file>.hung`, holding the time.monotonic() the hang began), so the replacement worker serves normally.
+file exists never ends, as a forward pass stuck in a kernel would. With APPLIANCE_TEST_HANG_AT=tokenizer it is the
+first prompt tokenization instead (models.tokenizer.ChatTokenizer.turn_tokens_and_head: a chat template or a
+pre-tokenizer stuck in a loop). It claims the file first (renamed to `<file>.hung`, holding the time.monotonic() the
+hang began), so the replacement worker serves normally.
 """
 import importlib.abc
 import importlib.util
@@ -16,7 +18,9 @@ import threading
 import time
 
 TRIGGER = os.environ.get("APPLIANCE_TEST_HANG_FILE")
-TARGET = "appliance.engine.runner"
+AT = os.environ.get("APPLIANCE_TEST_HANG_AT", "runner")
+TARGET, CLASS, METHOD = {"runner": ("appliance.engine.runner", "ModelRunner", "run"),
+                         "tokenizer": ("models.tokenizer", "ChatTokenizer", "turn_tokens_and_head")}[AT]
 
 
 def _hang_here() -> bool:
@@ -32,13 +36,14 @@ def _hang_here() -> bool:
 
 
 def _patch(module) -> None:
-    run = module.ModelRunner.run
+    cls = getattr(module, CLASS)
+    original = getattr(cls, METHOD)
 
-    def run_or_hang(self, plan):
+    def run_or_hang(self, *args, **kwargs):
         if _hang_here():
-            threading.Event().wait()  # forever, inside the engine's busy() like a stuck kernel
-        return run(self, plan)
-    module.ModelRunner.run = run_or_hang
+            threading.Event().wait()  # forever, like a stuck kernel or a template in a loop
+        return original(self, *args, **kwargs)
+    setattr(cls, METHOD, run_or_hang)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -58,3 +63,49 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 if TRIGGER:
     sys.meta_path.insert(0, _AfterImport())
+
+
+# Checking the soak's leak check (tests/test_workers_load.py, APPLIANCE_SOAK_LEAK_MB_S): a process that loads this
+# leaks that many MB a second, its pages touched, as a leak in the engine would.
+LEAK_MB_S = float(os.environ.get("APPLIANCE_TEST_LEAK_MB_S", "0") or 0)
+
+
+def _leak_forever() -> None:
+    kept, size = [], int(LEAK_MB_S * 2**20 / 10)
+    while True:
+        kept.append(b"\x01" * size)
+        time.sleep(0.1)
+
+
+if LEAK_MB_S > 0:
+    threading.Thread(target=_leak_forever, name="test-leak", daemon=True).start()
+
+
+# A worker that outgrows its memory cap (tests/test_cgroup_memory.py): once APPLIANCE_TEST_BLOAT_FILE exists, the first
+# worker process to see it claims it and allocates until the cgroup's OOM killer ends it (its replacement is clean).
+BLOAT = os.environ.get("APPLIANCE_TEST_BLOAT_FILE")
+
+
+def _is_worker() -> bool:
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return b"appliance.workers.worker" in f.read()
+    except OSError:
+        return False
+
+
+def _bloat_when_told() -> None:
+    while True:
+        try:
+            os.rename(BLOAT, f"{BLOAT}.claimed")
+            break
+        except FileNotFoundError:
+            time.sleep(0.05)
+    kept = []
+    while True:
+        kept.append(b"\x01" * (16 << 20))
+        time.sleep(0.01)
+
+
+if BLOAT and _is_worker():
+    threading.Thread(target=_bloat_when_told, name="test-bloat", daemon=True).start()

@@ -57,6 +57,27 @@ REFUSED = _ids("AddNodes", "DeleteNodes", "AddReferences", "DeleteReferences", "
                "RegisterServer2", "HistoryUpdate")
 
 
+OPERATION_LOCALIZED_TEXT = 0x40  # DiagnosticsMask bit: the client asks for each operation's text
+
+
+def add_status_texts(response: ua.CallResponse) -> None:
+    """Each result's status text (uaserver/methods.py's status_result) as its DiagnosticInfo's LocalizedText, an
+    index into the response's string table (Part 4, 7.12): UaExpert and other clients show it beside the code."""
+    texts = [getattr(r, "status_text", "") for r in response.Results]
+    if not any(texts):
+        return
+    table: list[str] = []
+    infos = []
+    for text in texts:
+        if text:
+            table.append(text)
+            infos.append(ua.DiagnosticInfo(LocalizedText=len(table) - 1))
+        else:
+            infos.append(ua.DiagnosticInfo())
+    response.ResponseHeader.StringTable = table
+    response.DiagnosticInfos = infos
+
+
 def _token_kind(token) -> str:
     return ("x509" if isinstance(token, ua.X509IdentityToken) else
             "username" if isinstance(token, ua.UserNameIdentityToken) else "anonymous")
@@ -287,7 +308,12 @@ class HardenedProcessor(UaProcessor):
         assert isinstance(session, ApplianceSession)
         if session.outstanding_calls >= self.guard.max_requests_per_session:
             raise ServiceError(ua.StatusCodes.BadTooManyOperations)
-        params = call_parameters_from_binary(body)
+        try:
+            params = call_parameters_from_binary(body)
+        except ua.UaStatusCodeError:
+            raise
+        except ua.UaError as e:  # asyncua's decoders refuse what lies (e.g. ArrayDimensions beyond the elements sent)
+            raise ServiceError(ua.StatusCodes.BadDecodingError) from e
         session.touch()
         session.outstanding_calls += 1
         token = current_session.set(session)
@@ -308,6 +334,8 @@ class HardenedProcessor(UaProcessor):
             results = await session.call(params.MethodsToCall)
             response = ua.CallResponse()
             response.Results = results
+            if requesthdr.ReturnDiagnostics & OPERATION_LOCALIZED_TEXT:
+                add_status_texts(response)
         except Exception:  # noqa: BLE001 - every call is answered: a failure is a logged BadInternalError
             log.exception("call failed")
             response = ua.ServiceFault()
