@@ -23,6 +23,10 @@
 #define MAXT 4
 #endif
 #define NVP (PANEL / LANES) /* vectors per panel: 1 (512-bit) or 2 (256-bit) */
+#ifndef GEMM_T
+#define GEMM_T 4 /* rows per tile over an unpacked column (accumulators in registers) */
+#endif
+#define GEMM_MIN_ROWS 2 /* from this many rows a call unpacks each column once (unpack_column) */
 #define CHUNK_COLS 4        /* vector columns per cache chunk */
 #define PARALLEL_MACS (1 << 18) /* multiply-adds below which one thread does the product */
 
@@ -215,6 +219,107 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
         for (int v = 0; v < V; v++) STOREF(y + (size_t)t * ldy + v * LANES, acc[t][v]);
 }
 
+
+/* ---- int8 mode, 2 rows and more: each weight block unpacked once per call ------------------------------------ */
+
+/* A vector column's weights (LANES outputs x k inputs) unpacked once into `ub` (per block: its 8 group vectors of
+ * values, lo j = 0..3 then hi j = 0..3) and its block scales into `sc` (per block: D, then M or Q6_K's second D, as
+ * float vectors computed as tile_i8 computes them), so every row tile of the step multiplies from L1/L2 without
+ * unpacking again: at 16 rows the unpacking (and, for 5- and 6-bit blocks, merging the high bits) is done once
+ * instead of once per tile of 4 rows. */
+static inline __attribute__((always_inline)) void unpack_column(const int fmt, const uint8_t *w, size_t pstride,
+                                                                int c, int nrec, uint8_t *ub, float *sc) {
+    const int rb = RECORD_BYTES[fmt], sbk = SUPER_BLOCK[fmt] / QK;
+    const uint8_t *pb = w + (size_t)(c / NVP) * pstride;
+    const int hv = c % NVP, o = hv * LANES;
+    for (int s = 0; s < nrec; s++) {
+        const uint8_t *rec = pb + (size_t)s * rb;
+        if (s + 1 < nrec) __builtin_prefetch(rec + rb, 0, 0);
+        for (int b = 0; b < sbk; b++) {
+            const int blk = s * sbk + b;
+            const uint8_t *qb = rec + b * 256 + hv * VBYTES;
+            VI qh[2];
+            block_high_bits(fmt, rec, b, hv * VBYTES, qh);
+            uint8_t *dst = ub + (size_t)blk * 8 * VBYTES;
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                VI lo, hi;
+                PAIR(fmt, qb, qh, j, lo, hi);
+                STOREB(dst + j * VBYTES, lo);
+                STOREB(dst + (4 + j) * VBYTES, hi);
+            }
+            VF D, M = ZEROF();
+            if (IS_Q4(fmt) || IS_Q5(fmt)) {
+                D = LOADH(rec + Q4_D + 2 * o);
+                M = LOADH(rec + Q4_M + 2 * o);
+            } else if (fmt == F_Q8_0) {
+                D = LOADH(rec + Q8_D + 2 * o);
+            } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
+                D = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
+                M = MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o));
+            } else {
+                const VF d = LOADH(rec + QK6_D + 2 * o);
+                D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
+                M = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o)); /* Q6_K: the high half's D */
+            }
+            STOREF(sc + (size_t)blk * 2 * LANES, D);
+            STOREF(sc + (size_t)blk * 2 * LANES + LANES, M);
+        }
+    }
+}
+
+/* T rows x one vector column from unpack_column's buffers: per block, the same integer sums and the same float
+ * steps, in the same order, as tile_i8 (so the same bits). */
+static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const int T, const uint8_t *ub,
+                                                            const float *sc, int nb, const acts_t *a, int r0, int k,
+                                                            float *y, int ldy) {
+    VF acc[GEMM_T];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) acc[t] = ZEROF();
+    for (int blk = 0; blk < nb; blk++) {
+        const uint8_t *wb = ub + (size_t)blk * 8 * VBYTES;
+        const VF D = LOADF(sc + (size_t)blk * 2 * LANES), M = LOADF(sc + (size_t)blk * 2 * LANES + LANES);
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            const int8_t *xr = a->q + (size_t)(r0 + t) * k + blk * QK;
+            const size_t ri = (size_t)(r0 + t) * nb + blk;
+            VI isum = ZEROI(), isumb = ZEROI();
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const VI xl = SET1I(load_i32(xr + 4 * j)), xh = SET1I(load_i32(xr + 16 + 4 * j));
+                const VI lo = LOADB(wb + j * VBYTES), hi = LOADB(wb + (4 + j) * VBYTES);
+                if (fmt == F_Q8_0) {
+                    isum = DOTQ8(isum, lo, xl);
+                    isum = DOTQ8(isum, hi, xh);
+                } else if (fmt == F_Q6_K) {
+                    isum = DOT(isum, lo, xl);
+                    isumb = DOT(isumb, hi, xh);
+                } else {
+                    isum = DOT2(isum, lo, xl, hi, xh);
+                }
+            }
+            const VF dx = SET1F(a->d[ri]);
+            if (fmt == F_Q8_0) {
+                if (Q8_FIXUP) isum = SUBI(isum, SET1I(128 * a->s[ri]));
+                acc[t] = FMA(CVT(isum), MUL(D, dx), acc[t]);
+            } else if (fmt == F_Q6_K) {
+                const VI ia = SUBI(isum, SET1I(32 * a->s16[2 * ri]));
+                const VI ib = SUBI(isumb, SET1I(32 * a->s16[2 * ri + 1]));
+                acc[t] = FMA(CVT(ia), MUL(D, dx), acc[t]);
+                acc[t] = FMA(CVT(ib), MUL(M, dx), acc[t]);
+            } else {
+                acc[t] = FMA(CVT(isum), MUL(D, dx), acc[t]);
+                if (IS_Q4(fmt) || IS_Q5(fmt))
+                    acc[t] = FMA(M, SET1F(a->dm[ri]), acc[t]);
+                else
+                    acc[t] = FNMA(M, SET1F(a->dm[ri]), acc[t]);
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++) STOREF(y + (size_t)t * ldy, acc[t]);
+}
+
 /* ---- float32 mode --------------------------------------------------------------------------------------------- */
 
 static inline __attribute__((always_inline)) void tile_f32(const int fmt, const int T, const uint8_t *w,
@@ -312,6 +417,32 @@ DEF_FMT(4)
 DEF_FMT(5)
 DEF_FMT(6)
 
+typedef void (*unpack_fn)(const uint8_t *, size_t, int, int, uint8_t *, float *);
+typedef void (*gemm_fn)(const uint8_t *, const float *, int, const acts_t *, int, int, float *, int);
+#define DEF_GEMM(F)                                                                                         \
+    static void unpack_##F(const uint8_t *w, size_t ps, int c, int nrec, uint8_t *ub, float *sc) {          \
+        unpack_column(F, w, ps, c, nrec, ub, sc);                                                           \
+    }                                                                                                       \
+    static void gemm_##F##_1(const uint8_t *ub, const float *sc, int nb, const acts_t *a, int r0, int k,    \
+                             float *y, int ldy) { gemm_tile(F, 1, ub, sc, nb, a, r0, k, y, ldy); }          \
+    static void gemm_##F##_2(const uint8_t *ub, const float *sc, int nb, const acts_t *a, int r0, int k,    \
+                             float *y, int ldy) { gemm_tile(F, 2, ub, sc, nb, a, r0, k, y, ldy); }          \
+    static void gemm_##F##_3(const uint8_t *ub, const float *sc, int nb, const acts_t *a, int r0, int k,    \
+                             float *y, int ldy) { gemm_tile(F, 3, ub, sc, nb, a, r0, k, y, ldy); }          \
+    static void gemm_##F##_4(const uint8_t *ub, const float *sc, int nb, const acts_t *a, int r0, int k,    \
+                             float *y, int ldy) { gemm_tile(F, 4, ub, sc, nb, a, r0, k, y, ldy); }
+DEF_GEMM(1)
+DEF_GEMM(2)
+DEF_GEMM(3)
+DEF_GEMM(4)
+DEF_GEMM(5)
+DEF_GEMM(6)
+#define GEMM_ROW(F) {0, gemm_##F##_1, gemm_##F##_2, gemm_##F##_3, gemm_##F##_4}
+static const unpack_fn UNPACK[F_COUNT] = {unpack_1, unpack_1, unpack_2, unpack_3, unpack_4, unpack_5, unpack_6,
+                                          unpack_6};
+static const gemm_fn GEMM[F_COUNT][GEMM_T + 1] = {GEMM_ROW(1), GEMM_ROW(1), GEMM_ROW(2), GEMM_ROW(3), GEMM_ROW(4),
+                                                  GEMM_ROW(5), GEMM_ROW(6), GEMM_ROW(6)};
+
 /* [fmt][T][V]: V 1, 2, 4 at index 0, 1, 2 (0 where the tile shape is not made) */
 #define I8_ROW(F)                                                                                           \
     {{0, 0, 0},                                                                                             \
@@ -391,7 +522,31 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
 #endif
         const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
         if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, &a, big, k, y, n);
-        for (int cc = cbeg; cc < cend && tiles > 0; cc += CHUNK_COLS) {
+        /* 2 rows and more: each vector column unpacked once, then every row tile multiplies from that copy */
+        const int nb = k / QK;
+        uint8_t *ub = 0;
+        float *sc = 0;
+        if (mode == 0 && rest >= GEMM_MIN_ROWS && cbeg < cend) {
+            ub = (uint8_t *)aligned_alloc(64, (size_t)nb * 8 * VBYTES + (size_t)nb * 2 * LANES * sizeof(float));
+            sc = ub ? (float *)(ub + (size_t)nb * 8 * VBYTES) : 0;
+        }
+        const int gtiles = (rest + GEMM_T - 1) / GEMM_T;
+        for (int c = cbeg; ub && c < cend; c++) {
+            UNPACK[fmt](w, pstride, c, nrec, ub, sc);
+            const int partial = (c + 1) * LANES > n;
+            for (int i = 0, r0 = big; i < gtiles; i++) {
+                const int t = rest / gtiles + (i < rest % gtiles);
+                float tmp[GEMM_T * LANES];
+                float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+                const int ldy = partial ? LANES : n;
+                GEMM[fmt][t](ub, sc, nb, &a, r0, k, yt, ldy);
+                if (partial)
+                    for (int r = 0; r < t; r++)
+                        for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * LANES + o - c * LANES];
+                r0 += t;
+            }
+        }
+        for (int cc = cbeg; cc < cend && tiles > 0 && !ub; cc += CHUNK_COLS) {
             const int cstop = cc + CHUNK_COLS < cend ? cc + CHUNK_COLS : cend;
             for (int i = 0, r0 = big; i < tiles; i++) {
                 const int t = rest / tiles + (i < rest % tiles);
@@ -414,6 +569,7 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
                 r0 += t;
             }
         }
+        free(ub);
     }
     free(buf);
     return 0;
