@@ -4,8 +4,9 @@
 #   native      -DGGML_NATIVE=ON: everything this CPU has (AVX-512, AMX where present)
 #   avx2        an AVX2-only build (no AVX-512, no AVX-VNNI): what an AVX2 plant PC runs
 #   avxvnni     AVX2 + AVX-VNNI (Intel Core 12th generation and later)
-# The wheel is kept in build/llama-wheels/ISA (or $LLAMA_WHEEL_DIR) and reused. Never part of the test set-up or CI:
-# llama.cpp is a baseline, not the serving path.
+# The wheel is kept in build/llama-wheels/ISA (or $LLAMA_WHEEL_DIR) and reused; pip's own wheel cache is bypassed
+# (it keys a wheel built from the sdist by version, not by CMAKE_ARGS: a second ISA silently got the first one's
+# build). Never part of the test set-up or CI: llama.cpp is a baseline, not the serving path.
 #   bash scripts/setup-bench.sh [--isa native|avx2|avxvnni]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,12 +25,12 @@ case "$ISA" in
   avxvnni) ARGS="$NOT_NATIVE -DGGML_AVX_VNNI=ON" ;;
   *) echo "$0: --isa must be native, avx2 or avxvnni, not $ISA" >&2; exit 2 ;;
 esac
-PY=.venv/bin/python
-[ -x "$PY" ] || bash scripts/setup.sh
+PY="${PYTHON:-.venv/bin/python}"  # PYTHON: another interpreter (a worktree using a shared venv)
+[ -x "$PY" ] || [ -n "${PYTHON:-}" ] || bash scripts/setup.sh
 WHEELS="${LLAMA_WHEEL_DIR:-build/llama-wheels/$ISA}"
 mkdir -p "$WHEELS"
 if ! ls "$WHEELS"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
-  CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" nice -n 19 "$PY" -m pip wheel -q \
+  CMAKE_ARGS="$ARGS" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" nice -n 19 "$PY" -m pip wheel -q --no-cache-dir \
     --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -w "$WHEELS"
 fi
 DEST=bench/.llama-cpp/$ISA
