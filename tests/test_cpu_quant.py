@@ -214,10 +214,10 @@ def test_a_batch_gives_each_row_what_it_gives_alone(isas, mode):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_the_many_row_gemm_gives_the_one_row_kernel_s_bits(isas, name):
-    """From 2 rows a call unpacks each weight column once and runs every row tile over that copy (unpack_column /
-    gemm_tile); 1 row keeps the vector tiles that decode steps of one sequence use. Integer sums are exact and the
-    float steps the same, in the same order: each of 2-16 rows (every tile height and remainder) gets the bits the
-    1-row kernel gives it, on a partial last panel and one or several super-blocks, one thread and two."""
+    """From 8 rows a call unpacks each weight panel once and runs every row tile over that copy (unpack_panel /
+    gemm_tile, AVX2's int16 sums); fewer rows keep the vector tiles. Integer sums are exact and the float steps the
+    same, in the same order: each of 2-16 rows (every tile height and remainder, both paths) gets the bits the 1-row
+    kernel gives it, on a partial last panel, a panel split between threads, one or several super-blocks."""
     sb = cpu_layout.FORMATS[name].super_block
     threads = torch.get_num_threads()
     try:
