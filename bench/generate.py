@@ -51,6 +51,8 @@ ISA_ENV = {
     "avx2": {"APPLIANCE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"},
     "avxvnni": {"APPLIANCE_CPU_ISA": "avxvnni", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"},
     "avx512vnni": {"APPLIANCE_CPU_ISA": "avx512vnni", "ATEN_CPU_CAPABILITY": "avx512"},
+    # no AVX2 (Atom x6000, older Celeron): none of our kernels, torch's portable ones, plain x86-64 generated code
+    "none": {"APPLIANCE_CPU_ISA": "none", "ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_CPP_MARCH": "x86-64"},
 }
 LLAMA_CPP_DIR = Path(__file__).resolve().parent / ".llama-cpp"  # one llama-cpp-python per ISA (not committed)
 
@@ -223,6 +225,8 @@ def build(path: Path | None, fmt: str, cfg, tensors, slots: int, scratch: Path):
                             "cpu")
         print(f"auto: {plan.backend}")
         if plan.record is not None:
+            print(f"auto: path measurement {plan.record.seconds:.1f} s ({len(plan.record.timings_ms)} paths)")
+        if plan.record is not None:
             for name, (one, many) in sorted(plan.record.timings_ms.items(), key=lambda kv: sum(kv[1])):
                 acc = plan.record.accuracy.get(name, {})
                 print(f"    {name:28s} {one:8.2f} {many:8.2f} ms per step's matmuls at 1 / {slots} rows"
@@ -394,7 +398,7 @@ def isa_banner(isa: str) -> str:
     except cpu_quant.KernelsUnavailable as exc:
         import platform
         cpu, ours, brand = None, f"none ({exc})", platform.processor()
-    if isa != "native" and cpu is not None and isa not in cpu.isas:
+    if isa not in ("native", "none") and cpu is not None and isa not in cpu.isas:
         raise SystemExit(f"--isa {isa}: this CPU ({brand}) has no {isa} (cpuid; our kernels could run only "
                          f"{ours} under it): no {isa} figure can be measured here")
     how = "the CPU's own" if isa == "native" else "emulated"
