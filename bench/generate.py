@@ -46,13 +46,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #   ours: APPLIANCE_CPU_ISA caps what our kernels see of the CPU (kernels/cpu_quant.py; it hides, never lends)
 #   torch's kernels and the compiled step's vector code: ATEN_CPU_CAPABILITY; the step's other loops: -march
 #   llama.cpp: its build for that ISA, installed by `bash scripts/setup-bench.sh --isa ISA` into LLAMA_CPP_DIR/ISA
+#   oneDNN (the dense float32 / bfloat16 paths' packed matmuls) and MKL choose their own ISA: ONEDNN_MAX_CPU_ISA,
+#   MKL_ENABLE_INSTRUCTIONS (without them, `auto` under --isa avx2 measured oneDNN's AVX-512 BF16 matmuls)
+_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2",
+         "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 ISA_ENV = {
     "native": {},
-    "avx2": {"APPLIANCE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"},
-    "avxvnni": {"APPLIANCE_CPU_ISA": "avxvnni", "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3"},
-    "avx512vnni": {"APPLIANCE_CPU_ISA": "avx512vnni", "ATEN_CPU_CAPABILITY": "avx512"},
+    "avx2": {"APPLIANCE_CPU_ISA": "avx2", **_AVX2},
+    "avxvnni": {"APPLIANCE_CPU_ISA": "avxvnni", **_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
+    "avx512vnni": {"APPLIANCE_CPU_ISA": "avx512vnni", "ATEN_CPU_CAPABILITY": "avx512",
+                   "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
     # no AVX2 (Atom x6000, older Celeron): none of our kernels, torch's portable ones, plain x86-64 generated code
-    "none": {"APPLIANCE_CPU_ISA": "none", "ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_CPP_MARCH": "x86-64"},
+    "none": {"APPLIANCE_CPU_ISA": "none", "ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_CPP_MARCH": "x86-64",
+             "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 LLAMA_CPP_DIR = Path(__file__).resolve().parent / ".llama-cpp"  # one llama-cpp-python per ISA (not committed)
 
@@ -402,8 +408,9 @@ def isa_banner(isa: str) -> str:
         raise SystemExit(f"--isa {isa}: this CPU ({brand}) has no {isa} (cpuid; our kernels could run only "
                          f"{ours} under it): no {isa} figure can be measured here")
     how = "the CPU's own" if isa == "native" else "emulated"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "all")
     return (f"ISA {isa} ({how}) on {brand}: our kernels {ours}, torch {torch.backends.cpu.get_cpu_capability()}, "
-            f"compiled step {inductor_isa()}")
+            f"oneDNN up to {onednn}, compiled step {inductor_isa()}")
 
 
 def kl_text_ids(tokenizer, n: int) -> list[int]:
