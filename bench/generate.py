@@ -352,8 +352,11 @@ def main() -> None:
     accuracy = {}
     if gguf and kl_tokens:
         del hf
-        accuracy = accuracy_table(fp32, tokenizer, {name: m for name, (m, _c, compiled) in models.items()
-                                                    if compiled is None}, lcpp, kl_tokens)
+        # a compiled path's numbers are its eager model's (the compiled step runs the same forward): one row each
+        eager = {}
+        for name, (m, _c, _compiled) in models.items():
+            eager.setdefault(name.removesuffix("+compiled"), m)
+        accuracy = accuracy_table(fp32, tokenizer, eager, lcpp, kl_tokens)
     if lcpp is not None:
         lcpp.close()
     service = {}
