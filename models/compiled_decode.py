@@ -205,10 +205,10 @@ def inductor_march() -> str | None:
 
 
 def inductor_isa() -> str:
-    """What the generated code may use: Inductor's vector ISA and -march (part of the package's key, so a package
-    built for one CPU capability is never loaded under another)."""
-    from torch._inductor import cpu_vec_isa
-    return f"{cpu_vec_isa.pick_vec_isa()}/{inductor_march() or 'native'}"
+    """What the generated code may use: torch's CPU capability (which Inductor's vector ISA follows) and -march (part
+    of the package's key, so a package built for one capability is never loaded under another). Read from ATen, not
+    from Inductor: the serving process never imports the compiler."""
+    return f"{torch.backends.cpu.get_cpu_capability().lower()}/{inductor_march() or 'native'}"
 
 
 class CompiledDecode:
