@@ -127,9 +127,10 @@ def time_best(fn: Callable[[], object], trials: int, inner: int) -> float:
     return best
 
 
-# After RACE_TRIALS trials, a path whose sum of slowdowns (rank's measure) is over OUT_OF_RACE times the best path's
-# is timed no further: its figures stay those of its first trials (two, not one: on a shared CPU one trial of a fast
-# path can fall on a time slice lost to another process). Under --isa avx2 the exact block paths and torch's
+# After RACE_TRIALS trials, a path over OUT_OF_RACE times the fastest at both row counts is timed no further: its
+# figures stay those of its first trials. Both, not the sum: on a CPU shared with other work one trial can fall on a
+# lost time slice (under --isa avx2 on a loaded box, blocks/int8/avx2 read 520 ms at 1 row in two trials where the
+# kernels take 4; fastest at 16 rows, it must stay in the race to get its true figure). Under --isa avx2 the exact block paths and torch's
 # int4 op took 0.4-7 s a step, most of a 56 s measurement, for paths 20-400x slower than the chosen one.
 OUT_OF_RACE = 4.0
 RACE_TRIALS = 2
@@ -170,8 +171,7 @@ def measure(step_parts: dict[str, "StepMatmuls"], slots: int, trials: int = 5, i
             if trial + 1 == RACE_TRIALS and len(racing) > 1:
                 now = step_ms()
                 b1, bs = min(t[0] for t in now.values()), min(t[1] for t in now.values())
-                score = {p: now[p][0] / b1 + now[p][1] / bs for p in now}
-                racing = {p for p in racing if score[p] <= OUT_OF_RACE * min(score.values())}
+                racing = {p for p in racing if min(now[p][0] / b1, now[p][1] / bs) <= OUT_OF_RACE}
     return step_ms()
 
 
