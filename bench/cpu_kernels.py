@@ -8,6 +8,14 @@ activation rows, random blocks.
 Prints ms per call (the fastest of several), GB/s of weights read (at one row the product is a pass over the
 weights) and each path's ratio to torch fp32 (> 1: faster). The CPU is shared: only ratios within one run mean
 anything.
+
+    python bench/cpu_kernels.py --step [--model smollm2-q4_1|llama1b-q4_k_m] [--isa avx2] [--before REF] [--rows 1,16]
+
+One decode step's matmuls, every layer's own weights (random blocks; a pass over them is a pass over memory, as in
+the model, not over one layer kept in cache), int8 mode, at each row count: ms per step for our kernels of --isa
+(default: each ISA this CPU runs, APPLIANCE_CPU_ISA caps it) and, with --before, the same ISA's kernels as they
+were at git REF, built aside, in the same run; the weights' GB/s, this CPU's read bandwidth (numpy summing 1 GiB in
+--threads slices at once) and the fraction of it reached. APPLIANCE_CPU_ISA caps the ISAs as in the engine.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -39,13 +48,131 @@ def best_ms(fn, budget_s: float = 0.3) -> float:
     return best * 1e3
 
 
+# (n, k, type) of one layer's fused matmuls, the layer count, and the head (n, k, type): the demo's SmolLM2-135M
+# Q4_1 (its head is the Q8_0 embedding matrix) and a Llama-3.2-1B-shaped Q4_K_M (Q6_K for down and the head).
+STEP_MODELS = {
+    "smollm2-q4_1": ([(960, 576, "Q4_1"), (576, 576, "Q4_1"), (3072, 576, "Q4_1"), (576, 1536, "Q4_1")], 30,
+                     (49152, 576, "Q8_0")),
+    "llama1b-q4_k_m": ([(3072, 2048, "Q4_K"), (2048, 2048, "Q4_K"), (16384, 2048, "Q4_K"), (2048, 8192, "Q6_K")], 16,
+                       (128256, 2048, "Q6_K")),
+}
+HEAD_SLICE = 8192  # head rows multiplied (scaled to the whole head): the full 1B head would take 215 MB of blocks
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s read summing 1 GiB of float32 in `threads` slices at once (numpy's sum, which releases the GIL), the
+    fastest of 5. torch's own sum read 4.8 GB/s on the Zen 4 EPYC where numpy's read 24 and our 1-row kernels 23-30
+    over 96 MB: its figure is no read limit."""
+    from concurrent.futures import ThreadPoolExecutor
+    x = np.ones(256 * 1024 * 1024, np.float32)
+    parts = np.array_split(x, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        def read() -> None:
+            list(pool.map(np.sum, parts))
+        read()
+        best = min(_timed(read) for _ in range(5))
+    return x.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def build_before(ref: str, isa: str, directory: Path) -> str:
+    """Our kernels of `isa` as they were at git `ref`, built into directory: the library's path."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    src = directory / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    names = subprocess.run(["git", "-C", str(root), "ls-tree", "--name-only", f"{ref}:kernels/cpu"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in names:
+        (src / name).write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{ref}:kernels/cpu/{name}"],
+                                                capture_output=True, check=True).stdout)
+    out = directory / f"quant_{isa}-before.so"
+    subprocess.run([cpu_quant.compiler(), str(src / f"quant_{isa}.c"), "-o", str(out),
+                    *cpu_quant.COMMON, *cpu_quant.ISA_FLAGS[isa]], check=True)
+    return str(out)
+
+
+def step_main(args) -> None:
+    import tempfile
+    info = cpu_quant.cpu_info()
+    isas = [args.isa] if args.isa else info.isas
+    for isa in isas:
+        if isa not in info.isas:
+            raise SystemExit(f"our {isa} kernels cannot run here ({info.described}: {', '.join(info.isas)})")
+    layer, layers, (hn, hk, htype) = STEP_MODELS[args.model]
+    print(f"{info.described}, {args.threads} threads, {args.model}: {layers} layers, int8 activations")
+    bw = read_bandwidth(args.threads)
+    print(f"read bandwidth: {bw:.1f} GB/s (numpy sum over 1 GiB in {args.threads} threads)")
+    mats = []
+    for i in range(layers):
+        for n, k, t in layer:
+            if i == 0:
+                data = torch.from_numpy(cpu_layout.from_gguf(cpu_layout.random_blocks(t, n, k, seed=n + k, scale=0.002),
+                                                             t, n, k))
+            else:
+                data = next(m for m in mats[:len(layer)] if m.shape == (n, k)).data.clone()  # its own memory
+            mats.append(quant.BlockMatrix.from_layout(t, (n, k), data))
+    rows_h = min(hn, HEAD_SLICE)
+    head = quant.BlockMatrix.from_layout(htype, (rows_h, hk), cpu_layout.from_gguf(
+        cpu_layout.random_blocks(htype, rows_h, hk, seed=7, scale=0.002), htype, rows_h, hk))
+    head_scale = hn / rows_h
+    step_bytes = sum(m.nbytes for m in mats) + head_scale * head.nbytes
+    libs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for isa in isas:
+            libs[f"{isa}"] = (cpu_quant.kernels(isa, "int8").path, isa)
+            if args.before:
+                libs[f"{isa} at {args.before}"] = (build_before(args.before, isa, Path(tmp)), isa)
+        print(f"| rows | " + " | ".join(f"{name} ms/step" for name in libs) + " | weights MB/step | "
+              + " | ".join(f"{name} GB/s (of {bw:.1f})" for name in libs)
+              + (" | now / before |" if args.before else " |"))
+        print("|" + "---|" * (2 + 2 * len(libs) + (1 if args.before else 0)))
+        for rows in [int(r) for r in args.rows.split(",")]:
+            xs = {k: torch.randn(rows, k) for k in {m.shape[1] for m in mats + [head]}}
+            calls = {}
+            for name, (path, isa) in libs.items():
+                def step(path=path, isa=isa):
+                    for m in mats:
+                        cpu_quant.matmul(path, isa, False, xs[m.shape[1]], m.data, m.type_name, m.shape[0])
+
+                def head_call(path=path, isa=isa):
+                    cpu_quant.matmul(path, isa, False, xs[hk], head.data, head.type_name, rows_h)
+                calls[name] = (step, head_call)
+            best = {name: [float("inf"), float("inf")] for name in libs}
+            for trial in range(args.trials):  # interleaved: a burst of load elsewhere falls on every library alike
+                for name, (step, head_call) in calls.items():
+                    best[name][0] = min(best[name][0], _timed(step))
+                    best[name][1] = min(best[name][1], _timed(head_call))
+            ms = {name: (b[0] + head_scale * b[1]) * 1e3 for name, b in best.items()}
+            cells = [f"{ms[name]:.2f}" for name in libs] + [f"{step_bytes / 1e6:.0f}"]
+            cells += [f"{step_bytes / ms[name] / 1e6:.1f} ({step_bytes / ms[name] / 1e6 / bw:.2f})" for name in libs]
+            if args.before:
+                cells += [" ".join(f"{ms[f'{isa} at {args.before}'] / ms[isa]:.2f}x" for isa in isas)]
+            print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="1,4,16,64")
+    ap.add_argument("--rows", default=None, help="activation rows (default 1,4,16,64; --step: 1,16)")
     ap.add_argument("--types", default="Q4_1,Q5_0,Q8_0,Q4_K,Q6_K")
+    ap.add_argument("--step", action="store_true", help="one decode step's matmuls (see above)")
+    ap.add_argument("--model", default="smollm2-q4_1", choices=sorted(STEP_MODELS))
+    ap.add_argument("--isa", default=None, help="--step: one ISA of ours (default every one this CPU runs)")
+    ap.add_argument("--before", default=None, help="--step: also the kernels at this git ref, same run")
+    ap.add_argument("--trials", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.step:
+        args.rows = args.rows or "1,16"
+        step_main(args)
+        return
+    args.rows = args.rows or "1,4,16,64"
     info = cpu_quant.cpu_info()
     kernels = {isa: cpu_quant.kernels(isa, "int8") for isa in info.isas}
     print(f"{info.brand}, {args.threads} threads, our ISAs: {', '.join(info.isas)}")

@@ -33,12 +33,58 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# --isa: the instruction set every part of the run is limited to, set before torch loads (torch reads
+# ATEN_CPU_CAPABILITY once, at its first dispatch; Inductor reads TORCHINDUCTOR_CPP_MARCH at import).
+#   ours: APPLIANCE_CPU_ISA caps what our kernels see of the CPU (kernels/cpu_quant.py; it hides, never lends)
+#   torch's kernels and the compiled step's vector code: ATEN_CPU_CAPABILITY; the step's other loops: -march
+#   llama.cpp: its build for that ISA, installed by `bash scripts/setup-bench.sh --isa ISA` into LLAMA_CPP_DIR/ISA
+#   oneDNN (the dense float32 / bfloat16 paths' packed matmuls) and MKL choose their own ISA: ONEDNN_MAX_CPU_ISA,
+#   MKL_ENABLE_INSTRUCTIONS (without them, `auto` under --isa avx2 measured oneDNN's AVX-512 BF16 matmuls)
+_AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CPP_MARCH": "x86-64-v3", "ONEDNN_MAX_CPU_ISA": "AVX2",
+         "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+ISA_ENV = {
+    "native": {},
+    "avx2": {"APPLIANCE_CPU_ISA": "avx2", **_AVX2},
+    "avxvnni": {"APPLIANCE_CPU_ISA": "avxvnni", **_AVX2, "ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"},
+    "avx512vnni": {"APPLIANCE_CPU_ISA": "avx512vnni", "ATEN_CPU_CAPABILITY": "avx512",
+                   "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
+    # no AVX2 (Atom x6000, older Celeron): none of our kernels, torch's portable ones, plain x86-64 generated code
+    "none": {"APPLIANCE_CPU_ISA": "none", "ATEN_CPU_CAPABILITY": "default", "TORCHINDUCTOR_CPP_MARCH": "x86-64",
+             "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+LLAMA_CPP_DIR = Path(__file__).resolve().parent / ".llama-cpp"  # one llama-cpp-python per ISA (not committed)
+
+
+def _isa_from_argv(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg == "--isa" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--isa="):
+            return arg.split("=", 1)[1]
+    return "native"
+
+
+def _limit_isa(isa: str) -> None:
+    """Set --isa's environment before torch loads; where something loaded torch already, run again with it."""
+    if isa not in ISA_ENV:
+        raise SystemExit(f"--isa {isa}: one of {', '.join(ISA_ENV)}")
+    env = ISA_ENV[isa]
+    if all(os.environ.get(k) == v for k, v in env.items()):
+        return
+    os.environ.update(env)
+    if "torch" in sys.modules:  # too late for ATEN_CPU_CAPABILITY in this process
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+_limit_isa(_isa_from_argv(sys.argv[1:]))
 
 import torch  # noqa: E402
 
@@ -185,6 +231,8 @@ def build(path: Path | None, fmt: str, cfg, tensors, slots: int, scratch: Path):
                             "cpu")
         print(f"auto: {plan.backend}")
         if plan.record is not None:
+            print(f"auto: path measurement {plan.record.seconds:.1f} s ({len(plan.record.timings_ms)} paths)")
+        if plan.record is not None:
             for name, (one, many) in sorted(plan.record.timings_ms.items(), key=lambda kv: sum(kv[1])):
                 acc = plan.record.accuracy.get(name, {})
                 print(f"    {name:28s} {one:8.2f} {many:8.2f} ms per step's matmuls at 1 / {slots} rows"
@@ -215,8 +263,12 @@ def main() -> None:
     ap.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
     ap.add_argument("--no-hf", action="store_true", help="leave HF transformers out (large models: minutes)")
     ap.add_argument("--service", action="store_true", help="also measure through GenerativeModelService")
+    ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
+                    help="emulate a CPU whose best is this ISA (ours, torch, the compiled step and llama.cpp)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    isa_text = isa_banner(args.isa)
+    print(isa_text, flush=True)
     new = args.new_tokens or (16 if args.quick else 64)
     kl_tokens = args.kl_tokens if args.kl_tokens is not None else (512 if args.quick else 2048)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else ([1, 8] if args.quick else [1, 4, 8, 16])
@@ -255,23 +307,24 @@ def main() -> None:
     del tensors
     lcpp = None
     if gguf and not args.no_llama_cpp:
-        from llama_cpp_baseline import LlamaCpp, available, extra_buffers_work
-        if available():
+        llama_dir = LLAMA_CPP_DIR / args.isa
+        if llama_dir.is_dir():  # this ISA's build first, here and in the child that tries its extra buffers
+            sys.path.insert(0, str(llama_dir))
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(llama_dir), os.environ.get("PYTHONPATH")]))
+        from llama_cpp_baseline import LlamaCpp, available, extra_buffers_work, system_info
+        if args.isa != "native" and not llama_dir.is_dir():  # the venv's build is native: not this ISA's
+            print(f"llama.cpp: no build for {args.isa} in {llama_dir} (bash scripts/setup-bench.sh --isa {args.isa}); "
+                  "column left out")
+        elif available():
+            print(f"llama.cpp ({llama_dir if llama_dir.is_dir() else 'the venv'}): {system_info()}")
             extra = extra_buffers_work(path, args.threads)
             print(f"llama.cpp: extra weight buffers (AMX / repacked) {'on' if extra else 'off: they crash here'}")
             lcpp = LlamaCpp(path, args.threads, max(max(map(len, prompts)) + new, kl_tokens) + 8, max(batches),
                             extra_buffers=extra)
         else:
             print("llama.cpp: not installed (bash scripts/setup-bench.sh adds it); column left out")
-    import platform
-    from kernels import cpu_quant
-    try:
-        cpu = cpu_quant.cpu_info()
-        cpu_text = f"{cpu.brand}, our kernels' ISAs: {', '.join(cpu.isas) or 'none'}"
-    except cpu_quant.KernelsUnavailable as exc:
-        cpu_text = f"{platform.processor()} ({exc})"
     print(f"model: {label}, {args.threads} threads, {new} new tokens, loaded in {time.perf_counter() - t0:.1f} s; "
-          f"CPU {cpu_text}; ours = Scheduler + ModelRunner driven directly")
+          f"{isa_text}; ours = Scheduler + ModelRunner driven directly")
 
     for model, cache, compiled in models.values():
         bench_ours(model, cache, prompts, 1, 4, compiled)  # warm-up
@@ -299,8 +352,11 @@ def main() -> None:
     accuracy = {}
     if gguf and kl_tokens:
         del hf
-        accuracy = accuracy_table(fp32, tokenizer, {name: m for name, (m, _c, compiled) in models.items()
-                                                    if compiled is None}, lcpp, kl_tokens)
+        # a compiled path's numbers are its eager model's (the compiled step runs the same forward): one row each
+        eager = {}
+        for name, (m, _c, _compiled) in models.items():
+            eager.setdefault(name.removesuffix("+compiled"), m)
+        accuracy = accuracy_table(fp32, tokenizer, eager, lcpp, kl_tokens)
     if lcpp is not None:
         lcpp.close()
     service = {}
@@ -312,10 +368,12 @@ def main() -> None:
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             service = pool.apply(bench_service, (path, "float32", args.threads, batches, new, repeats))
     print()
+    print(f"figures under {isa_text}")
     if service:
         print("service (a'): " + ", ".join(f"{n} seqs {service[n]:.1f} tok/s" for n in batches))
     names = list(rows[0][1])
-    head = "| seqs | " + " | ".join(f"ours {n} tok/s" for n in names) + " | llama.cpp tok/s | HF tok/s | limit tok/s | "
+    head = ("| seqs | " + " | ".join(f"ours {n} [{args.isa}] tok/s" for n in names)
+            + f" | llama.cpp [{args.isa}] tok/s | HF tok/s | limit tok/s | ")
     head += " | ".join(f"{n}/llama.cpp | {n}/HF | {n}/limit" for n in names) + " | same greedy tokens as HF |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -335,6 +393,27 @@ def main() -> None:
         for name, (kl, ppl, top1) in accuracy.items():
             print(f"| {name} | {kl:.5f} | {ppl:.3f} | {top1:.2%} |")
     shutil.rmtree(scratch, ignore_errors=True)
+
+
+def isa_banner(isa: str) -> str:
+    """"ISA avx2 (emulated) on AMD EPYC ...: ours avx2, torch AVX2, compiled step avx2/x86-64-v3": what every figure
+    of the run ran under, and the real CPU; exits where --isa asks for instructions this CPU lacks."""
+    from kernels import cpu_quant
+    from models.compiled_decode import inductor_isa
+    try:
+        cpu = cpu_quant.cpu_info()
+        ours = ", ".join(cpu.isas) or "none"
+        brand = cpu.brand
+    except cpu_quant.KernelsUnavailable as exc:
+        import platform
+        cpu, ours, brand = None, f"none ({exc})", platform.processor()
+    if isa not in ("native", "none") and cpu is not None and isa not in cpu.isas:
+        raise SystemExit(f"--isa {isa}: this CPU ({brand}) has no {isa} (cpuid; our kernels could run only "
+                         f"{ours} under it): no {isa} figure can be measured here")
+    how = "the CPU's own" if isa == "native" else "emulated"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "all")
+    return (f"ISA {isa} ({how}) on {brand}: our kernels {ours}, torch {torch.backends.cpu.get_cpu_capability()}, "
+            f"oneDNN up to {onednn}, compiled step {inductor_isa()}")
 
 
 def kl_text_ids(tokenizer, n: int) -> list[int]:

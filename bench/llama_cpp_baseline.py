@@ -127,6 +127,13 @@ def extra_buffers_work(path: Path, threads: int) -> bool:
     return done.returncode == 0
 
 
+def system_info() -> str:
+    """llama.cpp's own account of the instructions it was built with ("AVX2 = 1 | AVX512 = 0 ...")."""
+    from llama_cpp import llama_cpp as L
+    info = L.llama_print_system_info()
+    return (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip()
+
+
 def available() -> bool:
     import importlib.util
     return importlib.util.find_spec("llama_cpp") is not None

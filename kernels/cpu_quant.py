@@ -68,6 +68,30 @@ _NEEDS = {
 }
 
 
+# APPLIANCE_CPU_ISA caps what our kernels see of the CPU (`bench/generate.py --isa`, tests): the features of a CPU
+# whose best is that ISA, intersected with the real ones, so a cap can only hide instructions, never lend one the
+# CPU lacks. `none`: a CPU without AVX2 (Atom x6000, older Celeron).
+ISA_CAP_ENV = "APPLIANCE_CPU_ISA"
+_AVX2_SET = {"avx2", "fma", "f16c", "os_avx"}
+_CAPS = {
+    "none": {"fma", "f16c", "os_avx"},
+    "avx2": _AVX2_SET,
+    "avxvnni": _AVX2_SET | {"avxvnni"},
+    "avx512vnni": _AVX2_SET | {"avxvnni"} | _AVX512_NEEDS | {"avx512bf16", "avx512fp16"},
+    "amx": set(_BITS),
+}
+
+
+def isa_cap() -> str | None:
+    """The ISA APPLIANCE_CPU_ISA caps our kernels to (None: the CPU's own); ValueError for an unknown name."""
+    value = os.environ.get(ISA_CAP_ENV, "").strip()
+    if not value or value == "native":
+        return None
+    if value not in _CAPS:
+        raise ValueError(f"{ISA_CAP_ENV}={value!r}: one of native, {', '.join(_CAPS)}")
+    return value
+
+
 class KernelsUnavailable(RuntimeError):
     """Our kernels cannot run here; the message says why (shown in the model's Backend and status page)."""
 
@@ -76,6 +100,12 @@ class KernelsUnavailable(RuntimeError):
 class CpuInfo:
     brand: str
     features: frozenset[str]
+    cap: str | None = None  # APPLIANCE_CPU_ISA's cap when these features were masked by it
+
+    @property
+    def described(self) -> str:
+        """The brand, and the cap where one hides features ("AMD EPYC 9R14, seen as avx2 (APPLIANCE_CPU_ISA)")."""
+        return self.brand + (f", seen as {self.cap} ({ISA_CAP_ENV})" if self.cap else "")
 
     @property
     def isas(self) -> list[str]:
@@ -282,10 +312,15 @@ def cpu_info(build_dir: Path | None = None) -> CpuInfo:
         brand = ctypes.create_string_buffer(49)
         lib.cpu_brand(brand)
         features = {name for i, name in enumerate(_BITS) if bits & (1 << i)}
+        cap = isa_cap()
+        if cap is not None:
+            features &= _CAPS[cap]
         if {"amx_tile", "amx_int8", "os_amx"} <= features and lib.amx_request() != 0:
             features.discard("os_amx")  # the kernel refused the tile state to this process
         info: CpuInfo | KernelsUnavailable = CpuInfo(brand.value.decode(errors="replace").strip(),
-                                                     frozenset(features))
+                                                     frozenset(features), cap)
+    except ValueError as exc:
+        info = KernelsUnavailable(str(exc))
     except KernelsUnavailable as exc:
         info = exc
     with _lock:
@@ -383,7 +418,8 @@ def usable_isas(build_dir: Path | None = None) -> tuple[CpuInfo | None, list[str
     if os.environ.get("APPLIANCE_CPU_KERNELS", "1") == "0":
         return info, [], "our CPU kernels are switched off (APPLIANCE_CPU_KERNELS=0)"
     if not info.isas:
-        return info, [], "the CPU has no AVX2 with FMA and F16C (cpuid)"
+        masked = f", as {ISA_CAP_ENV}={info.cap} makes it look" if info.cap else ""
+        return info, [], f"the CPU has no AVX2 with FMA and F16C (cpuid{masked})"
     return info, info.isas, None
 
 
@@ -399,7 +435,8 @@ def kernels(isa: str, activations: str = "int8", build_dir: Path | None = None) 
     info = cpu_info(build_dir)
     if isa not in info.isas:
         missing = sorted(_NEEDS[isa] - info.features)
-        raise KernelsUnavailable(f"the CPU lacks {isa} ({', '.join(missing)} not reported by cpuid)")
+        masked = f" or hidden by {ISA_CAP_ENV}={info.cap}" if info.cap else ""
+        raise KernelsUnavailable(f"the CPU lacks {isa} ({', '.join(missing)} not reported by cpuid{masked})")
     path = str(_find_or_build(f"quant_{isa}", build_dir))
     try:
         lib = library_at(path)

@@ -189,6 +189,28 @@ class CompileUnavailable(RuntimeError):
     """torch cannot build the decode step here (no C++ compiler, an unsupported op): decode stays eager."""
 
 
+# Inductor's -march for a torch capped by ATEN_CPU_CAPABILITY (where TORCHINDUCTOR_CPP_MARCH says nothing): its
+# vector code follows the cap, but its other loops are built with -march=native, which on an AVX-512 CPU lets the
+# compiler use zmm registers anyway (an AVX2 box could not run that package).
+_MARCH_FOR_CAPABILITY = {"avx2": "x86-64-v3", "default": "x86-64"}
+
+
+def inductor_march() -> str | None:
+    """The -march the generated code is built with: TORCHINDUCTOR_CPP_MARCH, else the one ATEN_CPU_CAPABILITY caps
+    it to, else None (Inductor's own: native)."""
+    explicit = os.environ.get("TORCHINDUCTOR_CPP_MARCH")
+    if explicit:
+        return explicit
+    return _MARCH_FOR_CAPABILITY.get(os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower())
+
+
+def inductor_isa() -> str:
+    """What the generated code may use: torch's CPU capability (which Inductor's vector ISA follows) and -march (part
+    of the package's key, so a package built for one capability is never loaded under another). Read from ATen, not
+    from Inductor: the serving process never imports the compiler."""
+    return f"{torch.backends.cpu.get_cpu_capability().lower()}/{inductor_march() or 'native'}"
+
+
 class CompiledDecode:
     """model's decode step over cache, compiled ahead of time; `step()` has forward()'s numbers for rows of one
     token."""
@@ -211,7 +233,8 @@ class CompiledDecode:
         over at load)."""
         key = "|".join((str(PACKAGE_FORMAT), _TRACED_SOURCES, torch.__version__, repr(self.model.config),
                         structure(self.weights), structure(self.model.weights),
-                        f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}", f"threads {torch.get_num_threads()}"))
+                        f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}", f"threads {torch.get_num_threads()}",
+                        inductor_isa()))
         return directory / f"decode-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
     @property
@@ -235,6 +258,9 @@ class CompiledDecode:
         # The generated loops are parallel for the threads the step will run on, not for the one this (forked)
         # process computes with: built for one, every fused loop (attention, norms, rotary) ran on one core.
         inductor_config.cpp.threads = threads
+        march = inductor_march()
+        if march:
+            inductor_config.cpp.march = march
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(package.parent)
         max_len = self.cache.max_seq_len
         if max_len < 2:

@@ -183,7 +183,7 @@ def decide(inputs: Inputs, paths: list[PathName], setting: str, cpu: cpu_quant.C
     log.info("path choice for %s: %.1f s building the paths' matmuls, %.1f s timing them, %.1f s checking accuracy",
              inputs.path.name, built - started, timed - built, time.monotonic() - timed)
     record = Record(digest=inputs.digest, cpu_key=cpu.key() if cpu else "unknown",
-                    cpu=cpu.brand if cpu else "unknown", setting=setting, slots=inputs.slots,
+                    cpu=cpu.described if cpu else "unknown", setting=setting, slots=inputs.slots,
                     threads=inputs.threads, chosen=chosen,
                     timings_ms={k: [round(v[0], 4), round(v[1], 4)] for k, v in timings.items()},
                     unavailable=unavailable, accuracy=accuracy, measured_at=time.time(),

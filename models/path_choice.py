@@ -127,10 +127,19 @@ def time_best(fn: Callable[[], object], trials: int, inner: int) -> float:
     return best
 
 
+# After RACE_TRIALS trials, a path over OUT_OF_RACE times the fastest at both row counts is timed no further: its
+# figures stay those of its first trials. Both, not the sum: on a CPU shared with other work one trial can fall on a
+# lost time slice (under --isa avx2 on a loaded box, blocks/int8/avx2 read 520 ms at 1 row in two trials where the
+# kernels take 4; fastest at 16 rows, it must stay in the race to get its true figure). Under --isa avx2 the exact block paths and torch's
+# int4 op took 0.4-7 s a step, most of a 56 s measurement, for paths 20-400x slower than the chosen one.
+OUT_OF_RACE = 4.0
+RACE_TRIALS = 2
+
+
 def measure(step_parts: dict[str, "StepMatmuls"], slots: int, trials: int = 5, inner: int = 3) -> Timings:
     """step_parts: path -> its StepMatmuls. A step's time = layers x one layer's matmuls + head_scale x the head
     slice's, each the fastest of `trials`; trials interleave the paths, so a burst of load elsewhere falls on all
-    of them alike."""
+    of them alike. Paths far out of the race after the first trial (OUT_OF_RACE) are not timed again."""
     calls = {}
     for p, parts in step_parts.items():
         for r in sorted({1, slots}):
@@ -139,20 +148,31 @@ def measure(step_parts: dict[str, "StepMatmuls"], slots: int, trials: int = 5, i
     for fn in calls.values():  # warm-up: first-touch pages, thread pools, packing
         fn()
     best = {key: float("inf") for key in calls}
+
+    def step_ms() -> Timings:
+        out = {}
+        for p, parts in step_parts.items():
+            ms = [(parts.layers * best[(p, r, "layer")] + parts.head_scale * best[(p, r, "head")]) * 1e3
+                  for r in (1, slots)]
+            out[p] = (ms[0], ms[1])
+        return out
+
+    racing = set(step_parts)
     with torch.no_grad():
-        for _ in range(trials):
+        for trial in range(trials):
             for key, fn in calls.items():
+                if key[0] not in racing:
+                    continue
                 # one untimed call first: the path before this one may have evicted these weights (a 1-row product
                 # reads them from memory), and the path after would find them warm: a bias by order alone (SmolLM2:
                 # the first block path measured 15% slower at 1 row than the same code next in line)
                 fn()
                 best[key] = min(best[key], time_best(fn, 1, inner))
-    out = {}
-    for p, parts in step_parts.items():
-        ms = [(parts.layers * best[(p, r, "layer")] + parts.head_scale * best[(p, r, "head")]) * 1e3
-              for r in (1, slots)]
-        out[p] = (ms[0], ms[1])
-    return out
+            if trial + 1 == RACE_TRIALS and len(racing) > 1:
+                now = step_ms()
+                b1, bs = min(t[0] for t in now.values()), min(t[1] for t in now.values())
+                racing = {p for p in racing if min(now[p][0] / b1, now[p][1] / bs) <= OUT_OF_RACE}
+    return step_ms()
 
 
 @dataclass

@@ -391,3 +391,48 @@ def test_the_step_s_loops_are_generated_for_the_threads_it_serves_with(model_dir
         assert compiled.package_path(tmp_path / "inductor") != package
     finally:
         torch.set_num_threads(before)
+
+
+CAPPED_PROCESS = """
+import json, sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+from models.compiled_decode import CompiledDecode, inductor_isa
+from models.llama import KVCache, LlamaModel
+from models.weights import load_weights
+w = load_weights(sys.argv[2], torch.float32)
+model = LlamaModel(w.config, w.tensors)
+compiled = CompiledDecode(model, KVCache(w.config, 4, 64, torch.float32), sys.argv[3])
+compiled.compile()
+from pathlib import Path
+print(json.dumps({"package": str(compiled.package_path(Path(sys.argv[3]))), "isa": inductor_isa(),
+                  "capability": torch.backends.cpu.get_cpu_capability()}))
+"""
+
+
+def test_a_step_compiled_under_aten_cpu_capability_avx2_holds_no_avx512(model_dir, tmp_path):
+    """`bench/generate.py --isa avx2` emulates an AVX2-only CPU: torch capped by ATEN_CPU_CAPABILITY=avx2, and the
+    compiled step's generated code too, its vector code and its other loops (Inductor builds those with
+    -march=native unless told otherwise): no zmm register in the package's shared object, and a package of its own
+    (never the native one loaded under the cap)."""
+    import zipfile
+    root = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CPP_MARCH", "ATEN_CPU_CAPABILITY")}
+    out = subprocess.run([sys.executable, "-c", CAPPED_PROCESS, root, str(model_dir), str(tmp_path / "inductor")],
+                         capture_output=True, text=True, timeout=900, env={**env, "ATEN_CPU_CAPABILITY": "avx2"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["capability"] == "AVX2" and run["isa"] == "avx2/x86-64-v3", run
+    with zipfile.ZipFile(run["package"]) as z:
+        objects = [n for n in z.namelist() if n.endswith(".so")]
+        assert objects
+        for name in objects:
+            path = z.extract(name, tmp_path / "unpacked")
+            text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", path], capture_output=True, text=True,
+                                  check=True).stdout
+            assert "ymm" in text  # AVX2's vectors are used
+            assert "zmm" not in text, name
+    from models.compiled_decode import inductor_isa
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX2"):  # this process: the CPU's own capability
+        model, kv_dtype = build(model_dir, "float32")
+        native = CompiledDecode(model, KVCache(model.config, 4, 64, torch.float32), tmp_path / "inductor")
+        assert inductor_isa() != run["isa"] and native.package_path(tmp_path / "inductor") != Path(run["package"])

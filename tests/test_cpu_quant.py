@@ -212,6 +212,30 @@ def test_a_batch_gives_each_row_what_it_gives_alone(isas, mode):
                 assert torch.equal(linear(x[i:i + 1])[0], together[i]), (name, mode, kern.isa, i)
 
 
+@pytest.mark.parametrize("name", TYPES)
+def test_the_many_row_gemm_gives_the_one_row_kernel_s_bits(isas, name):
+    """From 8 rows a call unpacks each weight panel once and runs every row tile over that copy (unpack_panel /
+    gemm_tile, AVX2's int16 sums); fewer rows keep the vector tiles. Integer sums are exact and the float steps the
+    same, in the same order: each of 2-16 rows (every tile height and remainder, both paths) gets the bits the 1-row
+    kernel gives it, on a partial last panel, a panel split between threads, one or several super-blocks."""
+    sb = cpu_layout.FORMATS[name].super_block
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for n, k in [(37, 2 * sb if sb > 32 else 96), (130, sb if sb > 32 else 576)]:
+                raw = random_blocks(name, n, k, seed=n + k + t)
+                m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
+                x = torch.randn(16, k, generator=torch.Generator().manual_seed(n)) * 3
+                for kern in isas.values():
+                    linear = quant.linear_for(m, kern)
+                    alone = torch.cat([linear(x[i:i + 1]) for i in range(16)])
+                    for rows in range(2, 17):
+                        assert torch.equal(linear(x[:rows]), alone[:rows]), (name, kern.isa, n, k, rows, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_activations_are_quantized_as_llama_cpp_does(isas):
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2)) * 5
     x[1, :32] = 0.0  # an all-zero block: scale 0, q 0
@@ -314,3 +338,38 @@ def test_libraries_shipped_beside_the_sources_need_no_compiler(tmp_path, monkeyp
     except cpu_quant.KernelsUnavailable as exc:
         pytest.skip(str(exc))
     assert kern.path in {str(p) for p in built} and not (tmp_path / "state-cache").exists()
+
+
+@pytest.mark.parametrize("cap", ["none", "avx2", "avxvnni", "avx512vnni"])
+def test_a_cap_hides_instructions_and_never_lends_one(monkeypatch, cap):
+    """APPLIANCE_CPU_ISA=<isa> (bench/generate.py --isa, tests) makes our kernels see a CPU whose best is <isa>:
+    the real features intersected with that ISA's, so the choice never picks a path the running CPU lacks (this
+    EPYC has AVX-512 VNNI but no AVX-VNNI: capped to avxvnni it runs avx2 only)."""
+    monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    try:
+        real = cpu_quant.cpu_info()
+    except cpu_quant.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setenv(cpu_quant.ISA_CAP_ENV, cap)
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    capped = cpu_quant.cpu_info()
+    assert capped.features <= real.features and capped.cap == cap
+    order = list(cpu_quant.ISAS)
+    assert capped.isas == [isa for isa in real.isas if order.index(isa) >= order.index(cap)] if cap != "none" else \
+        capped.isas == []
+    assert capped.key() != real.key() or capped.features == real.features
+    assert f"seen as {cap}" in capped.described
+    for isa in set(cpu_quant.ISAS) - set(capped.isas):
+        with pytest.raises(cpu_quant.KernelsUnavailable, match=f"lacks {isa}"):
+            cpu_quant.kernels(isa)
+    if cap == "none":
+        _info, isas, why = cpu_quant.usable_isas()
+        assert isas == [] and "no AVX2" in why and "APPLIANCE_CPU_ISA=none" in why
+
+
+def test_an_unknown_cap_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(cpu_quant.ISA_CAP_ENV, "avx1024")
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    with pytest.raises(cpu_quant.KernelsUnavailable, match="APPLIANCE_CPU_ISA='avx1024'"):
+        cpu_quant.cpu_info()

@@ -294,3 +294,77 @@ def test_a_decode_step_compiled_on_this_box_before_is_compiled_at_ready_on_every
     prepared = prepare_model("m", q4_file, GenerativeSettings(**{**s.__dict__, "compile_cache_dir":
                                                                  str(tmp_path / "other-inductor")}))
     assert prepared.compiled_decode.ready and prepared.compiled_decode.built and prepared.compiled_decode.prepared
+
+
+NO_AVX2_PROCESS = """
+import asyncio, json, logging, sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
+import torch
+from appliance.engine.llm_service import GenerativeModelService
+from appliance.engine.llm_settings import GenerativeSettings
+from kernels import cpu_quant
+
+async def main():
+    svc = GenerativeModelService("m", sys.argv[2], GenerativeSettings(
+        kv_slots=2, max_seq_len=128, max_new_tokens=8, weight_cache_dir=sys.argv[3] + "/weights",
+        cpu_kernel_dir=sys.argv[3] + "/kernels", compile="off"), version_label="t", metrics=None)
+    await svc.start()
+    reply = await svc.generate("s", "hello pump", 6, 0.0, time.monotonic() + 300)
+    print(json.dumps({"state": svc.state, "backend": svc.backend_name, "tokens": reply.token_count,
+                      "capability": torch.backends.cpu.get_cpu_capability(),
+                      "isas": cpu_quant.cpu_info().isas}))
+    await svc.stop()
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+asyncio.run(main())
+"""
+
+
+def test_a_cpu_without_avx2_is_served_and_says_which_path_and_why(q4_file, tmp_path):
+    """An Atom x6000 or an older Celeron (no AVX, no AVX2): emulated here by masking what our kernels see
+    (APPLIANCE_CPU_ISA=none) and torch's dispatch (ATEN_CPU_CAPABILITY=default, set before torch loads). The model
+    loads with no import error, `auto` measures the paths that remain (torch's int4 op, dense float32 and
+    bfloat16) and serves one, Backend names it and the reason our kernels are out, and the first Generate answers."""
+    import os
+    import subprocess
+    import sys
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "APPLIANCE_CPU_ISA": "none", "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", NO_AVX2_PROCESS, root, str(q4_file), str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = json.loads(out.stdout.strip().splitlines()[-1])
+    assert run["capability"] == "DEFAULT" and run["isas"] == [] and run["state"] == "Ready"
+    assert run["tokens"] >= 1
+    backend = run["backend"]
+    assert "our kernels unavailable: the CPU has no AVX2 with FMA and F16C (cpuid, as APPLIANCE_CPU_ISA=none makes " \
+           "it look)" in backend
+    assert re.search(r": (blocks/float32/torch|float32|bfloat16)\b.*\(auto, measured", backend), backend
+
+
+def test_a_path_far_out_of_the_race_is_timed_once(monkeypatch):
+    """measure() times every path in the first RACE_TRIALS trials, then only those within OUT_OF_RACE of the fastest
+    at one row count or the other (the first start's measurement under AVX2 spent most of its 56 s on paths tens to
+    hundreds of times slower at both): the slow path keeps its first trials' figures; a path far
+    behind at 1 row but fastest at 4 is timed to the end. The clock is
+    the products' own cost (a clock that advances by what each call costs): the same on a loaded CPU."""
+    import types
+    calls: dict[str, int] = {}
+    clock = [0.0]
+    monkeypatch.setattr(path_choice, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def parts(name: str, seconds: float, seconds_at_4: float | None = None) -> path_choice.StepMatmuls:
+        def linear(x):
+            calls[name] = calls.get(name, 0) + 1
+            clock[0] += seconds if x.shape[0] == 1 or seconds_at_4 is None else seconds_at_4
+        return path_choice.StepMatmuls([linear], [8], layers=2, head=linear, head_in=8, head_scale=1.0)
+    timings = path_choice.measure({"fast": parts("fast", 0.001), "close": parts("close", 0.002),
+                                   "slow": parts("slow", 0.01),
+                                   "wide": parts("wide", 0.05, 0.0005)},  # far behind at 1 row, fastest at 4
+                                  slots=4, trials=5, inner=3)
+    assert timings == {"fast": pytest.approx((3.0, 3.0)), "close": pytest.approx((6.0, 6.0)),
+                       "slow": pytest.approx((30.0, 30.0)), "wide": pytest.approx((150.0, 1.5))}
+    # per path: 2 row counts x (layer + head) x (warm-up + trials x (untimed + inner))
+    assert calls["fast"] == calls["close"] == calls["wide"] == 2 * 2 * (1 + 5 * (1 + 3))
+    assert calls["slow"] == 2 * 2 * (1 + path_choice.RACE_TRIALS * (1 + 3))  # 10x behind at both row counts
+    assert path_choice.rank(timings)[0] == "fast"

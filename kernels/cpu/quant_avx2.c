@@ -18,5 +18,11 @@ static inline __m256i dot_q8(__m256i acc, __m256i wu, __m256i x) {
 }
 #define DOTQ8(acc, w, x) dot_q8(acc, w, x)
 #define Q8_FIXUP 0
+/* int16 sums of several maddubs before one widening madd (quant_kernels.h's gemm_tile, I16_*): exact while the true
+ * sum fits int16, so it sums 8 products for 4-bit weights (8 x 2 x 15 x 128 = 30720), 4 for 5-bit ones (31744) and
+ * 2 for 6-bit ones (32256): a quarter to a half of the widening multiplies. */
+#define I16_ZERO() _mm256_setzero_si256()
+#define I16_DOT(s, w, x) _mm256_add_epi16(s, _mm256_maddubs_epi16(w, x))
+#define I16_WIDEN(acc, s) _mm256_add_epi32(acc, _mm256_madd_epi16(s, ONES16))
 
 #include "quant_kernels.h"

@@ -23,6 +23,17 @@
 #define MAXT 4
 #endif
 #define NVP (PANEL / LANES) /* vectors per panel: 1 (512-bit) or 2 (256-bit) */
+#ifndef GEMM_T
+#define GEMM_T 4 /* rows per tile over an unpacked column (accumulators in registers) */
+#endif
+/* From this many rows a call unpacks each panel once (unpack_panel) and runs its row tiles over that copy; fewer
+ * rows, and Q8_0 (nothing to unpack: its bytes are the values), keep the vector tiles, which measured faster there
+ * (bench/cpu_kernels.py; AVX2 on a Zen 4 EPYC, one thread, weights in cache: from 8 rows Q6_K 1.2-1.3x, Q5_0 1.05-1.1x,
+ * Q4_x 1.0-1.07x; at 2-4 rows 0.6-0.9x; Q8_0 0.7-0.9x at every count). */
+#ifndef GEMM_MIN_ROWS
+#define GEMM_MIN_ROWS 8
+#endif
+#define USES_GEMM(fmt, rows) ((fmt) != F_Q8_0 && (rows) >= GEMM_MIN_ROWS)
 #define CHUNK_COLS 4        /* vector columns per cache chunk */
 #define PARALLEL_MACS (1 << 18) /* multiply-adds below which one thread does the product */
 
@@ -215,6 +226,156 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
         for (int v = 0; v < V; v++) STOREF(y + (size_t)t * ldy + v * LANES, acc[t][v]);
 }
 
+
+/* ---- int8 mode, 2 rows and more: each weight block unpacked once per call ------------------------------------ */
+
+/* V vector columns from c (a panel, or the part of one a thread owns: 256-bit vectors hold half a panel) unpacked
+ * once into `ub` (per block and vector: its 8 group vectors of values, lo j = 0..3 then hi j = 0..3) and their block
+ * scales into `sc` (per block and vector: D, then M or Q6_K's second D, as float vectors computed as tile_i8
+ * computes them), so every row tile of the step multiplies from L1/L2 without unpacking again, and each
+ * activation broadcast serves the V vectors. */
+static inline __attribute__((always_inline)) void unpack_panel(const int fmt, const int V, const uint8_t *w,
+                                                               size_t pstride, int c, int nrec, uint8_t *ub,
+                                                               float *sc) {
+    const int rb = RECORD_BYTES[fmt], sbk = SUPER_BLOCK[fmt] / QK;
+    const uint8_t *pb = w + (size_t)(c / NVP) * pstride;
+    for (int s = 0; s < nrec; s++) {
+        const uint8_t *rec = pb + (size_t)s * rb;
+        if (s + 1 < nrec) __builtin_prefetch(rec + rb, 0, 0);
+        for (int b = 0; b < sbk; b++) {
+            const int blk = s * sbk + b;
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) {
+                const int hv = (c + v) % NVP, o = hv * LANES;
+                const uint8_t *qb = rec + b * 256 + hv * VBYTES;
+                VI qh[2];
+                block_high_bits(fmt, rec, b, hv * VBYTES, qh);
+                uint8_t *dst = ub + ((size_t)blk * V + v) * 8 * VBYTES;
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    VI lo, hi;
+                    PAIR(fmt, qb, qh, j, lo, hi);
+                    STOREB(dst + j * VBYTES, lo);
+                    STOREB(dst + (4 + j) * VBYTES, hi);
+                }
+                VF D, M = ZEROF();
+                if (IS_Q4(fmt) || IS_Q5(fmt)) {
+                    D = LOADH(rec + Q4_D + 2 * o);
+                    M = LOADH(rec + Q4_M + 2 * o);
+                } else if (fmt == F_Q8_0) {
+                    D = LOADH(rec + Q8_D + 2 * o);
+                } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
+                    D = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
+                    M = MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o));
+                } else {
+                    const VF d = LOADH(rec + QK6_D + 2 * o);
+                    D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
+                    M = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o)); /* Q6_K: the high half's D */
+                }
+                float *sv = sc + ((size_t)blk * V + v) * 2 * LANES;
+                STOREF(sv, D);
+                STOREF(sv + LANES, M);
+            }
+        }
+    }
+}
+
+/* T rows x V vectors from unpack_panel's buffers: per block, the same integer sums and the same float steps, in
+ * the same order, as tile_i8 (so the same bits). */
+static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const int T, const int V, const uint8_t *ub,
+                                                            const float *sc, int nb, const acts_t *a, int r0, int k,
+                                                            float *y, int ldy) {
+    VF acc[GEMM_T][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) acc[t][v] = ZEROF();
+    for (int blk = 0; blk < nb; blk++) {
+        const uint8_t *wb = ub + (size_t)blk * V * 8 * VBYTES;
+        const float *sb = sc + (size_t)blk * V * 2 * LANES;
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            const int8_t *xr = a->q + (size_t)(r0 + t) * k + blk * QK;
+            const size_t ri = (size_t)(r0 + t) * nb + blk;
+            VI isum[2], isumb[2];
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) isum[v] = isumb[v] = ZEROI();
+#ifdef I16_DOT
+            if (fmt != F_Q8_0) { /* int16 sums, widened once per run (see quant_avx2.c for the bounds) */
+                const int run = fmt == F_Q6_K ? 2 : (IS_Q5(fmt) || fmt == F_Q5_K) ? 2 : 4; /* j per widening */
+                VI s16[2], s16b[2];
+#pragma GCC unroll 2
+                for (int v = 0; v < V; v++) s16[v] = s16b[v] = I16_ZERO();
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const VI xl = SET1I(load_i32(xr + 4 * j)), xh = SET1I(load_i32(xr + 16 + 4 * j));
+#pragma GCC unroll 2
+                    for (int v = 0; v < V; v++) {
+                        const uint8_t *wv = wb + v * 8 * VBYTES;
+                        s16[v] = I16_DOT(s16[v], LOADB(wv + j * VBYTES), xl);
+                        if (fmt == F_Q6_K)
+                            s16b[v] = I16_DOT(s16b[v], LOADB(wv + (4 + j) * VBYTES), xh);
+                        else
+                            s16[v] = I16_DOT(s16[v], LOADB(wv + (4 + j) * VBYTES), xh);
+                        if ((j + 1) % run == 0) {
+                            isum[v] = I16_WIDEN(isum[v], s16[v]);
+                            s16[v] = I16_ZERO();
+                            if (fmt == F_Q6_K) {
+                                isumb[v] = I16_WIDEN(isumb[v], s16b[v]);
+                                s16b[v] = I16_ZERO();
+                            }
+                        }
+                    }
+                }
+            } else
+#endif
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const VI xl = SET1I(load_i32(xr + 4 * j)), xh = SET1I(load_i32(xr + 16 + 4 * j));
+#pragma GCC unroll 2
+                for (int v = 0; v < V; v++) {
+                    const uint8_t *wv = wb + v * 8 * VBYTES;
+                    const VI lo = LOADB(wv + j * VBYTES), hi = LOADB(wv + (4 + j) * VBYTES);
+                    if (fmt == F_Q8_0) {
+                        isum[v] = DOTQ8(isum[v], lo, xl);
+                        isum[v] = DOTQ8(isum[v], hi, xh);
+                    } else if (fmt == F_Q6_K) {
+                        isum[v] = DOT(isum[v], lo, xl);
+                        isumb[v] = DOT(isumb[v], hi, xh);
+                    } else {
+                        isum[v] = DOT2(isum[v], lo, xl, hi, xh);
+                    }
+                }
+            }
+            const VF dx = SET1F(a->d[ri]);
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) {
+                const VF D = LOADF(sb + v * 2 * LANES), M = LOADF(sb + v * 2 * LANES + LANES);
+                if (fmt == F_Q8_0) {
+                    VI is = isum[v];
+                    if (Q8_FIXUP) is = SUBI(is, SET1I(128 * a->s[ri]));
+                    acc[t][v] = FMA(CVT(is), MUL(D, dx), acc[t][v]);
+                } else if (fmt == F_Q6_K) {
+                    const VI ia = SUBI(isum[v], SET1I(32 * a->s16[2 * ri]));
+                    const VI ib = SUBI(isumb[v], SET1I(32 * a->s16[2 * ri + 1]));
+                    acc[t][v] = FMA(CVT(ia), MUL(D, dx), acc[t][v]);
+                    acc[t][v] = FMA(CVT(ib), MUL(M, dx), acc[t][v]);
+                } else {
+                    acc[t][v] = FMA(CVT(isum[v]), MUL(D, dx), acc[t][v]);
+                    if (IS_Q4(fmt) || IS_Q5(fmt))
+                        acc[t][v] = FMA(M, SET1F(a->dm[ri]), acc[t][v]);
+                    else
+                        acc[t][v] = FNMA(M, SET1F(a->dm[ri]), acc[t][v]);
+                }
+            }
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) STOREF(y + (size_t)t * ldy + v * LANES, acc[t][v]);
+}
+
 /* ---- float32 mode --------------------------------------------------------------------------------------------- */
 
 static inline __attribute__((always_inline)) void tile_f32(const int fmt, const int T, const uint8_t *w,
@@ -312,6 +473,41 @@ DEF_FMT(4)
 DEF_FMT(5)
 DEF_FMT(6)
 
+typedef void (*unpack_fn)(const uint8_t *, size_t, int, int, uint8_t *, float *);
+typedef void (*gemm_fn)(const uint8_t *, const float *, int, const acts_t *, int, int, float *, int);
+#define DEF_GEMM_T(F, T, V)                                                                                 \
+    static void gemm_##F##_##T##_##V(const uint8_t *ub, const float *sc, int nb, const acts_t *a, int r0,   \
+                                     int k, float *y, int ldy) { gemm_tile(F, T, V, ub, sc, nb, a, r0, k, y, ldy); }
+#define DEF_GEMM_V(F, V)                                                                                    \
+    static void unpack_##F##_##V(const uint8_t *w, size_t ps, int c, int nrec, uint8_t *ub, float *sc) {    \
+        unpack_panel(F, V, w, ps, c, nrec, ub, sc);                                                         \
+    }                                                                                                       \
+    DEF_GEMM_T(F, 1, V) DEF_GEMM_T(F, 2, V) DEF_GEMM_T(F, 3, V) DEF_GEMM_T(F, 4, V)
+#if NVP > 1
+#define DEF_GEMM(F) DEF_GEMM_V(F, 1) DEF_GEMM_V(F, 2)
+#define GEMM_V2(F, T) gemm_##F##_##T##_2
+#define UNPACK_V2(F) unpack_##F##_2
+#else
+#define DEF_GEMM(F) DEF_GEMM_V(F, 1)
+#define GEMM_V2(F, T) 0
+#define UNPACK_V2(F) 0
+#endif
+DEF_GEMM(1)
+DEF_GEMM(2)
+DEF_GEMM(3)
+DEF_GEMM(4)
+DEF_GEMM(5)
+DEF_GEMM(6)
+#define GEMM_ROW(F)                                                                                          \
+    {{0, gemm_##F##_1_1, gemm_##F##_2_1, gemm_##F##_3_1, gemm_##F##_4_1},                                     \
+     {0, GEMM_V2(F, 1), GEMM_V2(F, 2), GEMM_V2(F, 3), GEMM_V2(F, 4)}}
+#define UNPACK_ROW(F) {unpack_##F##_1, UNPACK_V2(F)}
+/* [fmt][V - 1] and [fmt][V - 1][T] */
+static const unpack_fn UNPACK[F_COUNT][2] = {UNPACK_ROW(1), UNPACK_ROW(1), UNPACK_ROW(2), UNPACK_ROW(3),
+                                             UNPACK_ROW(4), UNPACK_ROW(5), UNPACK_ROW(6), UNPACK_ROW(6)};
+static const gemm_fn GEMM[F_COUNT][2][GEMM_T + 1] = {GEMM_ROW(1), GEMM_ROW(1), GEMM_ROW(2), GEMM_ROW(3),
+                                                     GEMM_ROW(4), GEMM_ROW(5), GEMM_ROW(6), GEMM_ROW(6)};
+
 /* [fmt][T][V]: V 1, 2, 4 at index 0, 1, 2 (0 where the tile shape is not made) */
 #define I8_ROW(F)                                                                                           \
     {{0, 0, 0},                                                                                             \
@@ -391,7 +587,36 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
 #endif
         const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
         if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, &a, big, k, y, n);
-        for (int cc = cbeg; cc < cend && tiles > 0; cc += CHUNK_COLS) {
+        /* 2 rows and more: each panel (the thread's share of it) unpacked once, then every row tile multiplies
+         * from that copy */
+        const int nb = k / QK;
+        uint8_t *ub = 0;
+        float *sc = 0;
+        if (mode == 0 && USES_GEMM(fmt, rest) && cbeg < cend) {
+            const size_t wbytes = (size_t)nb * NVP * 8 * VBYTES;
+            ub = (uint8_t *)aligned_alloc(64, wbytes + (size_t)nb * NVP * 2 * LANES * sizeof(float));
+            sc = ub ? (float *)(ub + wbytes) : 0;
+        }
+        const int gtiles = (rest + GEMM_T - 1) / GEMM_T;
+        for (int c = cbeg; ub && c < cend;) {
+            int v = NVP - c % NVP; /* to the end of this panel */
+            if (v > cend - c) v = cend - c;
+            UNPACK[fmt][v - 1](w, pstride, c, nrec, ub, sc);
+            const int partial = (c + v) * LANES > n;
+            for (int i = 0, r0 = big; i < gtiles; i++) {
+                const int t = rest / gtiles + (i < rest % gtiles);
+                float tmp[GEMM_T * 2 * LANES];
+                float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+                const int ldy = partial ? v * LANES : n;
+                GEMM[fmt][v - 1][t](ub, sc, nb, &a, r0, k, yt, ldy);
+                if (partial)
+                    for (int r = 0; r < t; r++)
+                        for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
+                r0 += t;
+            }
+            c += v;
+        }
+        for (int cc = cbeg; cc < cend && tiles > 0 && !ub; cc += CHUNK_COLS) {
             const int cstop = cc + CHUNK_COLS < cend ? cc + CHUNK_COLS : cend;
             for (int i = 0, r0 = big; i < tiles; i++) {
                 const int t = rest / tiles + (i < rest % tiles);
@@ -414,6 +639,7 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
                 r0 += t;
             }
         }
+        free(ub);
     }
     free(buf);
     return 0;

@@ -12,6 +12,8 @@ typedef __m256i VI;
 typedef __m256 VF;
 
 #define LOADB(p) _mm256_loadu_si256((const __m256i *)(p))
+#define STOREB(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define LOADF(p) _mm256_loadu_ps(p)
 #define ANDB(a, b) _mm256_and_si256(a, b)
 #define ORB(a, b) _mm256_or_si256(a, b)
 #define SRL16(a, n) _mm256_srli_epi16(a, n)

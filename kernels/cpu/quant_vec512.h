@@ -14,6 +14,8 @@ typedef __m512i VI;
 typedef __m512 VF;
 
 #define LOADB(p) _mm512_loadu_si512((const void *)(p))
+#define STOREB(p, v) _mm512_storeu_si512((void *)(p), v)
+#define LOADF(p) _mm512_loadu_ps(p)
 #define ANDB(a, b) _mm512_and_si512(a, b)
 #define ORB(a, b) _mm512_or_si512(a, b)
 #define SRL16(a, n) _mm512_srli_epi16(a, n)
