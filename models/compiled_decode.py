@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from models import packed_rows
+from models import packed_rows, torch_internals
 from models.forward import forward
 from models.forward_ops import ATTENTION_ROUND, GraphOps, attention_length
 from models.llama import CastLinear, KVCache, Linear, LlamaModel, RefinedHead, RowStack
@@ -246,21 +246,15 @@ class CompiledDecode:
         """torch.export the step (the batch and attention-length dimensions symbolic), compile it with Inductor
         ahead of time for `threads` OpenMP threads, and write the package (its weights left out: they are the
         model's own at load)."""
-        import torch._inductor.config as inductor_config
-        from torch._inductor import cpp_builder, exc as inductor_exc
         try:  # before tracing: without a compiler Inductor fails after a minute of it
-            cpp_builder.get_cpp_compiler()
-        except inductor_exc.InvalidCxxCompiler as exc:
+            torch_internals.require_cxx_compiler()
+        except torch_internals.NoCxxCompiler as exc:
             raise CompileUnavailable("no C++ compiler for Inductor (g++ or $CXX); install g++ for the compiled "
                                      "decode step") from exc
         # One compiling thread: the box's other core is serving; Inductor's artefacts under the package's directory.
-        inductor_config.compile_threads = 1
         # The generated loops are parallel for the threads the step will run on, not for the one this (forked)
         # process computes with: built for one, every fused loop (attention, norms, rotary) ran on one core.
-        inductor_config.cpp.threads = threads
-        march = inductor_march()
-        if march:
-            inductor_config.cpp.march = march
+        torch_internals.configure_inductor(compile_threads=1, cpp_threads=threads, march=inductor_march())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(package.parent)
         max_len = self.cache.max_seq_len
         if max_len < 2:
@@ -281,10 +275,7 @@ class CompiledDecode:
             if program.constants:  # a tensor the walk did not name would be missing at load
                 raise CompileUnavailable(f"the decode step holds tensors outside the model's weights: "
                                          f"{sorted(program.constants)[:3]}")
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(partial),
-                inductor_configs={"aot_inductor.package_constants_in_so": False,
-                                  "aot_inductor.package_constants_on_disk_format": None})
+            torch_internals.aot_compile_package(program, str(partial))
         os.replace(partial, package)  # whole or not at all: a start never finds half a package
 
     def _build_in_child(self, package: Path) -> None:
@@ -348,7 +339,7 @@ class CompiledDecode:
 
     def _load(self, package: Path):
         """The package's runner, holding the model's own weight and cache tensors (by name, not copied)."""
-        runner = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+        runner = torch_internals.load_aot_package(str(package))
         ours, wanted = {**self.weights, **self._cache_tensors()}, runner.get_constant_fqns()
         missing = sorted(set(wanted) - set(ours))
         if missing:  # tensors Inductor made itself (the package holds none): an op to keep out of its reach
