@@ -89,10 +89,14 @@ def test_smollm2_blocks_against_the_dequantised_fp32_path(fp32, text_ids, fp32_l
     assert isinstance(w.tensors["model.embed_tokens.weight"], quant.BlockMatrix)  # kept in the file's format
     k = None if activations == "torch" else kernels.with_activations(activations)
     model = LlamaModel(w.config, w.tensors, cpu_kernels=k)
-    logits = teacher_forced(model, text_ids, torch.bfloat16)
-    agreement = (logits.argmax(-1) == fp32_logits.argmax(-1)).float().mean().item()
-    kl = path_choice.mean_kl(fp32_logits, logits)
-    print(f"blocks, {activations}: top-1 {agreement:.4f}, mean KL {kl:.5f} over {len(text_ids)} tokens")
+    # torch's int4 op is for CPUs our kernels do not serve and is 20-400x slower than them at many rows (its prefill
+    # of 520 tokens took two minutes of the suite): 128 tokens check the same exact weights
+    n = 128 if activations == "torch" else len(text_ids)
+    logits = teacher_forced(model, text_ids[:n], torch.bfloat16)
+    reference = fp32_logits[:n]  # causal: the first n positions' logits do not depend on the rest
+    agreement = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    kl = path_choice.mean_kl(reference, logits)
+    print(f"blocks, {activations}: top-1 {agreement:.4f}, mean KL {kl:.5f} over {n} tokens")
     if activations == "int8":
         assert kl <= path_choice.KL_BAR and agreement >= 0.93
     else:  # exact weights; the KV cache is bfloat16 here, so a near-tied token flips now and then (3 of 520 once)
