@@ -69,3 +69,27 @@ def test_start_generate_meets_the_variant_that_generate_meets(app):
     for cert, key in app.callers:
         expected = arm_of(cert)
         assert run(versions_met(app, cert, key)) == (expected, expected, expected), cert.name
+
+
+async def context_after_reset(app, cert, key) -> tuple[int, int, int, int]:
+    """ContextTokens of two turns, then after ResetContext, then of a Converse turn after EndConversation: a reset
+    forgets the conversation on the arm the caller's Generate was routed to."""
+    async with session(app, cert, key) as c:
+        first = (await call(c, "chat", "Generate", gen_args("hello"))).OutputArguments[3].Value
+        second = (await call(c, "chat", "Generate", gen_args("hello")))
+        assert second.OutputArguments[3].Value > first
+        r = await call(c, "chat", "ResetContext", [])
+        assert status_name(r) == "Good"
+        after = (await call(c, "chat", "Generate", gen_args("hello"))).OutputArguments[3].Value
+        line = ua.Variant("line-9", V.String)
+        once = (await call(c, "chat", "Converse", [line, *gen_args("hello")])).OutputArguments[3].Value
+        await call(c, "chat", "Converse", [line, *gen_args("hello")])
+        assert status_name(await call(c, "chat", "EndConversation", [line])) == "Good"
+        again = (await call(c, "chat", "Converse", [line, *gen_args("hello")])).OutputArguments[3].Value
+        return first, after, once, again
+
+
+def test_reset_context_and_end_conversation_forget_the_variant_s_conversation(app):
+    for cert, key in app.callers:
+        first, after, once, again = run(context_after_reset(app, cert, key))
+        assert after == first and again == once, (arm_of(cert), first, after, once, again)

@@ -24,9 +24,10 @@ V = ua.VariantType
 
 
 class Conversations:
-    def __init__(self, services: dict, all_models, conversation_ttl_s: float, audit_event):
+    def __init__(self, services: dict, all_models, arms, conversation_ttl_s: float, audit_event):
         self.services = services
         self._all_models = all_models  # () -> every served model, variants included
+        self._arms = arms  # (model) -> it and its A/B variants: a caller's conversation is on the one routed to
         self.conversation_ttl_s = conversation_ttl_s
         self._audit_event = audit_event
         self._last_use: dict[str, tuple[str, float]] = {}  # conversation key -> (model, last use, monotonic)
@@ -61,7 +62,8 @@ class Conversations:
         for key, (model, used) in list(self._last_use.items()):
             if now - used > self.conversation_ttl_s:
                 del self._last_use[key]
-                self.services[model].release(key)
+                for arm in self._arms(self.services[model]):
+                    arm.release(key)
 
     # ---- sessions ----
 
@@ -99,13 +101,20 @@ class Conversations:
             key = self.key(ctx, conversation, svc.name, 0)
             self._last_use.pop(key, None)
             require_ready(svc)
-            await svc.reset(key)
+            await self._reset_everywhere(svc, key)
             return []
         return body
 
     def _reset_body(self, svc: GenerativeModel):
         async def body(ctx: CallContext, args):
             require_ready(svc)
-            await svc.reset(ctx.session.key)
+            await self._reset_everywhere(svc, ctx.session.key)
             return []
         return body
+
+    async def _reset_everywhere(self, svc: GenerativeModel, key: str) -> None:
+        """Forget the conversation on the model and on each of its variants that runs: the caller's Generate was
+        routed to one of them (a variant not Ready lost its conversations with its worker)."""
+        for arm in self._arms(svc):
+            if arm is svc or arm.status().state == "Ready":
+                await arm.reset(key)

@@ -112,6 +112,10 @@ class Governance:
             return "deadline"  # the calls queued before this one would outlast its deadline
         return None
 
+    def arms(self, svc: ServedModel) -> list[ServedModel]:
+        """A model and its A/B variants: where one caller's conversation with it may live."""
+        return [svc, *self.variants.get(svc.name, {}).values()]
+
     def all_models(self) -> list[ServedModel]:
         """Every served model, the variants' included (a session's state may live in any of them)."""
         return [*self.services.values(), *(v for variants in self.variants.values() for v in variants.values())]

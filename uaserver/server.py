@@ -88,8 +88,8 @@ class ApplianceUaServer:
                                      request_timeout_s=config.engine.request_timeout_s, metrics=metrics,
                                      emit_event=self.emit_event)
         self.alarms = Alarms(classifiers_of(config), metrics=metrics, emit_event=self.emit_event)
-        self.conversations = Conversations(services, self.governance.all_models, config.engine.conversation_ttl_s,
-                                           self.handlers.event)
+        self.conversations = Conversations(services, self.governance.all_models, self.governance.arms,
+                                           config.engine.conversation_ttl_s, self.handlers.event)
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
         self.jobs = JobMethods(config, services, self.inference)
         self.mailboxes: Mailboxes | None = None
