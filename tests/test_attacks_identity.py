@@ -145,6 +145,28 @@ def test_password_refused_over_a_sign_only_channel(app):
     run(go())
 
 
+def test_a_client_signature_that_does_not_verify_is_refused_by_its_code(app):
+    """ActivateSession signed with the wrong key (as a client still holding an older server certificate signs):
+    BadApplicationSignatureInvalid, not BadInternalError with a traceback; the session is never activated."""
+    async def go():
+        client = await new_client(app.endpoint, *app.operator)
+        await client.connect_socket()
+        try:
+            await client.send_hello()
+            await client.open_secure_channel()
+            await client.create_session()
+            crypto = client.security_policy.asymmetric_cryptography
+            signature = crypto.signature
+            crypto.signature = lambda data: bytes(len(signature(data)))  # as long as a real one, all zero
+            with pytest.raises(ua.UaStatusCodeError) as refused:
+                await client.activate_session()
+            assert status_of(refused.value) == "BadApplicationSignatureInvalid", refused.value
+        finally:
+            client.disconnect_socket()
+        await legit_infer(app)
+    run(go())
+
+
 def test_repeated_failures_trigger_the_backoff(app):
     async def go():
         await quiet_backoff()

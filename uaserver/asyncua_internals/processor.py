@@ -16,7 +16,7 @@ from certs.x509io import thumbprint
 
 from ..identity import LoginVerdict, login_verdict
 from ..session import clean_audit_entry_id, current_audit_entry_id, current_session
-from .channel import PEER_ERRORS, ChannelGuard, error_message, leaf_certificate, transport_status
+from .channel import PEER_ERRORS, SIGNATURE_ERRORS, ChannelGuard, error_message, leaf_certificate, transport_status
 from .decoding import cached_nodeid_from_binary, call_parameters_from_binary, request_header_from_binary, \
     response_to_binary
 from .session_table import admit_identity, make_room
@@ -262,7 +262,10 @@ class HardenedProcessor(UaProcessor):
         watchdog_before = self._session_watchdog_task
         verdict_token = login_verdict.set(verdict)
         try:
-            result = await super()._process_message(typeid, requesthdr, seqhdr, body)
+            try:
+                result = await super()._process_message(typeid, requesthdr, seqhdr, body)
+            except SIGNATURE_ERRORS as exc:  # a ClientSignature that does not verify (made for an older certificate)
+                raise ServiceError(ua.StatusCodes.BadApplicationSignatureInvalid) from exc
             if isinstance(session, ApplianceSession):
                 session.channel = self
                 self.guard.record("login", session=session,
