@@ -3,10 +3,15 @@ the engine never sees it, the metric counts it, and the session stays usable."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 import urllib.request
+
+import yaml
 
 from harness import RunningAppliance
 from onnx_models import affine_model
+from serve_process import Serve
 from uaclient import call, floats, read, run, session, status_name
 
 
@@ -39,53 +44,19 @@ def test_calls_over_the_limit_are_refused_before_the_engine(tmp_path):
 def test_sighup_applies_new_rate_limits_to_the_running_process(tmp_path):
     """`systemctl reload` as an operator meets it: a real `appliance serve`, its YAML edited, SIGHUP, and the same
     PLC's next calls meet the new limit (same process, no restart)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    import yaml
-
-    from harness import free_ports
-
-    port, metrics_port = free_ports(2)
-    state, config = tmp_path / "state", tmp_path / "appliance.yaml"
-    doc = {"server": {"endpoint": f"opc.tcp://127.0.0.1:{port}", "state_dir": str(state)},
-           "metrics": {"listen": f"127.0.0.1:{metrics_port}"}, "watchdog": {"backend": "none"},
-           "models": {"affine": {"kind": "tensor", "path": str(affine_model(tmp_path / "a.onnx"))}}}
-    config.write_text(yaml.safe_dump(doc))
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    cli = [sys.executable, "-m", "appliance"]
-    proc = subprocess.Popen([*cli, "serve", "--config", str(config)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    serve = Serve(tmp_path, {"affine": {"kind": "tensor", "path": str(affine_model(tmp_path / "a.onnx"))}})
     try:
-        end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/readyz", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < end, "serve did not become ready"
-            time.sleep(0.2)
-        out = tmp_path / "clients"
-        subprocess.run([*cli, "certs", "issue", "plc", "--role", "operator", "--config", str(config),
-                        "--out", str(out)], env=env, check=True, capture_output=True)
-        app = SimpleNamespace(endpoint=f"opc.tcp://127.0.0.1:{port}")
-        plc = (str(out / "plc.pem"), str(out / "plc.key.pem"))
+        plc = serve.issue("plc", "operator")
 
         async def calls(n: int) -> list[str]:
-            async with session(app, *plc) as c:
+            async with session(serve, *plc) as c:
                 return [status_name(await call(c, "affine", "Infer", [floats([1] * 4)])) for _ in range(n)]
         assert run(calls(4)) == ["Good"] * 4  # no limit configured
+        doc = yaml.safe_load(serve.config_path.read_text())
         doc["security"] = {"rate_limits": {"per_client": {"calls_per_s": 0.01, "burst": 2}}}
-        config.write_text(yaml.safe_dump(doc))
-        pid = proc.pid
-        proc.send_signal(signal.SIGHUP)
+        serve.config_path.write_text(yaml.safe_dump(doc))
+        pid = serve.proc.pid
+        serve.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 30
         while True:  # the reload runs as a task of the loop: the limit holds from its end on
             got = run(calls(3))
@@ -94,10 +65,6 @@ def test_sighup_applies_new_rate_limits_to_the_running_process(tmp_path):
             assert time.monotonic() < deadline, got
             time.sleep(0.5)
         assert run(calls(1)) == ["BadTooManyOperations"]  # the bucket is empty and refills at 0.01/s
-        assert proc.poll() is None and proc.pid == pid  # reloaded, not restarted
+        assert serve.proc.poll() is None and serve.proc.pid == pid  # reloaded, not restarted
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        serve.close()
