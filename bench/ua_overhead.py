@@ -417,7 +417,8 @@ def main() -> int:
     app = subprocess.Popen([sys.executable, "-m", "appliance", "serve", "--config", str(work / "appliance.yaml")],
                            env=env, stdout=subprocess.DEVNULL)
     bare = subprocess.Popen([sys.executable, str(ROOT / "bench" / "bare_server.py"), str(bare_port),
-                             str(pki.own_cert_path), str(pki.own_key_path)], env=env, stdout=subprocess.DEVNULL)
+                             str(pki.layout.own_cert_der), str(pki.layout.own_key_pem)], env=env,
+                            stdout=subprocess.DEVNULL)
     try:
         wait_port(app_port, app)
         wait_port(bare_port, bare)

@@ -53,58 +53,10 @@ class PKI:
         self.role_map = RoleMap(self.state_dir / "access" / "certificates.json")
         self._clock = clock or (lambda: datetime.now(timezone.utc))
 
-    # -- paths -------------------------------------------------------------------------------------------------
-    @property
-    def pki_dir(self) -> Path:
-        return self.layout.pki_dir
-
-    @property
-    def own_cert_path(self) -> Path:
-        return self.layout.own_cert_der
-
-    @property
-    def own_cert_pem_path(self) -> Path:
-        return self.layout.own_cert_pem
-
-    @property
-    def own_key_path(self) -> Path:
-        return self.layout.own_key_pem
-
-    @property
-    def ca_cert_path(self) -> Path:
-        return self.layout.ca_cert_der
-
-    @property
-    def ca_cert_pem_path(self) -> Path:
-        return self.layout.ca_cert_pem
-
-    @property
-    def ca_key_path(self) -> Path:
-        return self.layout.ca_key_pem
-
-    @property
-    def crl_path(self) -> Path:
-        return self.layout.ca_crl_der
-
-    @property
-    def trusted_dir(self) -> Path:
-        return self.layout.trusted
-
-    @property
-    def issuers_dir(self) -> Path:
-        return self.layout.issuers
-
-    @property
-    def rejected_dir(self) -> Path:
-        return self.layout.rejected
-
-    @property
-    def crl_dir(self) -> Path:
-        return self.layout.crl
-
     # -- creation ----------------------------------------------------------------------------------------------
     def exists(self) -> bool:
-        return all(p.is_file() for p in (self.own_cert_path, self.own_key_path, self.ca_cert_path, self.ca_key_path))
+        files = self.layout
+        return all(p.is_file() for p in (files.own_cert_der, files.own_key_pem, files.ca_cert_der, files.ca_key_pem))
 
     def init(
         self,
@@ -122,14 +74,14 @@ class PKI:
         force replaces the server certificate; it keeps the CA, so PLCs that trust the CA and certificates
         issued by it keep working. new_ca (with force, if a CA exists) makes a new CA as well."""
         uri, hosts, addrs = check_identity(application_uri, hostnames, ips)
-        own = [p for p in (self.own_cert_path, self.own_key_path) if p.exists()]
-        ca_files = [p for p in (self.ca_cert_path, self.ca_key_path) if p.exists()]
+        own = [p for p in (self.layout.own_cert_der, self.layout.own_key_pem) if p.exists()]
+        ca_files = [p for p in (self.layout.ca_cert_der, self.layout.ca_key_pem) if p.exists()]
         if own and not force:
             raise PKIError(f"a PKI already exists ({own[0]}); use --force to replace the server certificate")
         if new_ca and ca_files and not force:
             raise PKIError(f"a CA already exists ({ca_files[0]}); use --force with --new-ca to replace it")
         if len(ca_files) == 1 and not new_ca:
-            missing = ({self.ca_cert_path, self.ca_key_path} - set(ca_files)).pop()
+            missing = ({self.layout.ca_cert_der, self.layout.ca_key_pem} - set(ca_files)).pop()
             raise PKIError(f"the appliance CA is incomplete: {missing} is missing; restore it or use --new-ca")
         self._make_dirs()
         now = self._clock()
@@ -143,17 +95,17 @@ class PKI:
         """At server start: create what is missing, and renew the server certificate (same CA) when it expired
         or no longer names the configured ApplicationUri, host names or IPs. True if anything was created."""
         uri, hosts, addrs = check_identity(application_uri, hostnames, ips)
-        if not (self.own_cert_path.is_file() and self.own_key_path.is_file()):
+        if not (self.layout.own_cert_der.is_file() and self.layout.own_key_pem.is_file()):
             self.init(uri, hosts, addrs, force=True)
             return True
-        ServerCertificateStore(self.pki_dir).finish_interrupted_install()
+        ServerCertificateStore(self.layout.pki_dir).finish_interrupted_install()
         problem = self._server_cert_problem(uri, hosts, addrs)
         if problem and not issued_by_appliance_ca(self.layout):
             # Installed through Part 12 or `certs install-server`: the plant's CA manages it, never replaced here.
             log.warning("the server certificate %s; it was issued by the plant's CA: renew it there", problem)
             problem = None
         created = False
-        if problem and self.ca_key_path.is_file():
+        if problem and self.layout.ca_key_pem.is_file():
             log.warning("renewing the server certificate: %s", problem)
             self.init(uri, hosts, addrs, force=True)
             created = True
@@ -164,7 +116,7 @@ class PKI:
 
     def _server_cert_problem(self, uri: str, hosts: list[str], addrs: list[str]) -> str | None:
         try:
-            cert = x509.load_der_x509_certificate(self.own_cert_path.read_bytes())
+            cert = x509.load_der_x509_certificate(self.layout.own_cert_der.read_bytes())
             san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         except (ValueError, x509.ExtensionNotFound):
             return "is unreadable or has no SubjectAltName"
@@ -185,39 +137,40 @@ class PKI:
         key = builder.new_rsa_key(builder.CA_KEY_BITS)
         # a random suffix keeps two appliances' CAs apart in a PLC's trust list even with equal host names
         cert = builder.build_ca(key, f"Appliance CA {host} {secrets.token_hex(3)}"[:64], CA_DAYS, now)
-        write_atomic(self.ca_key_path, builder.private_key_pem(key), SECRET)
-        write_atomic(self.ca_cert_path, to_der(cert), PUBLIC)
-        write_atomic(self.ca_cert_pem_path, to_pem(cert), PUBLIC)
+        write_atomic(self.layout.ca_key_pem, builder.private_key_pem(key), SECRET)
+        write_atomic(self.layout.ca_cert_der, to_der(cert), PUBLIC)
+        write_atomic(self.layout.ca_cert_pem, to_pem(cert), PUBLIC)
         write_atomic(self.layout.ca_trusted_der, to_der(cert), PUBLIC)
         # revocations of an earlier CA mean nothing to this one
         self.layout.revocation_ledger.unlink(missing_ok=True)
-        self.crl_path.unlink(missing_ok=True)
+        self.layout.ca_crl_der.unlink(missing_ok=True)
         log.info("created the appliance CA %s", cert.subject.rfc4514_string())
 
     def _create_server_cert(self, ca_cert, ca_key, uri, hosts, addrs, cn, days, now) -> None:
         key = builder.new_rsa_key(builder.SERVER_KEY_BITS)
         cert = builder.build_server_cert(key, ca_cert, ca_key, uri, hosts, addrs, cn, days, now)
-        write_atomic(self.own_key_path, builder.private_key_pem(key), SECRET)
-        write_atomic(self.own_cert_path, to_der(cert), PUBLIC)
-        write_atomic(self.own_cert_pem_path, to_pem(cert), PUBLIC)
+        write_atomic(self.layout.own_key_pem, builder.private_key_pem(key), SECRET)
+        write_atomic(self.layout.own_cert_der, to_der(cert), PUBLIC)
+        write_atomic(self.layout.own_cert_pem, to_pem(cert), PUBLIC)
         self.layout.own_issuers_der.unlink(missing_ok=True)  # a plant CA's chain does not go with this one
         log.info("created the server certificate for %s (%s)", uri, ", ".join(hosts + addrs))
 
     def _load_ca(self) -> tuple[x509.Certificate, object]:
         try:
-            cert = x509.load_der_x509_certificate(self.ca_cert_path.read_bytes())
+            cert = x509.load_der_x509_certificate(self.layout.ca_cert_der.read_bytes())
         except FileNotFoundError:
-            raise PKIError(f"no appliance CA certificate at {self.ca_cert_path}; run `appliance certs init`") from None
+            raise PKIError(f"no appliance CA certificate at {self.layout.ca_cert_der}; run `appliance certs init`") \
+                from None
         except ValueError:
-            raise PKIError(f"{self.ca_cert_path} is not a DER certificate") from None
+            raise PKIError(f"{self.layout.ca_cert_der} is not a DER certificate") from None
         try:
-            key = serialization.load_pem_private_key(self.ca_key_path.read_bytes(), password=None)
+            key = serialization.load_pem_private_key(self.layout.ca_key_pem.read_bytes(), password=None)
         except FileNotFoundError:
-            raise PKIError(f"the CA key {self.ca_key_path} is absent; it is needed to sign") from None
+            raise PKIError(f"the CA key {self.layout.ca_key_pem} is absent; it is needed to sign") from None
         except (ValueError, TypeError):
-            raise PKIError(f"{self.ca_key_path} is not an unencrypted PEM private key") from None
+            raise PKIError(f"{self.layout.ca_key_pem} is not an unencrypted PEM private key") from None
         if key.public_key().public_numbers() != cert.public_key().public_numbers():
-            raise PKIError(f"{self.ca_key_path} does not belong to the CA certificate {self.ca_cert_path}")
+            raise PKIError(f"{self.layout.ca_key_pem} does not belong to the CA certificate {self.layout.ca_cert_der}")
         return cert, key
 
     # -- client certificates -----------------------------------------------------------------------------------
@@ -273,7 +226,7 @@ class PKI:
             write_atomic(issued.cert_der_path, der, PUBLIC)
             write_atomic(issued.cert_pem_path, to_pem(cert), PUBLIC)
             write_atomic(issued.ca_der_path, to_der(ca_cert), PUBLIC)
-            write_atomic(self.trusted_dir / f"{name}.der", der, PUBLIC)
+            write_atomic(self.layout.trusted / f"{name}.der", der, PUBLIC)
         except OSError as exc:
             raise PKIError(f"cannot write {exc.filename or out_dir}: {exc.strerror}") from None
         self.role_map.put(
@@ -293,18 +246,18 @@ class PKI:
     # -- trust list maintenance --------------------------------------------------------------------------------
     def trust(self, file: Path) -> Path:
         """Copy a DER or PEM certificate into trusted/ as DER; a copy in rejected/ is removed (moved)."""
-        source = self._existing(Path(file), self.rejected_dir)
+        source = self._existing(Path(file), self.layout.rejected)
         der, cert = self._read_leaf(source)
         thumb = thumbprint(der)
-        self.trusted_dir.mkdir(parents=True, exist_ok=True)
-        target = next((s.path for s in self._stored(self.trusted_dir) if s.thumbprint == thumb), None)
+        self.layout.trusted.mkdir(parents=True, exist_ok=True)
+        target = next((s.path for s in self._stored(self.layout.trusted) if s.thumbprint == thumb), None)
         if target is None:
             stem = safe_file_stem(source.name.split(".")[0] if source.suffix else source.name)
-            target = self.trusted_dir / f"{stem}.der"
+            target = self.layout.trusted / f"{stem}.der"
             if target.exists():
-                target = self.trusted_dir / f"{stem}-{thumb[:8]}.der"
+                target = self.layout.trusted / f"{stem}-{thumb[:8]}.der"
             write_atomic(target, der, PUBLIC)
-        for stored in self._stored(self.rejected_dir):
+        for stored in self._stored(self.layout.rejected):
             if stored.thumbprint == thumb:
                 stored.path.unlink(missing_ok=True)
         log.info("trusted %s (%s) as %s", cert.subject.rfc4514_string(), thumb, target.name)
@@ -319,8 +272,8 @@ class PKI:
         if found.path == self.layout.ca_trusted_der:
             raise PKIError("refusing to reject the appliance CA: every issued certificate depends on it; "
                            "revoke single certificates instead")
-        self.rejected_dir.mkdir(parents=True, exist_ok=True)
-        target = self.rejected_dir / found.path.name
+        self.layout.rejected.mkdir(parents=True, exist_ok=True)
+        target = self.layout.rejected / found.path.name
         os.replace(found.path, target)
         log.info("rejected %s (%s)", found.cert.subject.rfc4514_string(), found.thumbprint)
         return target
@@ -338,7 +291,7 @@ class PKI:
         entry = mapped[1] if mapped else (self.role_map.load().get(thumb) or {})
         name = entry.get("name") or (stored.path.stem if stored else None)
         serial, on_crl = None, False
-        if self.ca_cert_path.is_file():
+        if self.layout.ca_cert_der.is_file():
             ca_cert, ca_key = self._load_ca()
             if stored is not None:
                 issued_here = _issued_by(stored.cert, ca_cert)
@@ -368,15 +321,15 @@ class PKI:
         revoked = {int(s, 16): datetime.fromisoformat(v["revoked_at"]) for s, v in data["revoked"].items()}
         crl_der = sign_crl(ca_cert, ca_key, revoked, data["crl_number"], self._clock())
         ledger.save(data)
-        write_atomic(self.crl_path, crl_der, PUBLIC)
+        write_atomic(self.layout.ca_crl_der, crl_der, PUBLIC)
 
     def refresh_crl(self) -> bool:
         """Re-sign the CA's CRL when it is missing, does not verify, or expires within 30 days. True if signed."""
-        if not (self.ca_cert_path.is_file() and self.ca_key_path.is_file()):
+        if not (self.layout.ca_cert_der.is_file() and self.layout.ca_key_pem.is_file()):
             return False
         ca_cert, ca_key = self._load_ca()
         try:
-            crl = parse_crl(self.crl_path.read_bytes())
+            crl = parse_crl(self.layout.ca_crl_der.read_bytes())
             fresh = crl.is_signature_valid(ca_cert.public_key()) and (
                 crl.next_update_utc is not None and crl.next_update_utc - self._clock() > CRL_RENEW_BEFORE
             )
@@ -398,19 +351,20 @@ class PKI:
 
     def server_chain_der(self) -> bytes:
         """What the server presents: its certificate's DER followed by the CA's."""
-        return self.own_cert_path.read_bytes() + self.ca_cert_path.read_bytes()
+        return self.layout.own_cert_der.read_bytes() + self.layout.ca_cert_der.read_bytes()
 
     def server_cert_not_after(self) -> datetime:
-        return x509.load_der_x509_certificate(self.own_cert_path.read_bytes()).not_valid_after_utc
+        return x509.load_der_x509_certificate(self.layout.own_cert_der.read_bytes()).not_valid_after_utc
 
     def export_server(self, out_dir: Path) -> list[Path]:
         """The server certificate and the CA, DER and PEM, for a PLC's certificate manager."""
-        if not (self.own_cert_path.is_file() and self.ca_cert_path.is_file()):
+        if not (self.layout.own_cert_der.is_file() and self.layout.ca_cert_der.is_file()):
             raise PKIError(f"no server certificate in {self.layout.own}; run `appliance certs init`")
         out_dir = Path(out_dir)
         written = []
         try:
-            for source, stem in ((self.own_cert_path, "appliance-server"), (self.ca_cert_path, "appliance-ca")):
+            for source, stem in ((self.layout.own_cert_der, "appliance-server"),
+                                 (self.layout.ca_cert_der, "appliance-ca")):
                 cert = x509.load_der_x509_certificate(source.read_bytes())
                 for data, suffix in ((to_der(cert), ".der"), (to_pem(cert), ".pem")):
                     write_atomic(out_dir / f"{stem}{suffix}", data, PUBLIC)
@@ -425,8 +379,8 @@ class PKI:
         roles = self.role_map.load()
         anchors = snapshot.trusted + snapshot.issuers
         entries: list[CertEntry] = []
-        for location, folder in (("trusted", self.trusted_dir), ("issuers", self.issuers_dir),
-                                 ("rejected", self.rejected_dir)):
+        for location, folder in (("trusted", self.layout.trusted), ("issuers", self.layout.issuers),
+                                 ("rejected", self.layout.rejected)):
             for path in sorted(p for p in folder.glob("*") if p.is_file() and not p.name.startswith(".")):
                 try:
                     stored = [StoredCert(der, cert, path) for der, cert in read_certificate_file(path)]
@@ -474,7 +428,7 @@ class PKI:
 
     def _find_trusted(self, key: str) -> StoredCert | None:
         """A trusted certificate by path, file name, file stem or thumbprint (or the thumbprint of a file)."""
-        stored = self._stored(self.trusted_dir)
+        stored = self._stored(self.layout.trusted)
         path = Path(key)
         thumbs = {t} if (t := normalize_thumbprint(key)) else set()
         if path.is_file():

@@ -258,9 +258,10 @@ def report(tmp_path: Path, name: str, figures: dict) -> dict:
 
 def load_ca(app: RunningAppliance):
     pki = app.pki
-    cert = x509.load_der_x509_certificate(pki.ca_cert_path.read_bytes()) if pki.ca_cert_path.suffix == ".der" \
-        else x509.load_pem_x509_certificate(pki.ca_cert_path.read_bytes())
-    key = serialization.load_pem_private_key(pki.ca_key_path.read_bytes(), password=None)
+    ca = pki.layout.ca_cert_der
+    cert = x509.load_der_x509_certificate(ca.read_bytes()) if ca.suffix == ".der" \
+        else x509.load_pem_x509_certificate(ca.read_bytes())
+    key = serialization.load_pem_private_key(pki.layout.ca_key_pem.read_bytes(), password=None)
     return cert, key
 
 

@@ -71,7 +71,7 @@ def test_sign_only_channel_refused_when_only_sign_and_encrypt_is_configured(app)
     async def go():
         cert, key = app.operator
         # skip discovery (Sign is not offered) and ask for it anyway
-        client = await new_client(app.endpoint, cert, key, mode="Sign", server_certificate=app.pki.own_cert_path)
+        client = await new_client(app.endpoint, cert, key, mode="Sign", server_certificate=app.pki.layout.own_cert_der)
         exc = await refusal(client.connect())
         await close(client)
         assert status_of(exc) == "BadSecurityPolicyRejected", exc

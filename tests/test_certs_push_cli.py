@@ -45,7 +45,7 @@ def pem_chain(*ders: bytes) -> bytes:
 
 
 def test_csr_and_install_on_a_running_appliance_without_a_restart(app, tmp_path):
-    old = app.pki.own_cert_path.read_bytes()
+    old = app.pki.layout.own_cert_der.read_bytes()
     sup = app.app.supervisors[0]
     pid = sup.process.pid
     p = cli("csr", "--new-key", "--out", str(tmp_path / "server.csr"), "--config", str(app.config_path))
@@ -53,7 +53,7 @@ def test_csr_and_install_on_a_running_appliance_without_a_restart(app, tmp_path)
     assert "by the running appliance" in p.stdout
     csr = x509.load_pem_x509_csr((tmp_path / "server.csr").read_bytes())
     assert csr.public_key().public_numbers() != x509.load_der_x509_certificate(old).public_key().public_numbers()
-    assert app.pki.own_cert_path.read_bytes() == old  # a request changes nothing in use
+    assert app.pki.layout.own_cert_der.read_bytes() == old  # a request changes nothing in use
 
     ca = plant_ca("Line 3 CA")
     signed = sign_request(ca, csr.public_bytes(serialization.Encoding.DER))
@@ -62,14 +62,14 @@ def test_csr_and_install_on_a_running_appliance_without_a_restart(app, tmp_path)
     (tmp_path / "expired.pem").write_bytes(pem_chain(expired, ca.cert_der))
     p = cli("install-server", str(tmp_path / "expired.pem"), "--config", str(app.config_path))
     assert p.returncode == 2 and "BadCertificateTimeInvalid" in p.stderr and "Traceback" not in p.stderr
-    assert app.pki.own_cert_path.read_bytes() == old
+    assert app.pki.layout.own_cert_der.read_bytes() == old
 
     (tmp_path / "server.pem").write_bytes(pem_chain(signed, ca.cert_der))  # the CA's answer: leaf + its CA
     p = cli("install-server", str(tmp_path / "server.pem"), "--config", str(app.config_path))
     assert p.returncode == 0, p.stderr
     assert "running appliance uses it" in p.stdout
-    assert app.pki.own_cert_path.read_bytes() == signed
-    key = serialization.load_pem_private_key(app.pki.own_key_path.read_bytes(), None)
+    assert app.pki.layout.own_cert_der.read_bytes() == signed
+    key = serialization.load_pem_private_key(app.pki.layout.own_key_pem.read_bytes(), None)
     assert key.public_key().public_numbers() == csr.public_key().public_numbers()  # the key the request was for
     chain = run(endpoint_certificate(app))
     assert split_der_chain(chain) == [signed, ca.cert_der]
@@ -101,5 +101,5 @@ def test_without_a_running_appliance_the_files_are_changed_for_the_next_start(tm
             "--config", str(config))
     assert p.returncode == 0, p.stderr
     assert "next start" in p.stdout
-    assert PKI(state).own_cert_path.read_bytes() == signed
+    assert PKI(state).layout.own_cert_der.read_bytes() == signed
     assert (state / "pki" / "own" / "issuers.der").read_bytes() == ca.cert_der

@@ -70,7 +70,7 @@ def ca2_key():
 
 
 def _trust_file(pki: PKI, cert_der: bytes, stem: str, folder: str = "trusted") -> Path:
-    path = pki.pki_dir / folder / f"{stem}.der"
+    path = pki.layout.pki_dir / folder / f"{stem}.der"
     path.write_bytes(cert_der)
     return path
 
@@ -136,29 +136,29 @@ def test_empty_crl_created_and_signed_by_the_ca(base):
 def test_server_chain_and_expiry(base):
     pki = PKI(base)
     chain = pki.server_chain_der()
-    own, ca = pki.own_cert_path.read_bytes(), pki.ca_cert_path.read_bytes()
+    own, ca = pki.layout.own_cert_der.read_bytes(), pki.layout.ca_cert_der.read_bytes()
     assert chain == own + ca
-    assert pki.server_cert_not_after() == _der(pki.own_cert_path).not_valid_after_utc
+    assert pki.server_cert_not_after() == _der(pki.layout.own_cert_der).not_valid_after_utc
     # the chain the server presents passes our own validation (as a peer would check it)
-    assert TrustList(pki.pki_dir).validate_application_certificate(chain, URI).ok
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(chain, URI).ok
 
 
 def test_init_refuses_an_existing_pki_and_force_keeps_the_ca(pki):
-    ca_before = pki.ca_cert_path.read_bytes()
-    server_before = pki.own_cert_path.read_bytes()
+    ca_before = pki.layout.ca_cert_der.read_bytes()
+    server_before = pki.layout.own_cert_der.read_bytes()
     with pytest.raises(PKIError, match="--force"):
         pki.init(URI, [HOST], [])
-    assert pki.own_cert_path.read_bytes() == server_before
+    assert pki.layout.own_cert_der.read_bytes() == server_before
     pki.init("urn:renamed:appliance", [HOST], [], force=True)
-    assert pki.ca_cert_path.read_bytes() == ca_before  # PLCs trusting the CA keep working
-    assert pki.own_cert_path.read_bytes() != server_before
+    assert pki.layout.ca_cert_der.read_bytes() == ca_before  # PLCs trusting the CA keep working
+    assert pki.layout.own_cert_der.read_bytes() != server_before
     # a client issued before still validates
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     plc1 = (pki.state_dir / "clients" / "plc1.der").read_bytes()
     assert tl.validate_application_certificate(plc1, _client_uri("plc1")).ok
     pki.init(URI, [HOST], [], force=True, new_ca=True)
-    assert pki.ca_cert_path.read_bytes() != ca_before
-    assert pki.layout.ca_trusted_der.read_bytes() == pki.ca_cert_path.read_bytes()
+    assert pki.layout.ca_cert_der.read_bytes() != ca_before
+    assert pki.layout.ca_trusted_der.read_bytes() == pki.layout.ca_cert_der.read_bytes()
 
 
 def test_init_rejects_bad_identity(tmp_path):
@@ -175,30 +175,30 @@ def test_init_rejects_bad_identity(tmp_path):
 def test_ensure_creates_once_then_renews_only_on_a_uri_change(tmp_path):
     pki = PKI(tmp_path)
     assert pki.ensure(URI, [HOST], []) is True
-    first = pki.own_cert_path.read_bytes()
-    ca = pki.ca_cert_path.read_bytes()
+    first = pki.layout.own_cert_der.read_bytes()
+    ca = pki.layout.ca_cert_der.read_bytes()
     assert pki.ensure(URI, [HOST], []) is False
-    assert pki.own_cert_path.read_bytes() == first
+    assert pki.layout.own_cert_der.read_bytes() == first
     assert pki.ensure("urn:other:appliance", [HOST], []) is True
-    renewed = _der(pki.own_cert_path)
+    renewed = _der(pki.layout.own_cert_der)
     assert URI not in renewed.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
         x509.UniformResourceIdentifier)
-    assert pki.ca_cert_path.read_bytes() == ca
+    assert pki.layout.ca_cert_der.read_bytes() == ca
 
 
 def test_ensure_renews_an_expired_server_certificate_and_a_stale_crl(pki):
     later = NOW + timedelta(days=740)
-    old_server, old_crl = pki.own_cert_path.read_bytes(), pki.crl_path.read_bytes()
+    old_server, old_crl = pki.layout.own_cert_der.read_bytes(), pki.layout.ca_crl_der.read_bytes()
     assert PKI(pki.state_dir, clock=lambda: later).ensure(URI, [HOST, "plant-box.local"], ["10.0.0.5"]) is True
-    assert pki.own_cert_path.read_bytes() != old_server
-    assert _der(pki.own_cert_path).not_valid_after_utc > later
-    crl = x509.load_der_x509_crl(pki.crl_path.read_bytes())
-    assert pki.crl_path.read_bytes() != old_crl and crl.next_update_utc > later + timedelta(days=300)
+    assert pki.layout.own_cert_der.read_bytes() != old_server
+    assert _der(pki.layout.own_cert_der).not_valid_after_utc > later
+    crl = x509.load_der_x509_crl(pki.layout.ca_crl_der.read_bytes())
+    assert pki.layout.ca_crl_der.read_bytes() != old_crl and crl.next_update_utc > later + timedelta(days=300)
 
 
 def test_ensure_serves_without_the_ca_key(pki):
     """Plants may keep the CA key offline: the server still starts with its certificate."""
-    pki.ca_key_path.unlink()
+    pki.layout.ca_key_pem.unlink()
     assert pki.ensure(URI, [HOST], []) is False
     with pytest.raises(PKIError, match="ca.key.pem"):
         pki.issue("late", "monitor", pki.state_dir / "c", HOST)
@@ -212,9 +212,9 @@ def test_issue_writes_every_file_and_maps_the_role(base):
         assert (out / f"plc1{suffix}").is_file(), suffix
     assert _mode(out / "plc1.key.pem") == 0o600 and _mode(out / "plc1.p12") == 0o600
     cert = _der(out / "plc1.der")
-    ca = _der(pki.ca_cert_path)
+    ca = _der(pki.layout.ca_cert_der)
     cert.verify_directly_issued_by(ca)
-    assert (out / "plc1.ca.der").read_bytes() == pki.ca_cert_path.read_bytes()
+    assert (out / "plc1.ca.der").read_bytes() == pki.layout.ca_cert_der.read_bytes()
     assert x509.load_pem_x509_certificate((out / "plc1.pem").read_bytes()) == cert
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == [_client_uri("plc1")]
@@ -229,7 +229,7 @@ def test_issue_writes_every_file_and_maps_the_role(base):
     assert (base / "pki" / "trusted" / "plc1.der").read_bytes() == (out / "plc1.der").read_bytes()
     assert pki.role_for_certificate((out / "plc1.der").read_bytes()) == "operator"
     assert pki.role_for_certificate((out / "eng.der").read_bytes()) == "engineer"
-    assert pki.role_for_certificate(pki.own_cert_path.read_bytes()) is None
+    assert pki.role_for_certificate(pki.layout.own_cert_der.read_bytes()) is None
     assert pki.role_for_certificate(b"garbage") is None
 
 
@@ -282,26 +282,26 @@ def test_unparseable_is_invalid(base, blob):
 
 
 def test_untrusted_is_copied_to_rejected_and_moving_it_makes_it_pass(pki, key):
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     rogue = make_test_certificate("rogue-hmi", key=key)
     result = tl.validate_application_certificate(rogue.cert_der, "urn:test:client")
     assert result.status == "BadCertificateUntrusted"
-    rejected = list(pki.rejected_dir.iterdir())
+    rejected = list(pki.layout.rejected.iterdir())
     assert [p.read_bytes() for p in rejected] == [rogue.cert_der]
     assert result.thumbprint in rejected[0].name
     # the engineer trusts it by moving the file; the SAME TrustList sees it
-    rejected[0].rename(pki.trusted_dir / rejected[0].name)
+    rejected[0].rename(pki.layout.trusted / rejected[0].name)
     assert tl.validate_application_certificate(rogue.cert_der, "urn:test:client").ok
     # and moving it back makes it untrusted again
-    (pki.trusted_dir / rejected[0].name).rename(rejected[0])
+    (pki.layout.trusted / rejected[0].name).rename(rejected[0])
     assert tl.validate_application_certificate(rogue.cert_der, "urn:test:client").status == "BadCertificateUntrusted"
 
 
 def test_forged_issuer_name_is_untrusted(pki, key):
     """A certificate naming the appliance CA as issuer but signed by another key."""
-    ca = _der(pki.ca_cert_path)
+    ca = _der(pki.layout.ca_cert_der)
     forged = make_test_certificate("forged", key=key, issuer_name=ca.subject)
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     assert tl.validate_application_certificate(forged.cert_der, None).status == "BadCertificateUntrusted"
 
 
@@ -310,7 +310,7 @@ def test_leaf_cannot_act_as_ca(pki, key):
     out = pki.state_dir / "clients"
     plc1 = (_der(out / "plc1.der"), serialization.load_pem_private_key((out / "plc1.key.pem").read_bytes(), None))
     child = make_test_certificate("child", key=key, issuer=plc1)
-    assert TrustList(pki.pki_dir).validate_application_certificate(child.cert_der, None).status == \
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(child.cert_der, None).status == \
         "BadCertificateUntrusted"
 
 
@@ -319,7 +319,7 @@ def test_time_invalid(pki, key, before, after):
     cert = make_test_certificate("clock", key=key, not_before=NOW + timedelta(days=before),
                                  not_after=NOW + timedelta(days=after))
     _trust_file(pki, cert.cert_der, "clock")
-    assert TrustList(pki.pki_dir).validate_application_certificate(cert.cert_der, None).status == \
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(cert.cert_der, None).status == \
         "BadCertificateTimeInvalid"
 
 
@@ -334,12 +334,12 @@ def test_injected_clock_expires_issued_certificate(base):
 def test_weak_key_and_sha1_fail_the_policy_even_when_trusted(pki):
     weak = make_test_certificate("weak", key_bits=1024)
     _trust_file(pki, weak.cert_der, "weak")
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     assert tl.validate_application_certificate(weak.cert_der, None).status == "BadCertificatePolicyCheckFailed"
     untrusted_weak = make_test_certificate("weak2", key=weak.key)
     assert tl.validate_application_certificate(untrusted_weak.cert_der, None).status == \
         "BadCertificatePolicyCheckFailed"
-    assert list(pki.rejected_dir.iterdir()) == []  # trusting it would not help: not filed
+    assert list(pki.layout.rejected.iterdir()) == []  # trusting it would not help: not filed
 
 
 def test_sha1_signature_fails_the_policy(pki, key):
@@ -348,7 +348,7 @@ def test_sha1_signature_fails_the_policy(pki, key):
     cert = sha1.cert
     key.public_key().verify(cert.signature, cert.tbs_certificate_bytes, padding.PKCS1v15(), hashes.SHA1())
     _trust_file(pki, sha1.cert_der, "sha1")
-    assert TrustList(pki.pki_dir).validate_application_certificate(sha1.cert_der, None).status == \
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(sha1.cert_der, None).status == \
         "BadCertificatePolicyCheckFailed"
 
 
@@ -373,7 +373,7 @@ def test_key_usage(pki, key, kwargs, app_status, user_status):
         kwargs = dict(key_usage=_usage(encipherment=False))
     cert = make_test_certificate("usage", key=key, **kwargs)
     _trust_file(pki, cert.cert_der, "usage")
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     assert tl.validate_application_certificate(cert.cert_der, "urn:test:client").status == app_status
     assert tl.validate_user_certificate(cert.cert_der).status == user_status
 
@@ -381,7 +381,7 @@ def test_key_usage(pki, key, kwargs, app_status, user_status):
 def test_certificate_without_uri_is_uri_invalid(pki, key):
     cert = make_test_certificate("nouri", key=key, application_uri=None)
     _trust_file(pki, cert.cert_der, "nouri")
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     assert tl.validate_application_certificate(cert.cert_der, "urn:x").status == "BadCertificateUriInvalid"
     assert tl.validate_user_certificate(cert.cert_der).ok
 
@@ -399,20 +399,20 @@ def plant_ca(ca_key, ca2_key, key):
 
 def test_chain_through_an_intermediate_in_issuers(pki, plant_ca):
     root, inter, leaf = plant_ca
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     _trust_file(pki, root.cert_der, "plant-root")
     assert tl.validate_application_certificate(leaf.cert_der, "urn:hmi-7").status == "BadCertificateUntrusted"
     _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
     assert tl.validate_application_certificate(leaf.cert_der, "urn:hmi-7").ok
     # an intermediate in issuers/ is not itself a trust anchor
-    (pki.trusted_dir / "plant-root.der").unlink()
+    (pki.layout.trusted / "plant-root.der").unlink()
     assert tl.validate_application_certificate(leaf.cert_der, "urn:hmi-7").status == "BadCertificateUntrusted"
 
 
 def test_chain_sent_by_the_peer_supplies_the_intermediate(pki, plant_ca):
     root, inter, leaf = plant_ca
     _trust_file(pki, root.cert_der, "plant-root")
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     result = tl.validate_application_certificate(leaf.cert_der + inter.cert_der, "urn:hmi-7")
     assert result.ok and result.thumbprint == hashlib.sha1(leaf.cert_der).hexdigest()
 
@@ -423,7 +423,7 @@ def test_path_length_constraint(pki, ca_key, ca2_key, key):
     leaf = make_test_certificate("deep", key=key, issuer=inter)
     _trust_file(pki, root.cert_der, "strict-root")
     _trust_file(pki, inter.cert_der, "strict-issuing", folder="issuers")
-    assert TrustList(pki.pki_dir).validate_application_certificate(leaf.cert_der, None).status == \
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(leaf.cert_der, None).status == \
         "BadCertificateUntrusted"
 
 
@@ -438,7 +438,7 @@ def test_cross_signed_loop_terminates_untrusted(pki, ca_key, ca2_key, key):
     leaf = make_test_certificate("looped", key=key, issuer=a)
     _trust_file(pki, a.cert_der, "loop-a", folder="issuers")
     _trust_file(pki, b.cert_der, "loop-b", folder="issuers")
-    assert TrustList(pki.pki_dir).validate_application_certificate(leaf.cert_der, None).status == \
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(leaf.cert_der, None).status == \
         "BadCertificateUntrusted"
 
 
@@ -449,27 +449,27 @@ def test_expired_intermediate_is_issuer_time_invalid(pki, plant_ca, ca2_key, key
     leaf = make_test_certificate("hmi-8", key=key, issuer=old, not_before=NOW - timedelta(days=10))
     _trust_file(pki, root.cert_der, "plant-root")
     _trust_file(pki, old.cert_der, "old-issuing", folder="issuers")
-    assert TrustList(pki.pki_dir).validate_application_certificate(leaf.cert_der, None).status == \
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(leaf.cert_der, None).status == \
         "BadCertificateIssuerTimeInvalid"
 
 
 # -- revocation -------------------------------------------------------------------------------------------------
 def test_revoke_takes_effect_on_the_same_trust_list(pki):
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     der = (pki.state_dir / "clients" / "plc1.der").read_bytes()
     assert tl.validate_application_certificate(der, _client_uri("plc1")).ok
     revoked = pki.revoke("plc1")
     assert revoked.on_crl and revoked.name == "plc1"
     assert tl.validate_application_certificate(der, _client_uri("plc1")).status == "BadCertificateRevoked"
     assert tl.validate_user_certificate(der).status == "BadCertificateRevoked"
-    assert not (pki.trusted_dir / "plc1.der").exists()
+    assert not (pki.layout.trusted / "plc1.der").exists()
     assert pki.role_for_certificate(der) is None
-    crl = x509.load_der_x509_crl(pki.crl_path.read_bytes())
-    assert crl.is_signature_valid(_der(pki.ca_cert_path).public_key())
+    crl = x509.load_der_x509_crl(pki.layout.ca_crl_der.read_bytes())
+    assert crl.is_signature_valid(_der(pki.layout.ca_cert_der).public_key())
     assert crl.get_revoked_certificate_by_serial_number(_der(pki.state_dir / "clients" / "plc1.der").serial_number)
     assert crl.next_update_utc - NOW > timedelta(days=360)
     # copying it back into trusted/ does not undo a revocation
-    (pki.trusted_dir / "plc1.der").write_bytes(der)
+    (pki.layout.trusted / "plc1.der").write_bytes(der)
     assert tl.validate_application_certificate(der, _client_uri("plc1")).status == "BadCertificateRevoked"
     # others are unaffected, and the name can be issued again
     assert tl.validate_user_certificate((pki.state_dir / "clients" / "eng.der").read_bytes()).ok
@@ -481,7 +481,7 @@ def test_revoke_by_thumbprint_and_unknown(pki):
     der = (pki.state_dir / "clients" / "eng.der").read_bytes()
     thumb = hashlib.sha1(der).hexdigest()
     pki.revoke(":".join(thumb[i:i + 2] for i in range(0, 40, 2)).upper())
-    assert TrustList(pki.pki_dir).validate_user_certificate(der).status == "BadCertificateRevoked"
+    assert TrustList(pki.layout.pki_dir).validate_user_certificate(der).status == "BadCertificateRevoked"
     with pytest.raises(PKIError, match="no issued or trusted certificate"):
         pki.revoke("nobody")
 
@@ -490,15 +490,15 @@ def test_forged_crl_is_ignored_and_leaves_revocation_unknown(pki, plant_ca, ca2_
     root, inter, leaf = plant_ca
     _trust_file(pki, root.cert_der, "plant-root")
     _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     forged = make_test_crl(inter, [leaf.cert.serial_number], signing_key=key)  # not the issuer's key
-    (pki.crl_dir / "plant-issuing.crl").write_bytes(forged)
+    (pki.layout.crl / "plant-issuing.crl").write_bytes(forged)
     result = tl.validate_application_certificate(leaf.cert_der, None)
     assert result.status == "BadCertificateRevocationUnknown"  # not Revoked: the forged list counts for nothing
     genuine_empty = make_test_crl(inter, [])
-    (pki.crl_dir / "plant-issuing-real.crl").write_bytes(genuine_empty)
+    (pki.layout.crl / "plant-issuing-real.crl").write_bytes(genuine_empty)
     assert tl.validate_application_certificate(leaf.cert_der, None).ok
-    (pki.crl_dir / "plant-issuing-real.crl").write_bytes(make_test_crl(inter, [leaf.cert.serial_number]))
+    (pki.layout.crl / "plant-issuing-real.crl").write_bytes(make_test_crl(inter, [leaf.cert.serial_number]))
     assert tl.validate_application_certificate(leaf.cert_der, None).status == "BadCertificateRevoked"
 
 
@@ -509,22 +509,22 @@ def test_a_crl_file_that_does_not_parse_is_ignored(pki, plant_ca):
     _trust_file(pki, root.cert_der, "plant-root")
     _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
     genuine = make_test_crl(inter, [])
-    (pki.crl_dir / "plant-issuing.crl").write_bytes(genuine)
+    (pki.layout.crl / "plant-issuing.crl").write_bytes(genuine)
     at = genuine.find(b"\x02\x01\x01")  # TBSCertList's version: v2
-    (pki.crl_dir / "damaged.crl").write_bytes(genuine[:at] + b"\x02\x01\x05" + genuine[at + 3:])
-    assert TrustList(pki.pki_dir).validate_application_certificate(leaf.cert_der, None).ok
+    (pki.layout.crl / "damaged.crl").write_bytes(genuine[:at] + b"\x02\x01\x05" + genuine[at + 3:])
+    assert TrustList(pki.layout.pki_dir).validate_application_certificate(leaf.cert_der, None).ok
 
 
 def test_revoked_intermediate_is_issuer_revoked(pki, plant_ca):
     root, inter, leaf = plant_ca
     _trust_file(pki, root.cert_der, "plant-root")
     _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     pem_crl = x509.load_der_x509_crl(make_test_crl(root, [inter.cert.serial_number]))
-    (pki.crl_dir / "plant-root.crl.pem").write_bytes(pem_crl.public_bytes(serialization.Encoding.PEM))
+    (pki.layout.crl / "plant-root.crl.pem").write_bytes(pem_crl.public_bytes(serialization.Encoding.PEM))
     assert tl.validate_application_certificate(leaf.cert_der, None).status == "BadCertificateIssuerRevoked"
     forged = make_test_crl(root, [inter.cert.serial_number], signing_key=leaf.key)
-    (pki.crl_dir / "plant-root.crl.pem").write_bytes(forged)
+    (pki.layout.crl / "plant-root.crl.pem").write_bytes(forged)
     assert tl.validate_application_certificate(leaf.cert_der, None).status == \
         "BadCertificateIssuerRevocationUnknown"
 
@@ -541,11 +541,11 @@ def test_unexpected_failure_is_security_checks_failed(base):
 
 def test_rejected_folder_is_bounded(pki, key, monkeypatch):
     monkeypatch.setattr(validate_mod, "MAX_REJECTED_FILES", 3)
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     for i in range(5):
         rogue = make_test_certificate(f"flood-{i}", key=key)
         assert tl.validate_application_certificate(rogue.cert_der, None).status == "BadCertificateUntrusted"
-    assert len(list(pki.rejected_dir.iterdir())) == 3
+    assert len(list(pki.layout.rejected.iterdir())) == 3
 
 
 # -- trust list upkeep ------------------------------------------------------------------------------------------
@@ -553,16 +553,16 @@ def test_trust_pem_file_and_reject_again(pki, key, tmp_path):
     rogue = make_test_certificate("scada-2", key=key)
     pem = tmp_path / "scada-2.pem"
     pem.write_bytes(rogue.cert.public_bytes(serialization.Encoding.PEM))
-    tl = TrustList(pki.pki_dir)
+    tl = TrustList(pki.layout.pki_dir)
     target = pki.trust(pem)
-    assert target.parent == pki.trusted_dir and target.read_bytes() == rogue.cert_der  # stored as DER
+    assert target.parent == pki.layout.trusted and target.read_bytes() == rogue.cert_der  # stored as DER
     assert tl.validate_application_certificate(rogue.cert_der, "urn:test:client").ok
     moved = pki.reject("scada-2")
-    assert moved.parent == pki.rejected_dir and not target.exists()
+    assert moved.parent == pki.layout.rejected and not target.exists()
     assert tl.validate_application_certificate(rogue.cert_der, "urn:test:client").status == "BadCertificateUntrusted"
     # trusting the rejected copy by its file name moves it out of rejected/
     pki.trust(Path(moved.name))
-    assert list(pki.rejected_dir.iterdir()) == []
+    assert list(pki.layout.rejected.iterdir()) == []
     assert tl.validate_application_certificate(rogue.cert_der, "urn:test:client").ok
 
 
@@ -580,11 +580,12 @@ def test_trust_refuses_non_certificates_and_reject_refuses_the_ca(pki, tmp_path)
 
 
 def test_list_shows_roles_revocations_and_rejected(pki, key):
-    TrustList(pki.pki_dir).validate_application_certificate(make_test_certificate("stranger", key=key).cert_der, None)
+    stranger = make_test_certificate("stranger", key=key).cert_der
+    TrustList(pki.layout.pki_dir).validate_application_certificate(stranger, None)
     revoked_der = (pki.state_dir / "clients" / "plc1.der").read_bytes()
     pki.revoke("plc1")
-    (pki.trusted_dir / "plc1-again.der").write_bytes(revoked_der)
-    (pki.trusted_dir / "broken.der").write_bytes(b"nope")
+    (pki.layout.trusted / "plc1-again.der").write_bytes(revoked_der)
+    (pki.layout.trusted / "broken.der").write_bytes(b"nope")
     entries = {e.file: e for e in pki.list()}
     assert entries["appliance-ca.der"].is_ca and entries["appliance-ca.der"].location == "trusted"
     assert entries["eng.der"].role == "engineer" and entries["eng.der"].name == "eng"
@@ -598,6 +599,6 @@ def test_export_server(base, tmp_path):
     files = PKI(base).export_server(tmp_path / "export")
     assert sorted(p.name for p in files) == ["appliance-ca.der", "appliance-ca.pem", "appliance-server.der",
                                               "appliance-server.pem"]
-    assert (tmp_path / "export" / "appliance-server.der").read_bytes() == PKI(base).own_cert_path.read_bytes()
+    assert (tmp_path / "export" / "appliance-server.der").read_bytes() == PKI(base).layout.own_cert_der.read_bytes()
     assert x509.load_pem_x509_certificate((tmp_path / "export" / "appliance-ca.pem").read_bytes()) == \
-        _der(PKI(base).ca_cert_path)
+        _der(PKI(base).layout.ca_cert_der)

@@ -90,7 +90,7 @@ def wait_for(predicate, timeout: float = 10.0):
 
 def test_gds_push_renews_the_server_certificate_without_a_restart(app, tmp_path):
     ca = plant_ca()
-    old_cert = app.pki.own_cert_path.read_bytes()
+    old_cert = app.pki.layout.own_cert_der.read_bytes()
     sup = app.app.supervisors[0]
     pid, restarts = sup.process.pid, sup.restarts
     assert metric(app, "appliance_server_certificate_expiring") == 1  # 10 days left: the alarm is on
@@ -133,7 +133,7 @@ def test_gds_push_renews_the_server_certificate_without_a_restart(app, tmp_path)
             assert (await call_model(plc, "affine", "Infer", [floats([1, 2, 3, 4])])).StatusCode.is_good()
         return new_cert
     new_cert = run(go(), 120)
-    assert app.pki.own_cert_path.read_bytes() == new_cert
+    assert app.pki.layout.own_cert_der.read_bytes() == new_cert
     assert sup.process.pid == pid and sup.restarts == restarts  # no model reloaded
     assert metric(app, "appliance_server_certificate_expiring") == 0
     left = metric(app, "appliance_server_certificate_expiry_seconds")
@@ -168,7 +168,7 @@ def test_trust_list_rewritten_as_a_file_refuses_a_removed_client_at_once(app, tm
         async with session(app, *app.admin) as gds:
             tl = await read_trust_list(gds)
             assert tl.SpecifiedLists == 15 and plc_der in tl.TrustedCertificates
-            assert app.pki.ca_cert_path.read_bytes() in tl.TrustedCertificates
+            assert app.pki.layout.ca_cert_der.read_bytes() in tl.TrustedCertificates
             assert len(tl.TrustedCrls) == 1  # the appliance CA's CRL goes with it
             tl.TrustedCertificates = [c for c in tl.TrustedCertificates if c != plc_der]
             res = await write_trust_list(gds, tl)
@@ -186,7 +186,7 @@ def test_trust_list_rewritten_as_a_file_refuses_a_removed_client_at_once(app, tm
             assert res.StatusCode.is_good()
     run(go(), 120)
     assert not any(thumbprint(plc_der) in p.name or p.read_bytes() == plc_der
-                   for p in app.pki.trusted_dir.iterdir())
+                   for p in app.pki.layout.trusted.iterdir())
 
 
 def test_trust_list_methods_answer_on_the_types_node_ids(app):
@@ -249,9 +249,9 @@ def test_bad_input_answers_standard_status_codes_and_changes_nothing(app, tmp_pa
 
     def snapshot():
         pki = app.pki
-        return (pki.own_cert_path.read_bytes(), pki.own_key_path.read_bytes(),
-                sorted(p.read_bytes() for p in pki.trusted_dir.iterdir()),
-                (pki.pki_dir / "own" / "pending").exists())
+        return (pki.layout.own_cert_der.read_bytes(), pki.layout.own_key_pem.read_bytes(),
+                sorted(p.read_bytes() for p in pki.layout.trusted.iterdir()),
+                (pki.layout.pki_dir / "own" / "pending").exists())
 
     before = snapshot()
 
@@ -386,14 +386,14 @@ def test_a_restart_keeps_the_plant_certificate(tmp_path):
     pki.init(uri, ["localhost"], ["127.0.0.1"])
     ca = plant_ca()
     from certs.server_certificate import ServerCertificateStore, ServerIdentity
-    store = ServerCertificateStore(pki.pki_dir)
+    store = ServerCertificateStore(pki.layout.pki_dir)
     csr = store.signing_request()
     cert = sign_request(ca, csr, san=x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri),
                                                                   x509.DNSName("line3.plant")]))
     store.stage(ServerIdentity(uri, ("line3.plant",)), cert, [ca.cert_der])
     store.install_staged()
     assert not pki.ensure(uri, ["localhost", "another-name"], ["127.0.0.1"])
-    assert pki.own_cert_path.read_bytes() == cert
+    assert pki.layout.own_cert_der.read_bytes() == cert
     assert [c.public_bytes(serialization.Encoding.DER) for c in store.issuers()] == [ca.cert_der]
 
 
@@ -469,13 +469,13 @@ def test_an_install_interrupted_half_way_is_finished_at_the_next_start(tmp_path)
     uri = f"urn:{socket.gethostname()}:appliance"
     pki.init(uri, ["localhost"], ["127.0.0.1"])
     from certs.server_certificate import ServerCertificateStore, ServerIdentity
-    store = ServerCertificateStore(pki.pki_dir)
+    store = ServerCertificateStore(pki.layout.pki_dir)
     csr = store.signing_request(regenerate_key=True, nonce=bytes(32))
     ca = plant_ca()
     cert = sign_request(ca, csr)
     store.stage(ServerIdentity(uri, ("127.0.0.1",)), cert, [ca.cert_der])
-    pki.own_key_path.write_bytes((store.pending_dir / "key.pem").read_bytes())  # the key moved, then the cut
+    pki.layout.own_key_pem.write_bytes((store.pending_dir / "key.pem").read_bytes())  # the key moved, then the cut
     assert not pki.ensure(uri, ["localhost"], ["127.0.0.1"])
-    assert pki.own_cert_path.read_bytes() == cert and not store.pending_dir.exists()
-    key = serialization.load_pem_private_key(pki.own_key_path.read_bytes(), None)
+    assert pki.layout.own_cert_der.read_bytes() == cert and not store.pending_dir.exists()
+    key = serialization.load_pem_private_key(pki.layout.own_key_pem.read_bytes(), None)
     assert key.public_key().public_numbers() == x509.load_der_x509_certificate(cert).public_key().public_numbers()

@@ -268,7 +268,7 @@ def test_advertised_host_for_clients_behind_nat(tmp_path):
             return await Client(a.endpoint).connect_and_get_server_endpoints()
         eps = run(endpoints())
         assert eps and all(e.EndpointUrl == f"opc.tcp://line3-gw.plant.example:{a.port}" for e in eps)
-        cert = x509.load_der_x509_certificate(a.pki.own_cert_path.read_bytes())
+        cert = x509.load_der_x509_certificate(a.pki.layout.own_cert_der.read_bytes())
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
         assert "line3-gw.plant.example" in san.get_values_for_type(x509.DNSName)
         assert a.config.server.application_uri in san.get_values_for_type(x509.UniformResourceIdentifier)

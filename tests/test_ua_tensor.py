@@ -159,8 +159,8 @@ def test_endpoints_offer_only_secure_policies_and_present_the_chain(app):
     offered = {(e.SecurityPolicyUri.rsplit("#", 1)[1], e.SecurityMode.name) for e in eps}
     assert offered == {("Basic256Sha256", "SignAndEncrypt"), ("Aes128_Sha256_RsaOaep", "SignAndEncrypt"),
                        ("Aes256_Sha256_RsaPss", "SignAndEncrypt")}
-    own = app.pki.own_cert_path.read_bytes()
-    ca = app.pki.ca_cert_path.read_bytes()
+    own = app.pki.layout.own_cert_der.read_bytes()
+    ca = app.pki.layout.ca_cert_der.read_bytes()
     for e in eps:
         assert e.ServerCertificate == own + ca  # its certificate, then the appliance CA
         assert e.Server.ApplicationUri == app.config.server.application_uri

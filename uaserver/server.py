@@ -165,9 +165,9 @@ class ApplianceUaServer:
         server.product_uri = NAMESPACE_URI
         server.manufacturer_name = "OPC UA Inference Appliance"
         server.application_type = ua.ApplicationType.Server
-        await server.load_certificate(str(self.pki.own_cert_path))
-        await server.load_private_key(str(self.pki.own_key_path))
-        server.ca_certificate = x509.load_der_x509_certificate(self.pki.ca_cert_path.read_bytes())
+        await server.load_certificate(str(self.pki.layout.own_cert_der))
+        await server.load_private_key(str(self.pki.layout.own_key_pem))
+        server.ca_certificate = x509.load_der_x509_certificate(self.pki.layout.ca_cert_der.read_bytes())
         server.set_security_policy([POLICY_TYPES[(p, m)] for p in sec.policies for m in sec.modes])
         tokens = [t for on, t in ((sec.anonymous, ua.AnonymousIdentityToken), (sec.x509_users, ua.X509IdentityToken),
                                   (sec.user_names, ua.UserNameIdentityToken)) if on]

@@ -83,12 +83,12 @@ class ServerConfiguration:
                  certificate_changed: Callable[[], None] = lambda: None):
         self.config = config
         self.identity = server_identity(config)
-        self.store = ServerCertificateStore(pki.pki_dir)
-        self.rejected_dir = pki.rejected_dir
+        self.store = ServerCertificateStore(pki.layout.pki_dir)
+        self.rejected_dir = pki.layout.rejected
         self.handlers = handlers
         self.certificate_changed = certificate_changed  # the expiry metric and alarm follow the new certificate
         self.server: Server | None = None
-        self.trust_list = TrustListFile(TrustListFolders(pki.pki_dir), self._live_sessions)
+        self.trust_list = TrustListFile(TrustListFolders(pki.layout.pki_dir), self._live_sessions)
         self._lock = asyncio.Lock()  # one change of the certificate files at a time
 
     def _live_sessions(self) -> set[str]:

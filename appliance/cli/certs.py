@@ -107,13 +107,13 @@ def _date(when) -> str:
 def cmd_init(state_dir: Path, application_uri: str, hostnames, ips, force: bool, new_ca: bool = False) -> int:
     pki = PKI(state_dir)
     pki.init(application_uri, list(hostnames or []), list(ips or []), force=force, new_ca=new_ca)
-    server = parse_certificates(pki.own_cert_path.read_bytes())[0][1]
-    print(f"server certificate  {pki.own_cert_path}  (valid until {_date(server.not_valid_after_utc)})")
+    server = parse_certificates(pki.layout.own_cert_der.read_bytes())[0][1]
+    print(f"server certificate  {pki.layout.own_cert_der}  (valid until {_date(server.not_valid_after_utc)})")
     print(f"  ApplicationUri    {', '.join(san_uris(server))}")
     print(f"  SubjectAltName    {_san_names(server)}")
-    print(f"server key          {pki.own_key_path}")
-    print(f"appliance CA        {pki.ca_cert_path}  {pki.ca_cert_pem_path}")
-    print(f"CA key              {pki.ca_key_path}  (keep it secret; only `certs issue` and `revoke` need it)")
+    print(f"server key          {pki.layout.own_key_pem}")
+    print(f"appliance CA        {pki.layout.ca_cert_der}  {pki.layout.ca_cert_pem}")
+    print(f"CA key              {pki.layout.ca_key_pem}  (keep it secret; only `certs issue` and `revoke` need it)")
     print("Import the CA certificate (ca.der) into each PLC's or client's trust list.")
     return OK
 
@@ -161,7 +161,8 @@ def cmd_trust(state_dir: Path, file: Path) -> int:
     pki = PKI(state_dir)
     target = pki.trust(Path(file))
     print(f"trusted: {target}")
-    result = TrustList(pki.pki_dir, copy_rejected=False).validate_application_certificate(target.read_bytes(), None)
+    trust_list = TrustList(pki.layout.pki_dir, copy_rejected=False)
+    result = trust_list.validate_application_certificate(target.read_bytes(), None)
     if not result.ok:
         print(f"warning: it will still be refused: {result.status} ({result.reason})", file=sys.stderr)
     return OK
@@ -172,7 +173,7 @@ def cmd_reject(state_dir: Path, file) -> int:
     pki = PKI(state_dir)
     target = pki.reject(file)
     print(f"rejected: moved to {target}")
-    result = TrustList(pki.pki_dir, copy_rejected=False).validate_user_certificate(target.read_bytes())
+    result = TrustList(pki.layout.pki_dir, copy_rejected=False).validate_user_certificate(target.read_bytes())
     if result.ok:
         print("warning: still accepted, because a trusted CA issued it; use `appliance certs revoke` "
               "to block it", file=sys.stderr)

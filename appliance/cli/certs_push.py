@@ -67,7 +67,8 @@ def cmd_csr(config, out: Path, subject: str, new_key: bool) -> int:
         ua.Variant(subject, ua.VariantType.String), ua.Variant(new_key, ua.VariantType.Boolean),
         ua.Variant(nonce, ua.VariantType.ByteString)])
     if result is None:
-        request = ServerCertificateStore(PKI(config.server.state_dir).pki_dir).signing_request(subject, new_key, nonce)
+        store = ServerCertificateStore(PKI(config.server.state_dir).layout.pki_dir)
+        request = store.signing_request(subject, new_key, nonce)
         where = "from the files (no appliance is running)"
     elif not result.StatusCode.is_good():
         return _refused("CreateSigningRequest", result)
@@ -97,7 +98,7 @@ def cmd_install_server(config, cert_file: Path, key_file: Path | None, issuer_fi
         ua.Variant(leaf, ua.VariantType.ByteString), ua.Variant(issuers, ua.VariantType.ByteString, is_array=True),
         ua.Variant(key_format, ua.VariantType.String), ua.Variant(key, ua.VariantType.ByteString)], apply=True)
     if result is None:
-        store = ServerCertificateStore(PKI(config.server.state_dir).pki_dir)
+        store = ServerCertificateStore(PKI(config.server.state_dir).layout.pki_dir)
         staged = store.stage(server_identity(config), leaf, issuers, key_format, key)
         store.install_staged()
         print(f"installed the server certificate {staged.thumbprint} in the files (no appliance is running): "

@@ -33,6 +33,7 @@ from appliance.engine.engine_metrics import EngineMetrics
 from appliance.engine.liveness import Liveness
 from appliance.errors import ApplianceError, InvalidArgument
 from appliance.logs import configure_logging
+from appliance.tasks import TaskSet
 from appliance.workers import protocol as p
 
 log = logging.getLogger("appliance.worker")
@@ -92,7 +93,7 @@ class WorkerHost:
         self._start = start
         self._loop = asyncio.get_running_loop()
         self._calls: dict[int, asyncio.Task] = {}
-        self._tasks: set[asyncio.Task] = set()  # model starts, kept until done
+        self._tasks = TaskSet(log, "worker")  # model starts and stops, kept until done
         self._finished: asyncio.Future | None = None  # set once Stop has been answered
 
     def _build_services(self) -> dict:
@@ -138,7 +139,7 @@ class WorkerHost:
         """Serve until Stop has been answered; messages arrive through _on_message as they are decoded."""
         self._finished = self._loop.create_future()
         self.channel.listen(self._on_message, self._connection_ended)
-        self._keep(self._load_models())
+        self._tasks.start(self._load_models())
         await self._finished
 
     def _connection_ended(self, reason: str) -> None:
@@ -167,7 +168,7 @@ class WorkerHost:
             if svc is not None and svc.kind == "generative":
                 svc.release(message.session)
         elif isinstance(message, p.Stop):
-            self._keep(self._stop(message.id))
+            self._tasks.start(self._stop(message.id))
 
     async def _load_models(self) -> None:
         try:
@@ -181,7 +182,7 @@ class WorkerHost:
                 svc.refuse(spec.refused)
                 self._push_state()
             else:
-                self._keep(self._start_service(svc))
+                self._tasks.start(self._start_service(svc))
 
     async def _start_service(self, svc) -> None:
         await svc.start()  # ends Ready or Failed, never raises
@@ -192,16 +193,6 @@ class WorkerHost:
         if svc.state == "Ready":
             log.info("model %s is Ready: version %s on %s", svc.name, svc.version, svc.backend_name)
         self._push_state()
-
-    def _keep(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("worker task failed", exc_info=task.exception())
 
     def _answered_now(self, message: p.Infer) -> bool:
         """Answer an Infer here, in the read callback that decoded it, when its tensor model runs it inline now (a
