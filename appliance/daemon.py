@@ -198,8 +198,8 @@ class Appliance:
             self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)
         if self.cert_expiry_s < cfg.security.cert_expiry_warning_days * 86400:
             self.ua.emit_event("The server certificate expires within "
-                               f"{cfg.security.cert_expiry_warning_days} days: renew it with "
-                               "`appliance certs init --force`", severity=700)
+                               f"{cfg.security.cert_expiry_warning_days} days: renew it (a GDS's push, `appliance certs "
+                               "csr` + `install-server`, or `appliance certs init --force`)", severity=700)
         if cfg.metrics.enabled:
             self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics,
                                          self.supervision.readiness, status=self.supervision.status_snapshot)
