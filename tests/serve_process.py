@@ -21,17 +21,23 @@ from worker_probes import process_gone
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def children(pid: int) -> list[int]:
-    """The live (not zombie) processes whose parent is pid."""
+def _live_processes(field: int, value: int) -> list[int]:
+    """The live (not zombie) processes whose /proc/PID/stat field after the name (1: parent, 2: process group) is
+    value."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid and fields[0] != "Z":
+                if int(fields[field]) == value and fields[0] != "Z":
                     found.append(int(entry))
     return found
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is pid."""
+    return _live_processes(1, pid)
 
 
 def worker_pids(serve_pid: int) -> list[int]:
@@ -40,15 +46,7 @@ def worker_pids(serve_pid: int) -> list[int]:
 
 def group_members(pgid: int) -> list[int]:
     """Every live process of a process group (what systemd's KillMode=control-group signals), zombies left out."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    found.append(int(entry))
-    return found
+    return _live_processes(2, pgid)
 
 
 def command_line(pid: int) -> str:
