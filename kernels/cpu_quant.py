@@ -54,7 +54,7 @@ ISA_FLAGS = {
 }
 ISAS = tuple(ISA_FLAGS)  # fastest first, as a rule; `auto` measures
 ACTIVATIONS = ("int8", "float32")
-HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_vec256.h", "quant_vec512.h")
+HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_attention.h", "quant_vec256.h", "quant_vec512.h")
 
 # cpu_features() bits (kernels/cpu/cpu_features.c)
 _BITS = ("avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni",
@@ -407,6 +407,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("quant_cpu::block_rows")
     def _(data, fmt, n, k, ids, library, isa):
         return data.new_empty(ids.numel(), k, dtype=torch.float32)
+
+    @torch.library.register_fake("quant_cpu::decode_attention")
+    def _(q, k_cache, v_cache, slot_ids, positions, library, isa):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2], dtype=torch.float32)
 
 
 def usable_isas(build_dir: Path | None = None) -> tuple[CpuInfo | None, list[str], str | None]:

@@ -124,15 +124,22 @@ class TorchOps:
 
 
 class GraphOps(TorchOps):
-    """TorchOps as the compiled decode step traces them (models/compiled_decode.py). Decode attention is written
-    as products and sums over the cache's rows, which Inductor fuses into loops that read the narrower cache where it
-    lies: through sdpa, a step gathered and widened every row's keys and values into new tensors and then ran a
-    kernel made for long queries (one layer, 16 rows of SmolLM2 over 128 positions: 284 us; this way 136 us)."""
+    """TorchOps as the compiled decode step traces them (models/compiled_decode.py). Decode attention is our CPU
+    kernels' op where the step has them (`decode_attention(q, k_cache, v_cache, slot_ids, positions)`: each row over
+    its positions 0..position, kernels/cpu/quant_attention.h), else products and sums over the cache's rows, which
+    Inductor fuses into loops that read the narrower cache where it lies: through sdpa, a step gathered and widened
+    every row's keys and values into new tensors and then ran a kernel made for long queries (one layer, 16 rows of
+    SmolLM2 over 128 positions: 284 us; Inductor's loops 136 us)."""
 
-    @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
+    def __init__(self, eps: float, decode_attention=None):
+        super().__init__(eps)
+        self.decode_attention = decode_attention
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
         if rows.s != 1:
             return TorchOps.attend(q, k_cache, v_cache, rows)
+        if self.decode_attention is not None:
+            return self.decode_attention(q, k_cache, v_cache, rows.slot_ids, rows.positions)
         b, meta = rows.b, rows.meta
         n_heads, hd = q.shape[1], q.shape[2]
         n_kv = k_cache.shape[1]

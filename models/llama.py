@@ -181,6 +181,7 @@ class LlamaModel:
         kernels instead of torch's ops (None: torch's)."""
         self.config = config
         self.kernels = kernels
+        self.cpu_kernels = cpu_kernels
         self.dtype = dtype
         self.device = torch.device(device)
         if pack is None:  # oneDNN packing is a CPU matter; GPUs take plain weights

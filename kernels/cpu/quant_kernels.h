@@ -668,3 +668,6 @@ int CAT(ISA, quantize)(const float *x, int rows, int k, int8_t *q, float *d, int
         }
     return 0;
 }
+
+#include <math.h>
+#include "quant_attention.h"

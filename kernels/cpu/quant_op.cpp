@@ -1,4 +1,4 @@
-/* Our kernels as torch operators (quant_cpu::block_matmul, quant_cpu::block_rows): a compiled decode step calls
+/* Our kernels as torch operators (quant_cpu::block_matmul, quant_cpu::block_rows, quant_cpu::decode_attention): a compiled decode step calls
  * them through torch's dispatcher in about 3 us each, where a Python custom op around the ctypes call took 15-17
  * us (121 matmuls per SmolLM2 step: ~2 ms of a ~5 ms step). The ISA libraries (quant_<isa>.c) stay plain C; this
  * file only finds their entry points (dlopen, once per library) and hands them tensors' memory.
@@ -17,6 +17,8 @@ namespace {
 
 typedef int (*matmul_fn)(int, int, const float *, int, int, const uint8_t *, int, float *, int);
 typedef int (*rows_fn)(int, const uint8_t *, int, int, const int64_t *, int, float *);
+typedef int (*attention_fn)(const float *, int, int, int, int, const void *, const void *, int, long, long, long,
+                            const int64_t *, const int64_t *, float *, int);
 
 void *symbol(const std::string &library, const std::string &name) {
     static std::mutex lock;
@@ -56,14 +58,45 @@ at::Tensor block_rows(const at::Tensor &data, int64_t fmt, int64_t n, int64_t k,
     return out;
 }
 
+/* q (B, n_heads, hd); k_cache, v_cache (slots, n_kv, positions, hd) float32 or bfloat16, a position's values
+ * contiguous (a layer's view of the KV cache); each row attends over its slot's positions 0..positions[b] ->
+ * (B, n_heads * hd) float32. */
+at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                            const at::Tensor &slot_ids, const at::Tensor &positions, const std::string &library,
+                            const std::string &isa) {
+    TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                    v_cache.strides() == k_cache.strides() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                    (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16) &&
+                    k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && q.size(2) == k_cache.size(3),
+                "decode_attention: bad arguments");
+    const at::Tensor qc = q.to(at::kFloat).contiguous();
+    const at::Tensor slots = slot_ids.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
+    TORCH_CHECK(slots.numel() == qc.size(0) && pos.numel() == qc.size(0), "decode_attention: one slot and position a row");
+    const auto n_slots = k_cache.size(0);
+    for (int64_t r = 0; r < slots.numel(); r++)
+        TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < n_slots,
+                    "decode_attention: a slot outside 0..", n_slots - 1);
+    at::Tensor out = at::empty({qc.size(0), qc.size(1) * qc.size(2)}, qc.options());
+    const auto fn = reinterpret_cast<attention_fn>(symbol(library, isa + "_decode_attention"));
+    const int rc = fn(qc.data_ptr<float>(), (int)qc.size(0), (int)qc.size(1), (int)k_cache.size(1), (int)qc.size(2),
+                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.scalar_type() == at::kBFloat16 ? 1 : 0,
+                      (long)k_cache.stride(0), (long)k_cache.stride(1), (long)k_cache.size(2),
+                      slots.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(rc == 0, "decode_attention failed (", rc, ")");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quant_cpu, m) {
     m.def("block_matmul(Tensor x, Tensor data, int fmt, int n, str library, str isa, bool exact) -> Tensor");
     m.def("block_rows(Tensor data, int fmt, int n, int k, Tensor ids, str library, str isa) -> Tensor");
+    m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_ids, Tensor positions, str library, "
+          "str isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quant_cpu, CPU, m) {
     m.impl("block_matmul", block_matmul);
     m.impl("block_rows", block_rows);
+    m.impl("decode_attention", decode_attention);
 }
