@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -37,6 +38,34 @@ def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("compiled")
     make_model_dir(d, seed=11)
     return d
+
+
+@pytest.fixture(scope="module")
+def float32_package(model_dir, tmp_path_factory) -> Path:
+    """A cache directory holding the float32 package of the tiny model for SEQS x MAX_SEQ, compiled once for the
+    tests that need such a package rather than the act of building it (each compile is ~20 s of a 2-core box).
+    A test that adds or breaks a package works on a copy (`copy_of`)."""
+    d = tmp_path_factory.mktemp("inductor-float32")
+    model, kv_dtype = build(model_dir, "float32")
+    compiled = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), d)
+    compiled.compile()
+    assert compiled.built and len(list(d.glob("decode-*.pt2"))) == 1
+    return d
+
+
+@pytest.fixture(scope="module")
+def int4_package(model_dir, tmp_path_factory) -> Path:
+    """The same with our AVX2 kernels' int8 path (their ops name the library by path)."""
+    d = tmp_path_factory.mktemp("inductor-int4")
+    model, kv_dtype = build(model_dir, "int4+avx2")
+    compiled = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), d)
+    compiled.compile()
+    assert compiled.built
+    return d
+
+
+def copy_of(package_dir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(package_dir, tmp_path / "inductor"))
 
 
 def build(model_dir: Path, fmt: str):
@@ -79,22 +108,27 @@ def count_steps(compiled: CompiledDecode) -> list[int]:
     return calls
 
 
+PACKAGES = {"float32": "float32_package", "int4+avx2": "int4_package"}
+
+
 @pytest.mark.parametrize("fmt", ["float32", "int4+avx2"])
-def test_compiled_gives_the_eager_greedy_tokens_for_8_sequences_together(model_dir, fmt, tmp_path):
+def test_compiled_gives_the_eager_greedy_tokens_for_8_sequences_together(model_dir, fmt, tmp_path, request):
     model, kv_dtype = build(model_dir, fmt)
     eager, _ = decode_together(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), None)
     cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
-    compiled = CompiledDecode(model, cache, tmp_path / "inductor")
+    # the module's package, compiled once in this process for a model of the same weights and loaded here
+    compiled = CompiledDecode(model, cache, request.getfixturevalue(PACKAGES[fmt]))
     compiled.compile()
+    assert compiled.ready and not compiled.built
     together, steps = decode_together(model, cache, compiled)
     assert steps >= NEW - 1  # the decode steps really went through the graph
     assert together == eager
 
 
-def test_one_package_serves_every_batch_size_and_length(model_dir, tmp_path):
+def test_one_package_serves_every_batch_size_and_length(model_dir, float32_package):
     model, kv_dtype = build(model_dir, "float32")
     cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
-    compiled = CompiledDecode(model, cache, tmp_path / "inductor")
+    compiled = CompiledDecode(model, cache, float32_package)
     compiled.compile()
     for b in range(1, SEQS + 1):
         for last in (0, 70, MAX_SEQ - 1):
@@ -102,7 +136,7 @@ def test_one_package_serves_every_batch_size_and_length(model_dir, tmp_path):
             positions[-1] = last
             out = compiled.step(torch.ones(b, dtype=torch.long), torch.arange(b), positions)
             assert out.shape == (b, model.config.vocab_size)
-    assert [p.name for p in (tmp_path / "inductor").glob("*.pt2")] == [compiled.package_path(tmp_path / "inductor").name]
+    assert [p.name for p in float32_package.glob("*.pt2")] == [compiled.package_path(float32_package).name]
 
 
 SECOND_PROCESS = """
@@ -115,7 +149,8 @@ from kernels import cpu_quant
 kernels = cpu_quant.library() if sys.argv[4] == "int4+avx2" else None
 w = load_weights(sys.argv[2], torch.float32, "int4" if kernels else None)
 model = LlamaModel(w.config, w.tensors, cpu_kernels=kernels)
-compiled = CompiledDecode(model, KVCache(w.config, 4, 64, torch.float32), sys.argv[3])
+kv_dtype = torch.bfloat16 if kernels else torch.float32
+compiled = CompiledDecode(model, KVCache(w.config, int(sys.argv[5]), int(sys.argv[6]), kv_dtype), sys.argv[3])
 compiled.compile()
 print(json.dumps({"built": compiled.built, "seconds": compiled.compile_seconds}))
 """
@@ -149,14 +184,14 @@ def test_the_serving_process_never_holds_the_compiler(model_dir, tmp_path):
     assert runs[0]["shape"][0] == runs[1]["shape"][0] == 2
 
 
-def test_a_package_cut_short_is_compiled_again(model_dir, tmp_path, caplog):
+def test_a_package_cut_short_is_compiled_again(model_dir, float32_package, tmp_path, caplog):
     """A package the loader cannot read (cut short by a full disk, written by hand) is removed and built again, and
     the step it serves has the eager numbers: a start never stays eager for ever because of a bad file."""
     model, kv_dtype = build(model_dir, "float32")
-    cache_dir = tmp_path / "inductor"
+    cache_dir = copy_of(float32_package, tmp_path)
     first = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), cache_dir)
-    first.compile()
     package = first.package_path(cache_dir)
+    assert package.exists()
     package.write_bytes(package.read_bytes()[:package.stat().st_size // 2])
     again = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), cache_dir)
     with caplog.at_level("WARNING"):
@@ -168,39 +203,39 @@ def test_a_package_cut_short_is_compiled_again(model_dir, tmp_path, caplog):
     assert torch.allclose(again.step(*args), eager, atol=1e-4)
 
 
-def test_a_restart_reuses_the_compiled_artefacts(model_dir, tmp_path):
-    """With our AVX2 kernels where they build: their ops name the library by path, which the next process shares."""
+def test_a_restart_reuses_the_compiled_artefacts(model_dir, request):
+    """With our AVX2 kernels where they build: their ops name the library by path, which the next process shares.
+    The first process is this one (the module's package); the next is a fresh interpreter."""
     from kernels import cpu_quant
     fmt = "int4+avx2" if cpu_quant.library() is not None else "float32"
-    cache_dir = tmp_path / "inductor"
+    cache_dir = request.getfixturevalue(PACKAGES[fmt])
     root = str(Path(__file__).resolve().parents[1])
-    runs = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", SECOND_PROCESS, root, str(model_dir), str(cache_dir), fmt],
-                             capture_output=True, text=True, timeout=600, check=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    assert runs[0]["built"] and not runs[1]["built"]  # the second process loaded the first one's package
+    out = subprocess.run([sys.executable, "-c", SECOND_PROCESS, root, str(model_dir), str(cache_dir), fmt,
+                          str(SEQS), str(MAX_SEQ)], capture_output=True, text=True, timeout=600, check=True)
+    run_ = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not run_["built"]  # the next process loaded this one's package
     assert len(list(cache_dir.glob("decode-*.pt2"))) == 1
-    print(f"compile ({fmt}): first process {runs[0]['seconds']:.1f} s, second {runs[1]['seconds']:.1f} s")
+    print(f"compile ({fmt}): the next process loaded the package in {run_['seconds']:.1f} s")
 
 
-def test_another_kind_of_model_in_the_same_process_gets_its_own_package(model_dir, tmp_path):
+def test_another_kind_of_model_in_the_same_process_gets_its_own_package(model_dir, float32_package, tmp_path):
     """A worker reloads its model at every deploy and rollback, and a new version may be another model: one that
     differs in a constant of the graph (as two models' norms do) compiles a package of its own and computes with
-    its own constant, beside the first one's package."""
+    its own constant, beside the first one's package (the module's, loaded here)."""
     import dataclasses
     w = load_weights(model_dir, torch.float32)
     args = (torch.tensor([5, 9, 2]), torch.arange(3), torch.tensor([4, 7, 30]))
+    cache_dir = copy_of(float32_package, tmp_path)
     for i in range(2):
         config = dataclasses.replace(w.config, rms_norm_eps=w.config.rms_norm_eps * (1 + 1000 * i))
         model = LlamaModel(config, w.tensors)
-        compiled = CompiledDecode(model, KVCache(config, SEQS, MAX_SEQ, torch.float32), tmp_path / "inductor")
+        compiled = CompiledDecode(model, KVCache(config, SEQS, MAX_SEQ, torch.float32), cache_dir)
         compiled.compile()
-        assert compiled.built
+        assert compiled.built == (i == 1)  # the first is the module's package; the second model builds its own
         eager = model.forward(KVCache(config, SEQS, MAX_SEQ, torch.float32), args[0].view(-1, 1), args[1], args[2],
                               torch.ones(3, dtype=torch.long))
         assert torch.allclose(compiled.step(*args), eager, atol=1e-4)
-    assert len(list((tmp_path / "inductor").glob("decode-*.pt2"))) == 2
+    assert len(list(cache_dir.glob("decode-*.pt2"))) == 2
 
 
 def test_a_failed_compile_leaves_decode_eager(model_dir, monkeypatch, caplog):
@@ -334,21 +369,22 @@ def test_auto_compiles_in_the_background_after_ready_and_decode_switches_over(mo
     asyncio.run(go())
 
 
-def test_a_reloaded_model_reuses_the_graphs_with_its_own_weights(model_dir, tmp_path):
+def test_a_reloaded_model_reuses_the_graphs_with_its_own_weights(model_dir, float32_package):
     """A reload makes a new CompiledDecode: the package takes weights and cache at load, so it compiles nothing
-    new, and it computes with the new weights, not the old ones."""
+    new, and it computes with the new weights, not the old ones (the package was compiled with the first)."""
     w = load_weights(model_dir, torch.float32)
     args = (torch.tensor([5, 9, 2]), torch.arange(3), torch.tensor([4, 7, 30]))
-    graphs = []
+    graphs, steps = [], []
     for scale in (1.0, 1.5):
         model = LlamaModel(w.config, {k: v * scale if ".mlp." in k else v for k, v in w.tensors.items()})
-        compiled = CompiledDecode(model, KVCache(model.config, 4, 64, torch.float32), tmp_path / "inductor")
+        compiled = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, torch.float32), float32_package)
         compiled.compile()
         graphs.append(compiled.built)
-        eager = model.forward(KVCache(model.config, 4, 64, torch.float32), args[0].view(-1, 1), args[1], args[2],
-                              torch.ones(3, dtype=torch.long))
-        assert torch.allclose(compiled.step(*args), eager, atol=1e-4)
-    assert graphs == [True, False]
+        eager = model.forward(KVCache(model.config, SEQS, MAX_SEQ, torch.float32), args[0].view(-1, 1), args[1],
+                              args[2], torch.ones(3, dtype=torch.long))
+        steps.append(compiled.step(*args))
+        assert torch.allclose(steps[-1], eager, atol=1e-4)
+    assert graphs == [False, False] and not torch.allclose(steps[0], steps[1], atol=1e-3)
 
 
 @pytest.mark.parametrize("n_heads, n_kv, cache_dtype", [(9, 3, torch.bfloat16), (32, 8, torch.bfloat16),
@@ -372,7 +408,7 @@ def test_the_traced_decode_attention_is_the_eager_one(n_heads, n_kv, cache_dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_the_step_s_loops_are_generated_for_the_threads_it_serves_with(model_dir, tmp_path):
+def test_the_step_s_loops_are_generated_for_the_threads_it_serves_with(model_dir, float32_package, tmp_path):
     """The package is built in a forked child computing on one thread; its loops must still be parallel for the
     worker's threads (built for one, every fused loop ran on one core), and a package is keyed by that count."""
     import zipfile
@@ -381,14 +417,15 @@ def test_the_step_s_loops_are_generated_for_the_threads_it_serves_with(model_dir
     try:
         model, kv_dtype = build(model_dir, "float32")
         cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
-        compiled = CompiledDecode(model, cache, tmp_path / "inductor")
+        cache_dir = copy_of(float32_package, tmp_path)  # loaded where this process had 2 threads, else compiled
+        compiled = CompiledDecode(model, cache, cache_dir)
         compiled.compile()
-        package = compiled.package_path(tmp_path / "inductor")
+        package = compiled.package_path(cache_dir)
         with zipfile.ZipFile(package) as z:
             kernels = "".join(z.read(n).decode() for n in z.namelist() if n.endswith(".kernel.cpp"))
         assert "#pragma omp parallel num_threads(2)" in kernels
         torch.set_num_threads(1)
-        assert compiled.package_path(tmp_path / "inductor") != package
+        assert compiled.package_path(cache_dir) != package
     finally:
         torch.set_num_threads(before)
 
