@@ -64,6 +64,16 @@ def int4_package(model_dir, tmp_path_factory) -> Path:
     return d
 
 
+def test_the_step_with_our_kernels_attends_through_their_operator(model_dir, int4_package):
+    """Where the model multiplies with our CPU kernels, each layer's decode attention is their operator
+    (kernels/cpu/quant_attention.h), not Inductor's loops; tests/test_cpu_attention.py checks its numbers."""
+    import zipfile
+    (package,) = int4_package.glob("decode-*.pt2")
+    with zipfile.ZipFile(package) as z:
+        calls = [z.read(n).count(b"quant_cpu::decode_attention") for n in z.namelist() if n.endswith(".json")]
+    assert sum(calls) == load_weights(model_dir, torch.float32).config.num_hidden_layers
+
+
 def copy_of(package_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(package_dir, tmp_path / "inductor"))
 
