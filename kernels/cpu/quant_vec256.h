@@ -37,7 +37,7 @@ typedef __m256 VF;
 #define DUP(v, C) _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(2 * (C), 2 * (C), 2 * (C), 2 * (C),               \
                                                                 2 * (C) + 1, 2 * (C) + 1, 2 * (C) + 1, 2 * (C) + 1))
 #define XPAT(p) _mm256_broadcast_ps((const __m128 *)(p))
-/* decode attention (quant_attention.h): bf16 -> float, sums, max, exp */
+/* decode attention (quant_attention.h): bf16 -> float, sums, max, and the parts of its exp */
 #define LOADBF(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define ADDF(a, b) _mm256_add_ps(a, b)
 #define SUBF(a, b) _mm256_sub_ps(a, b)
@@ -52,23 +52,9 @@ static inline float hmaxf(__m256 v) {
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
-/* e^x for x <= 0 (softmax's shifted scores): 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial (relative error ~1e-7);
- * below -87 it gives 0, as expf underflows */
-static inline __m256 vexpf(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+#define ROUNDF(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* 2^n for a whole n in float (exponent bits) */
+#define POW2F(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #define VMAX_I8(t) ((t) <= 2 ? 2 : 1)
 #define TMAX_F32 2
 
