@@ -82,6 +82,26 @@ static inline __attribute__((always_inline)) void block_high_bits(const int fmt,
     }
 }
 
+/* Block b's scale D and offset M as float vectors for the LANES outputs from lane o of its record (int8 mode:
+ * y += dx (D isum + M xsum)); Q6_K has no offset, and M is its high half's D; Q8_0's M is zero. */
+static inline __attribute__((always_inline)) void block_scales(const int fmt, const uint8_t *rec, int b, int o, VF *D,
+                                                               VF *M) {
+    *M = ZEROF();
+    if (IS_Q4(fmt) || IS_Q5(fmt)) {
+        *D = LOADH(rec + Q4_D + 2 * o);
+        *M = LOADH(rec + Q4_M + 2 * o);
+    } else if (fmt == F_Q8_0) {
+        *D = LOADH(rec + Q8_D + 2 * o);
+    } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
+        *D = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
+        *M = MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o));
+    } else {
+        const VF d = LOADH(rec + QK6_D + 2 * o);
+        *D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
+        *M = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
+    }
+}
+
 /* The 4 chunks of a vector of group values: chunk c = LANES / 4 outputs x 4 inputs, widened to float. */
 #define FOR_CHUNKS(BODY) \
     do {                 \
@@ -181,19 +201,8 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
                 const uint8_t *rec = pb[v] + (size_t)s * rb;
                 const int o = hv[v] * LANES;
                 VF D, M, DB;
-                if (IS_Q4(fmt) || IS_Q5(fmt)) {
-                    D = LOADH(rec + Q4_D + 2 * o);
-                    M = LOADH(rec + Q4_M + 2 * o);
-                } else if (fmt == F_Q8_0) {
-                    D = LOADH(rec + Q8_D + 2 * o);
-                } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
-                    D = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
-                    M = MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o));
-                } else {
-                    const VF d = LOADH(rec + QK6_D + 2 * o);
-                    D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
-                    DB = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o));
-                }
+                block_scales(fmt, rec, b, o, &D, &M);
+                DB = M; /* Q6_K: the high half's D */
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) {
                     const size_t ri = (size_t)(r0 + t) * nb + blk;
@@ -258,20 +267,8 @@ static inline __attribute__((always_inline)) void unpack_panel(const int fmt, co
                     STOREB(dst + j * VBYTES, lo);
                     STOREB(dst + (4 + j) * VBYTES, hi);
                 }
-                VF D, M = ZEROF();
-                if (IS_Q4(fmt) || IS_Q5(fmt)) {
-                    D = LOADH(rec + Q4_D + 2 * o);
-                    M = LOADH(rec + Q4_M + 2 * o);
-                } else if (fmt == F_Q8_0) {
-                    D = LOADH(rec + Q8_D + 2 * o);
-                } else if (fmt == F_Q4_K || fmt == F_Q5_K) {
-                    D = MUL(LOADH(rec + QK4_D + 2 * o), LOADU8F(rec + QK4_SC + b * 16 + o));
-                    M = MUL(LOADH(rec + QK4_DMIN + 2 * o), LOADU8F(rec + QK4_M + b * 16 + o));
-                } else {
-                    const VF d = LOADH(rec + QK6_D + 2 * o);
-                    D = MUL(d, LOADI8F(rec + QK6_SC + (2 * b) * 16 + o));
-                    M = MUL(d, LOADI8F(rec + QK6_SC + (2 * b + 1) * 16 + o)); /* Q6_K: the high half's D */
-                }
+                VF D, M;
+                block_scales(fmt, rec, b, o, &D, &M);
                 float *sv = sc + ((size_t)blk * V + v) * 2 * LANES;
                 STOREF(sv, D);
                 STOREF(sv + LANES, M);
