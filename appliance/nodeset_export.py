@@ -21,6 +21,7 @@ from uaserver.object_types import OBJECT_TYPES, type_path
 from uaserver.server import ApplianceUaServer
 
 from . import NAMESPACE_URI, __version__
+from .alarm_names import DAEMON_ALARMS
 from .config import ApplianceConfig, ModelConfig
 from .model_port import ModelStatus
 from .plc_types import PlcTypesError, onnx_shapes
@@ -28,8 +29,6 @@ from .plc_types import PlcTypesError, onnx_shapes
 STANDARD_URI = "http://opcfoundation.org/UA/"
 # Alarms/<name> of the serve process's supervision (appliance.supervision.Supervision.alarms); the running appliance's
 # address space and the export are compared by tests/test_nodeset.py, which catches a name missing here.
-DAEMON_ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical", "AuditLogFailed",
-                 "AuditLogTorn")
 HIERARCHICAL = ua.ObjectIds.HierarchicalReferences
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .alarm_names import DAEMON_ALARMS
 from .model_port import GenerativeModel, TensorModel
 
 
@@ -98,11 +99,12 @@ class Supervision:
         statuses = [m.status() for m in self.services.values()]
         watchdog, ua = facts.watchdog(), facts.ua()
         wd = watchdog.state if watchdog is not None else "NoGpu"
-        return {"EngineFault": facts.gpu_fault() is not None,
-                "WorkerRestarting": any(st.restarting for st in statuses),
-                "ModelFailed": any(st.state == "Failed" for st in statuses), "GpuWarning": wd == "Warning",
-                "GpuCritical": wd == "Critical", "AuditLogFailed": bool(ua is not None and ua.audit_failing()),
-                "AuditLogTorn": bool(facts.audit_torn())}
+        active = {"EngineFault": facts.gpu_fault() is not None,
+                  "WorkerRestarting": any(st.restarting for st in statuses),
+                  "ModelFailed": any(st.state == "Failed" for st in statuses), "GpuWarning": wd == "Warning",
+                  "GpuCritical": wd == "Critical", "AuditLogFailed": bool(ua is not None and ua.audit_failing()),
+                  "AuditLogTorn": bool(facts.audit_torn())}
+        return {name: active[name] for name in DAEMON_ALARMS}  # every one named, in the published order
 
     def health(self) -> dict:
         wd = self.facts.watchdog()

@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from yaml.nodes import Node, SequenceNode
 
+from ..alarm_names import DAEMON_ALARMS
 from .builtin import BUILTIN_MODELS, resolve_builtin
 from .rules import resolve_path
 from .schema import GENERATIVE_ONLY, TENSOR_ONLY, UA_CHUNK_BODY, ApplianceConfig
@@ -303,8 +304,7 @@ def check_alarm_sources(cfg: ApplianceConfig, ctx: Context) -> None:
 
 # The Booleans the appliance itself puts under Objects/Appliance/Alarms (appliance/supervision.py's alarms(), and
 # the Drift folder of the models' drift alarms): a class label or a source may not take one of these BrowseNames.
-BUILTIN_ALARMS = ("EngineFault", "WorkerRestarting", "ModelFailed", "GpuWarning", "GpuCritical", "AuditLogFailed",
-                  "AuditLogTorn", "Drift")
+BUILTIN_ALARMS = (*DAEMON_ALARMS, "Drift")
 
 
 def check_alarm_names(cfg: ApplianceConfig, ctx: Context) -> None:
