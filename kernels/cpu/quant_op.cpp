@@ -1,7 +1,7 @@
-/* Our kernels as torch operators (quant_cpu::block_matmul, quant_cpu::block_rows, quant_cpu::decode_attention): a compiled decode step calls
- * them through torch's dispatcher in about 3 us each, where a Python custom op around the ctypes call took 15-17
- * us (121 matmuls per SmolLM2 step: ~2 ms of a ~5 ms step). The ISA libraries (quant_<isa>.c) stay plain C; this
- * file only finds their entry points (dlopen, once per library) and hands them tensors' memory.
+/* Our kernels as torch operators (quant_cpu::block_matmul, quant_cpu::block_rows, quant_cpu::decode_attention): a
+ * compiled decode step calls them through torch's dispatcher in about 3 us each, where a Python custom op around the
+ * ctypes call took 15-17 us (121 matmuls per SmolLM2 step: ~2 ms of a ~5 ms step). The ISA libraries (quant_<isa>.c)
+ * stay plain C; this file only finds their entry points (dlopen, once per library) and hands them tensors' memory.
  * Built by kernels/cpu_quant.py with the C++ compiler against the installed torch's headers, cached under a name
  * that carries its source's digest and torch's version (a different torch builds its own). */
 #include <ATen/ATen.h>
@@ -71,7 +71,8 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k_cache, cons
                 "decode_attention: bad arguments");
     const at::Tensor qc = q.to(at::kFloat).contiguous();
     const at::Tensor slots = slot_ids.to(at::kLong).contiguous(), pos = positions.to(at::kLong).contiguous();
-    TORCH_CHECK(slots.numel() == qc.size(0) && pos.numel() == qc.size(0), "decode_attention: one slot and position a row");
+    TORCH_CHECK(slots.numel() == qc.size(0) && pos.numel() == qc.size(0),
+                "decode_attention: one slot and position a row");
     const auto n_slots = k_cache.size(0);
     for (int64_t r = 0; r < slots.numel(); r++)
         TORCH_CHECK(slots.data_ptr<int64_t>()[r] >= 0 && slots.data_ptr<int64_t>()[r] < n_slots,

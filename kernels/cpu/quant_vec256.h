@@ -38,7 +38,8 @@ typedef __m256 VF;
                                                                 2 * (C) + 1, 2 * (C) + 1, 2 * (C) + 1, 2 * (C) + 1))
 #define XPAT(p) _mm256_broadcast_ps((const __m128 *)(p))
 /* decode attention (quant_attention.h): bf16 -> float, sums, max, and the parts of its exp */
-#define LOADBF(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOADBF(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define ADDF(a, b) _mm256_add_ps(a, b)
 #define SUBF(a, b) _mm256_sub_ps(a, b)
 #define MAXF(a, b) _mm256_max_ps(a, b)
@@ -54,7 +55,8 @@ static inline float hmaxf(__m256 v) {
 }
 #define ROUNDF(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 /* 2^n for a whole n in float (exponent bits) */
-#define POW2F(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define POW2F(n) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 #define VMAX_I8(t) ((t) <= 2 ? 2 : 1)
 #define TMAX_F32 2
 

@@ -36,7 +36,8 @@ typedef __m512 VF;
 #define ZEROF() _mm512_setzero_ps()
 #define STOREF(p, v) _mm512_storeu_ps(p, v)
 /* decode attention (quant_attention.h): bf16 -> float, sums, max, and the parts of its exp */
-#define LOADBF(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define LOADBF(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define ADDF(a, b) _mm512_add_ps(a, b)
 #define SUBF(a, b) _mm512_sub_ps(a, b)
 #define MAXF(a, b) _mm512_max_ps(a, b)
@@ -44,7 +45,8 @@ static inline float hsumf(__m512 v) { return _mm512_reduce_add_ps(v); }
 static inline float hmaxf(__m512 v) { return _mm512_reduce_max_ps(v); }
 #define ROUNDF(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 /* 2^n for a whole n in float (exponent bits) */
-#define POW2F(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define POW2F(n) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #define LOADH(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
 #define LOADU8F(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define LOADI8F(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
