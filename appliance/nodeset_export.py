@@ -27,8 +27,6 @@ from .model_port import ModelStatus
 from .plc_types import PlcTypesError, onnx_shapes
 
 STANDARD_URI = "http://opcfoundation.org/UA/"
-# Alarms/<name> of the serve process's supervision (appliance.supervision.Supervision.alarms); the running appliance's
-# address space and the export are compared by tests/test_nodeset.py, which catches a name missing here.
 HIERARCHICAL = ua.ObjectIds.HierarchicalReferences
 
 

@@ -14,6 +14,7 @@
  * Threads: the output columns are split evenly among OpenMP threads (torch's libgomp, already loaded); each
  * thread walks its columns in chunks that stay in cache while every row tile passes over them.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -200,9 +201,8 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
             for (int v = 0; v < V; v++) {
                 const uint8_t *rec = pb[v] + (size_t)s * rb;
                 const int o = hv[v] * LANES;
-                VF D, M, DB;
+                VF D, M; /* Q6_K: M is the high half's D */
                 block_scales(fmt, rec, b, o, &D, &M);
-                DB = M; /* Q6_K: the high half's D */
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) {
                     const size_t ri = (size_t)(r0 + t) * nb + blk;
@@ -215,7 +215,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
                         const VI ia = SUBI(isum[t][v], SET1I(32 * a->s16[2 * ri]));
                         const VI ib = SUBI(isumb[t][v], SET1I(32 * a->s16[2 * ri + 1]));
                         acc[t][v] = FMA(CVT(ia), MUL(D, dx), acc[t][v]);
-                        acc[t][v] = FMA(CVT(ib), MUL(DB, dx), acc[t][v]);
+                        acc[t][v] = FMA(CVT(ib), MUL(M, dx), acc[t][v]);
                         isumb[t][v] = ZEROI();
                     } else {
                         acc[t][v] = FMA(CVT(isum[t][v]), MUL(D, dx), acc[t][v]);
@@ -666,5 +666,4 @@ int CAT(ISA, quantize)(const float *x, int rows, int k, int8_t *q, float *d, int
     return 0;
 }
 
-#include <math.h>
 #include "quant_attention.h"
