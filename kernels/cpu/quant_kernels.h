@@ -35,11 +35,11 @@
 #define GEMM_MIN_ROWS 8
 #endif
 #define USES_GEMM(fmt, rows) ((fmt) != F_Q8_0 && (rows) >= GEMM_MIN_ROWS)
-/* A 1-row tile fetches its panel's records this many bytes ahead (0: none). 256-bit vectors only: there a tile is
- * one panel, one stream, and the hardware prefetcher alone left the 1B's 1-row step at 0.48 of the read bandwidth
- * (AVX2 on a Zen 4 EPYC, 2 threads: 47.3 -> 36.6-39.2 ms with 4 KiB ahead, 2 KiB the same, 8 KiB 1.11x, 16 KiB
- * slower; SmolLM2's 1.07-1.11x); with 512-bit vectors a tile walks four panels and the same fetches made the step
- * 0.87x (the hardware keeps up there, and the fetches take load slots). */
+/* A vector tile (1-7 rows) fetches its panel's records this many bytes ahead (0: none). 256-bit vectors only:
+ * there a tile is one panel, one stream, and the hardware prefetcher alone left the 1B's 1-row step at 0.48 of the
+ * read bandwidth (AVX2 on a Zen 4 EPYC, 2 threads: 47.3 -> 36.6-39.2 ms with 4 KiB ahead, 2 KiB the same, 8 KiB
+ * 1.11x, 16 KiB slower; 2 and 4 rows 1.16-1.18x; SmolLM2's 1.0-1.1x); with 512-bit vectors a tile walks four panels
+ * and the same fetches made the step 0.87x (the hardware keeps up there, and the fetches take load slots). */
 #ifndef GEMV_AHEAD
 #define GEMV_AHEAD (NVP > 1 ? 4096 : 0)
 #endif
@@ -171,7 +171,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
         }
     }
     for (int s = 0; s < nrec; s++) {
-        if (GEMV_AHEAD && T == 1) /* one row reads each weight once: fetch ahead of the stream (see GEMV_AHEAD) */
+        if (GEMV_AHEAD) /* the first row tile over these columns reads them from memory: fetch ahead of it */
             for (int l = 0; l < rb; l += 64) __builtin_prefetch(pb[0] + (size_t)s * rb + GEMV_AHEAD + l, 0, 0);
         for (int b = 0; b < sbk; b++) {
             const int blk = s * sbk + b;
