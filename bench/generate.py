@@ -306,8 +306,13 @@ def main() -> None:
     fp32 = LlamaModel(cfg, tensors, dtype=torch.float32)
     del tensors
     lcpp = None
+    lcpp_isa = args.isa  # the ISA llama.cpp's build was made for
     if gguf and not args.no_llama_cpp:
         llama_dir = LLAMA_CPP_DIR / args.isa
+        if args.isa == "avxvnni" and avxvnni_stands_in():  # its VEX vpdpbusd would stop this CPU (SIGILL)
+            llama_dir, lcpp_isa = LLAMA_CPP_DIR / "avx2", "avx2 build"
+            print("llama.cpp: its AVX-VNNI build cannot run on this CPU (VEX-encoded vpdpbusd); its avx2 build "
+                  "instead: on a real AVX-VNNI CPU llama.cpp's own figure would be higher")
         if llama_dir.is_dir():  # this ISA's build first, here and in the child that tries its extra buffers
             sys.path.insert(0, str(llama_dir))
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(llama_dir), os.environ.get("PYTHONPATH")]))
@@ -373,7 +378,7 @@ def main() -> None:
         print("service (a'): " + ", ".join(f"{n} seqs {service[n]:.1f} tok/s" for n in batches))
     names = list(rows[0][1])
     head = ("| seqs | " + " | ".join(f"ours {n} [{args.isa}] tok/s" for n in names)
-            + f" | llama.cpp [{args.isa}] tok/s | HF tok/s | limit tok/s | ")
+            + f" | llama.cpp [{lcpp_isa}] tok/s | HF tok/s | limit tok/s | ")
     head += " | ".join(f"{n}/llama.cpp | {n}/HF | {n}/limit" for n in names) + " | same greedy tokens as HF |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -411,9 +416,20 @@ def isa_banner(isa: str) -> str:
         raise SystemExit(f"--isa {isa}: this CPU ({brand}) has no {isa} (cpuid; our kernels could run only "
                          f"{ours} under it): no {isa} figure can be measured here")
     how = "the CPU's own" if isa == "native" else "emulated"
+    if cpu is not None and isa == "avxvnni" and cpu.stands_in(isa):
+        ours = ours.replace("avxvnni", "avxvnni (vpdpbusd EVEX-encoded on ymm: the CPU has AVX-512 VNNI, no AVX-VNNI)")
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "all")
     return (f"ISA {isa} ({how}) on {brand}: our kernels {ours}, torch {torch.backends.cpu.get_cpu_capability()}, "
             f"oneDNN up to {onednn}, compiled step {inductor_isa()}")
+
+
+def avxvnni_stands_in() -> bool:
+    """Whether our avxvnni kernels run here as the EVEX stand-in (kernels/cpu_quant.py): no AVX-VNNI on this CPU."""
+    from kernels import cpu_quant
+    try:
+        return cpu_quant.cpu_info().stands_in("avxvnni")
+    except cpu_quant.KernelsUnavailable:
+        return False
 
 
 def kl_text_ids(tokenizer, n: int) -> list[int]:

@@ -53,6 +53,11 @@ ISA_FLAGS = {
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
 }
 ISAS = tuple(ISA_FLAGS)  # fastest first, as a rule; `auto` measures
+# The avxvnni kernels on a CPU with AVX-512 VNNI but no AVX-VNNI (Zen 4, Ice Lake servers): the same source with its
+# vpdpbusd EVEX-encoded on ymm registers (kernels/cpu/quant_avxvnni.c), 256-bit vectors only. Run where asked for
+# (`quant_kernels: avxvnni`, APPLIANCE_CPU_ISA=avxvnni, the tests), never chosen by `auto` over the CPU's own.
+AVXVNNI_EVEX_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256",
+                      "-DVNNI_EVEX"]
 ACTIVATIONS = ("int8", "float32")
 HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_attention.h", "quant_vec256.h", "quant_vec512.h")
 
@@ -101,6 +106,7 @@ class CpuInfo:
     brand: str
     features: frozenset[str]
     cap: str | None = None  # APPLIANCE_CPU_ISA's cap when these features were masked by it
+    evex_vnni: bool = False  # the real CPU runs vpdpbusd on ymm registers EVEX-encoded (AVX-512 VNNI and VL)
 
     @property
     def described(self) -> str:
@@ -109,8 +115,18 @@ class CpuInfo:
 
     @property
     def isas(self) -> list[str]:
-        """Our kernels' ISAs this CPU (and its OS) can run, fastest first."""
-        return [isa for isa in ISAS if _NEEDS[isa] <= self.features]
+        """Our kernels' ISAs this CPU (and its OS) can run, fastest first (the avxvnni stand-in only where
+        APPLIANCE_CPU_ISA=avxvnni asks for an AVX-VNNI CPU)."""
+        return [isa for isa in ISAS if _NEEDS[isa] <= self.features or (self.cap == isa and self.stands_in(isa))]
+
+    def stands_in(self, isa: str) -> bool:
+        """Whether `isa` runs here as the EVEX stand-in (AVXVNNI_EVEX_FLAGS): avxvnni on a CPU without AVX-VNNI
+        whose AVX-512 VNNI runs the same instruction, unless a cap hides VNNI."""
+        return (isa == "avxvnni" and self.evex_vnni and "avxvnni" not in self.features and _AVX2_SET <= self.features
+                and (self.cap is None or "avxvnni" in _CAPS[self.cap]))
+
+    def library_stem(self, isa: str) -> str:
+        return "quant_avxvnni_evex" if self.stands_in(isa) else f"quant_{isa}"
 
     def key(self) -> str:
         """The CPU model and features, for records that hold only on the same kind of CPU."""
@@ -153,6 +169,7 @@ def _targets() -> dict[str, tuple[str, list[str]]]:
     out = {"cpu_features": ("cpu_features.c", ["-O2", "-shared", "-fPIC", "-std=gnu11"])}
     for isa, flags in ISA_FLAGS.items():
         out[f"quant_{isa}"] = (f"quant_{isa}.c", COMMON + flags)
+    out["quant_avxvnni_evex"] = ("quant_avxvnni.c", COMMON + AVXVNNI_EVEX_FLAGS)
     out["quant_op"] = ("quant_op.cpp", _torch_op_flags())
     return out
 
@@ -266,7 +283,11 @@ def _find_or_build(stem: str, build_dir: Path) -> Path:
 def ensure_built(isas: list[str], build_dir: Path | None = None) -> None:
     """Build the libraries of `isas` that do not exist yet, together; a failure is left for `kernels` to report."""
     build_dir = Path(build_dir) if build_dir else default_build_dir()
-    missing = [f"quant_{isa}" for isa in isas if _find(f"quant_{isa}", build_dir) is None]
+    try:
+        stems = [cpu_info(build_dir).library_stem(isa) for isa in isas]
+    except KernelsUnavailable:
+        return
+    missing = [stem for stem in stems if _find(stem, build_dir) is None]
     if isas and _find("quant_op", build_dir) is None and compiler(True) is not None:
         missing.append("quant_op")
     if len(missing) > 1 and compiler() is not None:
@@ -312,13 +333,14 @@ def cpu_info(build_dir: Path | None = None) -> CpuInfo:
         brand = ctypes.create_string_buffer(49)
         lib.cpu_brand(brand)
         features = {name for i, name in enumerate(_BITS) if bits & (1 << i)}
+        evex_vnni = {"avx512vnni", "avx512vl", "os_avx512"} <= features
         cap = isa_cap()
         if cap is not None:
             features &= _CAPS[cap]
         if {"amx_tile", "amx_int8", "os_amx"} <= features and lib.amx_request() != 0:
             features.discard("os_amx")  # the kernel refused the tile state to this process
         info: CpuInfo | KernelsUnavailable = CpuInfo(brand.value.decode(errors="replace").strip(),
-                                                     frozenset(features), cap)
+                                                     frozenset(features), cap, evex_vnni)
     except ValueError as exc:
         info = KernelsUnavailable(str(exc))
     except KernelsUnavailable as exc:
@@ -437,11 +459,16 @@ def kernels(isa: str, activations: str = "int8", build_dir: Path | None = None) 
         raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}")
     build_dir = Path(build_dir) if build_dir else default_build_dir()
     info = cpu_info(build_dir)
-    if isa not in info.isas:
+    if isa not in info.isas and not info.stands_in(isa):
         missing = sorted(_NEEDS[isa] - info.features)
         masked = f" or hidden by {ISA_CAP_ENV}={info.cap}" if info.cap else ""
         raise KernelsUnavailable(f"the CPU lacks {isa} ({', '.join(missing)} not reported by cpuid{masked})")
-    path = str(_find_or_build(f"quant_{isa}", build_dir))
+    if info.stands_in(isa) and isa not in _logged:
+        with _lock:
+            _logged.add(isa)
+        log.info("%s: this CPU has no AVX-VNNI; its kernels run with vpdpbusd EVEX-encoded (AVX-512 VNNI on ymm "
+                 "registers), the same instruction and bits", isa)
+    path = str(_find_or_build(info.library_stem(isa), build_dir))
     try:
         lib = library_at(path)
     except OSError as exc:

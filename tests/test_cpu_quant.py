@@ -4,6 +4,7 @@ kernels against the matmul they stand for, the same bits from every ISA, batch i
 are found, built, cached and refused."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import gguf
@@ -343,8 +344,9 @@ def test_libraries_shipped_beside_the_sources_need_no_compiler(tmp_path, monkeyp
 @pytest.mark.parametrize("cap", ["none", "avx2", "avxvnni", "avx512vnni"])
 def test_a_cap_hides_instructions_and_never_lends_one(monkeypatch, cap):
     """APPLIANCE_CPU_ISA=<isa> (bench/generate.py --isa, tests) makes our kernels see a CPU whose best is <isa>:
-    the real features intersected with that ISA's, so the choice never picks a path the running CPU lacks (this
-    EPYC has AVX-512 VNNI but no AVX-VNNI: capped to avxvnni it runs avx2 only)."""
+    the real features intersected with that ISA's, so the choice never picks a path the running CPU lacks. The one
+    stand-in: capped to avxvnni, a CPU with AVX-512 VNNI but no AVX-VNNI (this EPYC) runs the avxvnni kernels with
+    vpdpbusd EVEX-encoded (the same instruction on the same ymm registers), and avx2."""
     monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
     monkeypatch.setattr(cpu_quant, "_cpu", [])
     try:
@@ -356,16 +358,49 @@ def test_a_cap_hides_instructions_and_never_lends_one(monkeypatch, cap):
     capped = cpu_quant.cpu_info()
     assert capped.features <= real.features and capped.cap == cap
     order = list(cpu_quant.ISAS)
-    assert capped.isas == [isa for isa in real.isas if order.index(isa) >= order.index(cap)] if cap != "none" else \
-        capped.isas == []
+    expected = [isa for isa in cpu_quant.ISAS if order.index(isa) >= order.index(cap) and
+                (isa in real.isas or (isa == cap and real.stands_in(isa)))] if cap != "none" else []
+    assert capped.isas == expected
     assert capped.key() != real.key() or capped.features == real.features
     assert f"seen as {cap}" in capped.described
     for isa in set(cpu_quant.ISAS) - set(capped.isas):
+        if capped.stands_in(isa):  # not a choice under this cap, but runnable where a configuration names it
+            assert cpu_quant.kernels(isa).isa == isa
+            continue
         with pytest.raises(cpu_quant.KernelsUnavailable, match=f"lacks {isa}"):
             cpu_quant.kernels(isa)
     if cap == "none":
         _info, isas, why = cpu_quant.usable_isas()
         assert isas == [] and "no AVX2" in why and "APPLIANCE_CPU_ISA=none" in why
+
+
+def test_the_avxvnni_stand_in_is_the_same_instruction_on_256_bit_vectors(monkeypatch):
+    """Where the CPU has AVX-512 VNNI but no AVX-VNNI, the avxvnni kernels (which every test of this module runs with
+    the other ISAs, for the same bits) are the same source with vpdpbusd EVEX-encoded: its library multiplies with
+    vpdpbusd on ymm registers and holds no zmm register, so it measures what an AVX-VNNI CPU's would run; `auto`
+    never picks it over the CPU's own kernels, APPLIANCE_CPU_ISA=avxvnni does."""
+    monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    try:
+        info = cpu_quant.cpu_info()
+    except cpu_quant.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    if not info.stands_in("avxvnni"):
+        pytest.skip("no stand-in here: the CPU has AVX-VNNI itself, or no AVX-512 VNNI"
+                    if "avxvnni" in info.features or not info.evex_vnni else "a cap hides VNNI")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to read the library's code")
+    kern = cpu_quant.kernels("avxvnni")
+    assert "avxvnni" not in info.isas and cpu_quant.best().isa != "avxvnni"
+    code = subprocess.run([objdump, "-d", "--no-show-raw-insn", kern.path], capture_output=True, text=True,
+                          check=True).stdout
+    dots = [line for line in code.splitlines() if "vpdpbusd" in line]
+    assert dots and all("%ymm" in line for line in dots)
+    assert "%zmm" not in code
+    monkeypatch.setenv(cpu_quant.ISA_CAP_ENV, "avxvnni")
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    assert cpu_quant.cpu_info().isas[0] == "avxvnni" and cpu_quant.best().path == kern.path
 
 
 def test_an_unknown_cap_is_refused_by_name(monkeypatch):

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 import test_gguf
 from appliance.engine.llm_loading import load_engine
@@ -175,6 +176,28 @@ def test_without_our_kernels_backend_says_why(q4_file, tmp_path, monkeypatch):
     assert "our kernels unavailable: our CPU kernels are switched off (APPLIANCE_CPU_KERNELS=0)" in engine.backend
     assert engine.path_record.chosen == "blocks/float32/torch" and used_path(engine) == "blocks/float32/torch"
     assert set(engine.path_record.timings_ms) == {"blocks/float32/torch", "float32", "bfloat16"}
+
+
+def test_avxvnni_named_on_a_cpu_with_avx512_vnni_only_runs_the_evex_stand_in(q4_file, tmp_path):
+    """`quant_kernels: avxvnni` on a CPU with AVX-512 VNNI but no AVX-VNNI (this EPYC): served by the avxvnni
+    kernels with vpdpbusd EVEX-encoded, and Backend says so; `auto` keeps to the CPU's own kernels."""
+    try:
+        info = cpu_quant.cpu_info(tmp_path / "kernels")
+    except cpu_quant.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    if not info.stands_in("avxvnni"):
+        pytest.skip("this CPU has AVX-VNNI itself, or no AVX-512 VNNI: no stand-in to serve")
+    assert not any(p.endswith("/avxvnni") for p in candidates_here(q4_file, tmp_path))
+    engine = load_engine("m", q4_file, settings(tmp_path, quant_kernels="avxvnni"), None, None,
+                         measure=forced("blocks/int8/avxvnni"), kl=lambda p, inputs, exact: 0.0)
+    assert engine.path_record.chosen == "blocks/int8/avxvnni" and used_path(engine) == "blocks/int8/avxvnni"
+    assert "avxvnni without AVX-VNNI here: its kernels run with vpdpbusd EVEX-encoded" in engine.backend
+    lin = engine.model.layers[0].gate_up
+    lin = getattr(lin, "parts", [lin])[0]
+    x = torch.randn(3, lin.in_features, generator=torch.Generator().manual_seed(1))
+    evex = lin(x)  # through the stand-in; integer sums are exact, so the avx2 kernels give the same bits
+    assert lin.kernels.isa == "avxvnni" and torch.equal(evex, quant.linear_for(lin.matrix, cpu_quant.kernels(
+        "avx2", "int8", tmp_path / "kernels"))(x))
 
 
 def test_no_compiler_and_no_prebuilt_library_is_named_too(q4_file, tmp_path, monkeypatch):
