@@ -341,18 +341,23 @@ def test_libraries_shipped_beside_the_sources_need_no_compiler(tmp_path, monkeyp
     assert kern.path in {str(p) for p in built} and not (tmp_path / "state-cache").exists()
 
 
+def uncapped_cpu(monkeypatch) -> cpu_quant.CpuInfo:
+    """This CPU as cpuid reports it (no APPLIANCE_CPU_ISA cap), read afresh; a skip where our kernels cannot run."""
+    monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
+    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    try:
+        return cpu_quant.cpu_info()
+    except cpu_quant.KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.mark.parametrize("cap", ["none", "avx2", "avxvnni", "avx512vnni"])
 def test_a_cap_hides_instructions_and_never_lends_one(monkeypatch, cap):
     """APPLIANCE_CPU_ISA=<isa> (bench/generate.py --isa, tests) makes our kernels see a CPU whose best is <isa>:
     the real features intersected with that ISA's, so the choice never picks a path the running CPU lacks. The one
     stand-in: capped to avxvnni, a CPU with AVX-512 VNNI but no AVX-VNNI (this EPYC) runs the avxvnni kernels with
     vpdpbusd EVEX-encoded (the same instruction on the same ymm registers), and avx2."""
-    monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
-    try:
-        real = cpu_quant.cpu_info()
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(str(exc))
+    real = uncapped_cpu(monkeypatch)
     monkeypatch.setenv(cpu_quant.ISA_CAP_ENV, cap)
     monkeypatch.setattr(cpu_quant, "_cpu", [])
     capped = cpu_quant.cpu_info()
@@ -379,12 +384,7 @@ def test_the_avxvnni_stand_in_is_the_same_instruction_on_256_bit_vectors(monkeyp
     the other ISAs, for the same bits) are the same source with vpdpbusd EVEX-encoded: its library multiplies with
     vpdpbusd on ymm registers and holds no zmm register, so it measures what an AVX-VNNI CPU's would run; `auto`
     never picks it over the CPU's own kernels, APPLIANCE_CPU_ISA=avxvnni does."""
-    monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
-    try:
-        info = cpu_quant.cpu_info()
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(str(exc))
+    info = uncapped_cpu(monkeypatch)
     if not info.stands_in("avxvnni"):
         pytest.skip("no stand-in here: the CPU has AVX-VNNI itself, or no AVX-512 VNNI"
                     if "avxvnni" in info.features or not info.evex_vnni else "a cap hides VNNI")
