@@ -417,7 +417,7 @@ def isa_banner(isa: str) -> str:
                          f"{ours} under it): no {isa} figure can be measured here")
     how = "the CPU's own" if isa == "native" else "emulated"
     if cpu is not None and isa == "avxvnni" and cpu.stands_in(isa):
-        ours = ours.replace("avxvnni", "avxvnni (vpdpbusd EVEX-encoded on ymm: the CPU has AVX-512 VNNI, no AVX-VNNI)")
+        ours += f" ({cpu.stand_in_text(isa)})"
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "all")
     return (f"ISA {isa} ({how}) on {brand}: our kernels {ours}, torch {torch.backends.cpu.get_cpu_capability()}, "
             f"oneDNN up to {onednn}, compiled step {inductor_isa()}")

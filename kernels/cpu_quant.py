@@ -128,6 +128,12 @@ class CpuInfo:
     def library_stem(self, isa: str) -> str:
         return "quant_avxvnni_evex" if self.stands_in(isa) else f"quant_{isa}"
 
+    @staticmethod
+    def stand_in_text(isa: str) -> str:
+        """What the log, `Backend` and the benchmarks say of the stand-in."""
+        return (f"{isa} without AVX-VNNI here: its kernels run with vpdpbusd EVEX-encoded "
+                "(AVX-512 VNNI on 256-bit registers)")
+
     def key(self) -> str:
         """The CPU model and features, for records that hold only on the same kind of CPU."""
         return hashlib.sha256(f"{self.brand}\0{sorted(self.features)}".encode()).hexdigest()[:16]
@@ -463,11 +469,12 @@ def kernels(isa: str, activations: str = "int8", build_dir: Path | None = None) 
         missing = sorted(_NEEDS[isa] - info.features)
         masked = f" or hidden by {ISA_CAP_ENV}={info.cap}" if info.cap else ""
         raise KernelsUnavailable(f"the CPU lacks {isa} ({', '.join(missing)} not reported by cpuid{masked})")
-    if info.stands_in(isa) and isa not in _logged:
+    if info.stands_in(isa):
         with _lock:
+            first = isa not in _logged
             _logged.add(isa)
-        log.info("%s: this CPU has no AVX-VNNI; its kernels run with vpdpbusd EVEX-encoded (AVX-512 VNNI on ymm "
-                 "registers), the same instruction and bits", isa)
+        if first:
+            log.info("%s, the same instruction and bits", info.stand_in_text(isa))
     path = str(_find_or_build(info.library_stem(isa), build_dir))
     try:
         lib = library_at(path)

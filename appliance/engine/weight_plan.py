@@ -68,8 +68,7 @@ def cpu_paths(path: Path, s: GenerativeSettings) -> CpuPaths:
         notes.append(f"our kernels unavailable: {why}")
     elif cpu is not None and s.quant_kernels not in isas and cpu.stands_in(s.quant_kernels):
         isas = [*isas, s.quant_kernels]  # named by the configuration: the avxvnni kernels, EVEX-encoded
-        notes.append(f"{s.quant_kernels} without AVX-VNNI here: its kernels run with vpdpbusd EVEX-encoded "
-                     "(AVX-512 VNNI on 256-bit registers)")
+        notes.append(cpu.stand_in_text(s.quant_kernels))
     weights = s.weights
     if weights == "auto" and not (set(types.values()) & set(quant.BLOCK_TYPES) or without_kernel):
         weights = compute  # a float file (or an HF directory): its dtype, nothing to measure
