@@ -197,6 +197,14 @@ def decode_attention_op(model: LlamaModel, k_cache: torch.Tensor):
     return lambda q, k_cache, v_cache, slot_ids, positions: op(q, k_cache, v_cache, slot_ids, positions, k.path, k.isa)
 
 
+# Values per thread (at the export's batch of two) below which a generated loop runs on one thread. A parallel loop
+# costs ~2.5 us and two futex calls to start and join (libgomp), more than a norm, the rotary or a silu of a row or
+# sixteen takes; Inductor's own 512 made ~130 such regions in a SmolLM2 step. With 4096 the vocabulary's, the 1B's
+# MLP and Inductor's own attention stay parallel (1.07x SmolLM2's step at one row under avx2, the same at 16;
+# made all serial, the 1B's step at 16 rows was 0.96x).
+LOOP_MIN_CHUNK = 4096
+
+
 class CompileUnavailable(RuntimeError):
     """torch cannot build the decode step here (no C++ compiler, an unsupported op): decode stays eager."""
 
@@ -246,7 +254,7 @@ class CompiledDecode:
         key = "|".join((str(PACKAGE_FORMAT), _TRACED_SOURCES, torch.__version__, repr(self.model.config),
                         structure(self.weights), structure(self.model.weights),
                         f"{tuple(self.cache.kv.shape)}{self.cache.kv.dtype}", f"threads {torch.get_num_threads()}",
-                        inductor_isa()))
+                        f"loop chunk {LOOP_MIN_CHUNK}", inductor_isa()))
         return directory / f"decode-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt2"
 
     @property
@@ -266,7 +274,8 @@ class CompiledDecode:
         # One compiling thread: the box's other core is serving; Inductor's artefacts under the package's directory.
         # The generated loops are parallel for the threads the step will run on, not for the one this (forked)
         # process computes with: built for one, every fused loop (attention, norms, rotary) ran on one core.
-        torch_internals.configure_inductor(compile_threads=1, cpp_threads=threads, march=inductor_march())
+        torch_internals.configure_inductor(compile_threads=1, cpp_threads=threads, march=inductor_march(),
+                                           min_chunk=LOOP_MIN_CHUNK)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(package.parent)
         max_len = self.cache.max_seq_len
         if max_len < 2:

@@ -29,74 +29,86 @@ static inline VF load_kv(const void *base, size_t i, int bf16) {
     return bf16 ? LOADBF((const uint16_t *)base + i) : LOADF((const float *)base + i);
 }
 
+/* The tasks (row, kv head) of this thread: all of them outside a parallel region. */
+static void attention_share(const float *q, int b, int n_heads, int n_kv, int hd, const void *k_cache,
+                            const void *v_cache, int bf16, long slot_stride, long head_stride, long longest,
+                            const int64_t *slot_ids, const int64_t *positions, float *out, int *bad) {
+    const int group = n_heads / n_kv, nv = hd / LANES, tasks = b * n_kv;
+    const float scale = 1.0f / sqrtf((float)hd);
+    float *sc = (float *)malloc(sizeof(float) * (size_t)group * (size_t)(longest + LANES));
+    if (!sc) {
+#pragma omp atomic write
+        *bad = 1;
+    }
+#pragma omp for schedule(static)
+    for (int task = 0; task < tasks; task++) {
+        if (!sc) continue;
+        const int r = task / n_kv, h = task % n_kv;
+        const long len = positions[r] + 1;
+        const size_t base = (size_t)slot_ids[r] * slot_stride + (size_t)h * head_stride;
+        const float *qh = q + ((size_t)r * n_heads + (size_t)h * group) * hd;
+        float *o = out + ((size_t)r * n_heads + (size_t)h * group) * hd;
+        /* scores: q . k / sqrt(hd) */
+        for (long t = 0; t < len; t++) {
+            VF kv[256 / LANES];
+            for (int i = 0; i < nv; i++) kv[i] = load_kv(k_cache, base + (size_t)t * hd + i * LANES, bf16);
+            for (int g = 0; g < group; g++) {
+                VF acc = ZEROF();
+                for (int i = 0; i < nv; i++) acc = FMA(LOADF(qh + g * hd + i * LANES), kv[i], acc);
+                sc[(size_t)g * (longest + LANES) + t] = hsumf(acc) * scale;
+            }
+        }
+        for (int g = 0; g < group; g++) {
+            float *s = sc + (size_t)g * (longest + LANES);
+            /* softmax: exp(s - max) over whole vectors, the tail padded with -inf (exp 0) */
+            const long padded = (len + LANES - 1) / LANES * LANES;
+            for (long t = len; t < padded; t++) s[t] = -INFINITY;
+            VF m = SET1F(-INFINITY);
+            for (long t = 0; t < padded; t += LANES) m = MAXF(m, LOADF(s + t));
+            const VF mx = SET1F(hmaxf(m));
+            VF sum = ZEROF();
+            for (long t = 0; t < padded; t += LANES) {
+                const VF e = vexpf(SUBF(LOADF(s + t), mx));
+                STOREF(s + t, e);
+                sum = ADDF(sum, e);
+            }
+            const float inv = 1.0f / hsumf(sum);
+            /* out = sum_t p_t v_t / sum */
+            VF acc[256 / LANES];
+            for (int i = 0; i < nv; i++) acc[i] = ZEROF();
+            for (long t = 0; t < len; t++) {
+                const VF p = SET1F(s[t]);
+                for (int i = 0; i < nv; i++)
+                    acc[i] = FMA(p, load_kv(v_cache, base + (size_t)t * hd + i * LANES, bf16), acc[i]);
+            }
+            for (int i = 0; i < nv; i++) STOREF(o + g * hd + i * LANES, MUL(acc[i], SET1F(inv)));
+        }
+    }
+    free(sc);
+}
+
 /* out (b, n_heads * hd) from q (b, n_heads, hd); caches (slots, n_kv, positions, hd) with strides in elements
  * slot_stride, head_stride (a position's hd values contiguous). Returns 0, or < 0 for shapes it does not take. */
 int CAT(ISA, decode_attention)(const float *q, int b, int n_heads, int n_kv, int hd, const void *k_cache,
                                const void *v_cache, int bf16, long slot_stride, long head_stride, long max_pos,
                                const int64_t *slot_ids, const int64_t *positions, float *out, int threads) {
     if (b <= 0 || n_kv <= 0 || n_heads % n_kv || hd % LANES || hd > 256) return -1;
-    const int group = n_heads / n_kv, nv = hd / LANES;
+    const int group = n_heads / n_kv;
     long longest = 0;
     for (int r = 0; r < b; r++) {
         if (positions[r] < 0 || positions[r] >= max_pos) return -2;
         if (positions[r] + 1 > longest) longest = positions[r] + 1;
     }
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int tasks = b * n_kv;
     int bad = 0;
-    /* one thread for a small step: waking the second costs more than it saves */
-#pragma omp parallel num_threads(threads) if (threads > 1 && (long)tasks * longest * hd * group >= (1L << 16))
-    {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)group * (size_t)(longest + LANES));
-        if (!sc) {
-#pragma omp atomic write
-            bad = 1;
-        }
-#pragma omp for schedule(static)
-        for (int task = 0; task < tasks; task++) {
-            if (!sc) continue;
-            const int r = task / n_kv, h = task % n_kv;
-            const long len = positions[r] + 1;
-            const size_t base = (size_t)slot_ids[r] * slot_stride + (size_t)h * head_stride;
-            const float *qh = q + ((size_t)r * n_heads + (size_t)h * group) * hd;
-            float *o = out + ((size_t)r * n_heads + (size_t)h * group) * hd;
-            /* scores: q . k / sqrt(hd) */
-            for (long t = 0; t < len; t++) {
-                VF kv[256 / LANES];
-                for (int i = 0; i < nv; i++) kv[i] = load_kv(k_cache, base + (size_t)t * hd + i * LANES, bf16);
-                for (int g = 0; g < group; g++) {
-                    VF acc = ZEROF();
-                    for (int i = 0; i < nv; i++) acc = FMA(LOADF(qh + g * hd + i * LANES), kv[i], acc);
-                    sc[(size_t)g * (longest + LANES) + t] = hsumf(acc) * scale;
-                }
-            }
-            for (int g = 0; g < group; g++) {
-                float *s = sc + (size_t)g * (longest + LANES);
-                /* softmax: exp(s - max) over whole vectors, the tail padded with -inf (exp 0) */
-                const long padded = (len + LANES - 1) / LANES * LANES;
-                for (long t = len; t < padded; t++) s[t] = -INFINITY;
-                VF m = SET1F(-INFINITY);
-                for (long t = 0; t < padded; t += LANES) m = MAXF(m, LOADF(s + t));
-                const VF mx = SET1F(hmaxf(m));
-                VF sum = ZEROF();
-                for (long t = 0; t < padded; t += LANES) {
-                    const VF e = vexpf(SUBF(LOADF(s + t), mx));
-                    STOREF(s + t, e);
-                    sum = ADDF(sum, e);
-                }
-                const float inv = 1.0f / hsumf(sum);
-                /* out = sum_t p_t v_t / sum */
-                VF acc[256 / LANES];
-                for (int i = 0; i < nv; i++) acc[i] = ZEROF();
-                for (long t = 0; t < len; t++) {
-                    const VF p = SET1F(s[t]);
-                    for (int i = 0; i < nv; i++)
-                        acc[i] = FMA(p, load_kv(v_cache, base + (size_t)t * hd + i * LANES, bf16), acc[i]);
-                }
-                for (int i = 0; i < nv; i++) STOREF(o + g * hd + i * LANES, MUL(acc[i], SET1F(inv)));
-            }
-        }
-        free(sc);
+    /* one thread for a small step: waking the second costs more than it saves (a plain call, not `if (0)`: see
+     * quantize_rows) */
+    if (threads > 1 && (long)b * n_kv * longest * hd * group >= (1L << 16)) {
+#pragma omp parallel num_threads(threads)
+        attention_share(q, b, n_heads, n_kv, hd, k_cache, v_cache, bf16, slot_stride, head_stride, longest, slot_ids,
+                        positions, out, &bad);
+    } else {
+        attention_share(q, b, n_heads, n_kv, hd, k_cache, v_cache, bf16, slot_stride, head_stride, longest, slot_ids,
+                        positions, out, &bad);
     }
     return bad ? -3 : 0;
 }

@@ -528,19 +528,28 @@ static const tile_i8_fn TILES_I8[F_COUNT][5][3] = {I8_ROW(1), I8_ROW(1), I8_ROW(
 static const tile_f32_fn TILES_F32[F_COUNT][5] = {F32_ROW(1), F32_ROW(1), F32_ROW(2), F32_ROW(3), F32_ROW(4),
                                                   F32_ROW(5), F32_ROW(6), F32_ROW(6)};
 
-static void quantize_rows(const float *x, int rows, int k, acts_t *a, int threads) {
+static inline void quantize_row(const float *x, int r, int k, acts_t *a) {
     const int nb = k / QK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 8)
-    for (int r = 0; r < rows; r++)
-        for (int b = 0; b < nb; b++) {
-            const size_t i = (size_t)r * nb + b;
-            int32_t s0, s1;
-            QUANT_BLOCK(x + (size_t)r * k + b * QK, a->q + (size_t)r * k + b * QK, &a->d[i], &s0, &s1);
-            a->s16[2 * i] = s0;
-            a->s16[2 * i + 1] = s1;
-            a->s[i] = s0 + s1;
-            a->dm[i] = a->d[i] * (float)(s0 + s1);
-        }
+    for (int b = 0; b < nb; b++) {
+        const size_t i = (size_t)r * nb + b;
+        int32_t s0, s1;
+        QUANT_BLOCK(x + (size_t)r * k + b * QK, a->q + (size_t)r * k + b * QK, &a->d[i], &s0, &s1);
+        a->s16[2 * i] = s0;
+        a->s16[2 * i + 1] = s1;
+        a->s[i] = s0 + s1;
+        a->dm[i] = a->d[i] * (float)(s0 + s1);
+    }
+}
+
+/* A region that would run on one thread is a plain call, never `omp parallel if (0)`: libgomp makes a team of one
+ * for that, with a futex call (measured 0.6 us each; a SmolLM2 step made ~150 of them at one row). */
+static void quantize_rows(const float *x, int rows, int k, acts_t *a, int threads) {
+    if (rows >= 8 && threads > 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int r = 0; r < rows; r++) quantize_row(x, r, k, a);
+    } else {
+        for (int r = 0; r < rows; r++) quantize_row(x, r, k, a);
+    }
 }
 
 #ifndef BIG_ROWS /* no 16-row tiles in this ISA */
@@ -553,6 +562,80 @@ static void quantize_rows(const float *x, int rows, int k, acts_t *a, int thread
 
 /* The largest tile width (vector columns) for a tile of t rows, by mode. */
 static inline int width_for(int mode, int t) { return mode == 0 ? VMAX_I8(t) : 1; }
+
+/* This thread's share of the output columns (the whole of them outside a parallel region). */
+static void matmul_share(int fmt, int mode, const float *x, int rows, int k, const uint8_t *w, int n, float *y,
+                         int nrec, int ncols, size_t pstride, const acts_t *ap, int big, int tiles) {
+    const acts_t a = *ap;
+    const int rest = rows - big;
+    int nt = 1, id = 0;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+    id = omp_get_thread_num();
+#endif
+    const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
+    if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, &a, big, k, y, n);
+    /* 2 rows and more: each panel (the thread's share of it) unpacked once, then every row tile multiplies
+     * from that copy */
+    const int nb = k / QK;
+    uint8_t *ub = 0;
+    float *sc = 0;
+    if (mode == 0 && USES_GEMM(fmt, rest) && cbeg < cend) {
+        const size_t wbytes = (size_t)nb * NVP * 8 * VBYTES;
+        ub = (uint8_t *)aligned_alloc(64, wbytes + (size_t)nb * NVP * 2 * LANES * sizeof(float));
+        sc = ub ? (float *)(ub + wbytes) : 0;
+    }
+    const int gtiles = (rest + GEMM_T - 1) / GEMM_T;
+    for (int c = cbeg; ub && c < cend;) {
+        int v = NVP - c % NVP; /* to the end of this panel */
+        if (v > cend - c) v = cend - c;
+        UNPACK[fmt][v - 1](w, pstride, c, nrec, ub, sc);
+        /* the next panel's records are fetched into L2 while the row tiles multiply this one (a share before
+         * each tile), so its unpacking does not wait on memory: without, memory idles while we multiply and
+         * the core idles while we read (16 rows streamed ran at a third of the speed with weights in cache) */
+        const uint8_t *next = c + v < cend ? w + (size_t)((c + v) / NVP) * pstride : 0;
+        const size_t lines = next ? (pstride + 63) / 64 : 0;
+        const int partial = (c + v) * LANES > n;
+        for (int i = 0, r0 = big; i < gtiles; i++) {
+            const int t = rest / gtiles + (i < rest % gtiles);
+            for (size_t l = lines * i / gtiles; l < lines * (i + 1) / gtiles; l++)
+                __builtin_prefetch(next + l * 64, 0, 2);
+            float tmp[GEMM_T * 2 * LANES];
+            float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+            const int ldy = partial ? v * LANES : n;
+            GEMM[fmt][v - 1][t](ub, sc, nb, &a, r0, k, yt, ldy);
+            if (partial)
+                for (int r = 0; r < t; r++)
+                    for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
+            r0 += t;
+        }
+        c += v;
+    }
+    for (int cc = cbeg; cc < cend && tiles > 0 && !ub; cc += CHUNK_COLS) {
+        const int cstop = cc + CHUNK_COLS < cend ? cc + CHUNK_COLS : cend;
+        for (int i = 0, r0 = big; i < tiles; i++) {
+            const int t = rest / tiles + (i < rest % tiles);
+            for (int c = cc; c < cstop;) {
+                int v = width_for(mode, t);
+                while (v > cstop - c) v >>= 1;
+                float tmp[MAXT * 4 * LANES];
+                const int partial = (c + v) * LANES > n;
+                float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+                const int ldy = partial ? v * LANES : n;
+                if (mode == 0)
+                    TILES_I8[fmt][t][v == 4 ? 2 : v - 1](w, pstride, c, nrec, &a, r0, k, yt, ldy);
+                else
+                    TILES_F32[fmt][t](w, pstride, c, nrec, x, r0, k, yt, ldy);
+                if (partial)
+                    for (int r = 0; r < t; r++)
+                        for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
+                c += v;
+            }
+            r0 += t;
+        }
+    }
+    free(ub);
+}
 
 /* y (rows, n) = x (rows, k) @ W^T, W (n, k) in format fmt; mode 0: int8 activations, 1: float32. Returns 0, or
  * a negative number for arguments the kernels cannot take. */
@@ -584,76 +667,11 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
     const int tiles = rest > 0 ? (rest + tmax - 1) / tmax : 0; /* row tiles as even as they can be */
     /* a small product runs on one thread: waking a second costs more than it saves (and, on a shared CPU, a
      * descheduled thread holds the barrier for a time slice) */
-    const int parallel = threads > 1 && (double)rows * n * k >= PARALLEL_MACS;
-#pragma omp parallel num_threads(threads) if (parallel)
-    {
-        int nt = 1, id = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        id = omp_get_thread_num();
-#endif
-        const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
-        if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, &a, big, k, y, n);
-        /* 2 rows and more: each panel (the thread's share of it) unpacked once, then every row tile multiplies
-         * from that copy */
-        const int nb = k / QK;
-        uint8_t *ub = 0;
-        float *sc = 0;
-        if (mode == 0 && USES_GEMM(fmt, rest) && cbeg < cend) {
-            const size_t wbytes = (size_t)nb * NVP * 8 * VBYTES;
-            ub = (uint8_t *)aligned_alloc(64, wbytes + (size_t)nb * NVP * 2 * LANES * sizeof(float));
-            sc = ub ? (float *)(ub + wbytes) : 0;
-        }
-        const int gtiles = (rest + GEMM_T - 1) / GEMM_T;
-        for (int c = cbeg; ub && c < cend;) {
-            int v = NVP - c % NVP; /* to the end of this panel */
-            if (v > cend - c) v = cend - c;
-            UNPACK[fmt][v - 1](w, pstride, c, nrec, ub, sc);
-            /* the next panel's records are fetched into L2 while the row tiles multiply this one (a share before
-             * each tile), so its unpacking does not wait on memory: without, memory idles while we multiply and
-             * the core idles while we read (16 rows streamed ran at a third of the speed with weights in cache) */
-            const uint8_t *next = c + v < cend ? w + (size_t)((c + v) / NVP) * pstride : 0;
-            const size_t lines = next ? (pstride + 63) / 64 : 0;
-            const int partial = (c + v) * LANES > n;
-            for (int i = 0, r0 = big; i < gtiles; i++) {
-                const int t = rest / gtiles + (i < rest % gtiles);
-                for (size_t l = lines * i / gtiles; l < lines * (i + 1) / gtiles; l++)
-                    __builtin_prefetch(next + l * 64, 0, 2);
-                float tmp[GEMM_T * 2 * LANES];
-                float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
-                const int ldy = partial ? v * LANES : n;
-                GEMM[fmt][v - 1][t](ub, sc, nb, &a, r0, k, yt, ldy);
-                if (partial)
-                    for (int r = 0; r < t; r++)
-                        for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
-                r0 += t;
-            }
-            c += v;
-        }
-        for (int cc = cbeg; cc < cend && tiles > 0 && !ub; cc += CHUNK_COLS) {
-            const int cstop = cc + CHUNK_COLS < cend ? cc + CHUNK_COLS : cend;
-            for (int i = 0, r0 = big; i < tiles; i++) {
-                const int t = rest / tiles + (i < rest % tiles);
-                for (int c = cc; c < cstop;) {
-                    int v = width_for(mode, t);
-                    while (v > cstop - c) v >>= 1;
-                    float tmp[MAXT * 4 * LANES];
-                    const int partial = (c + v) * LANES > n;
-                    float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
-                    const int ldy = partial ? v * LANES : n;
-                    if (mode == 0)
-                        TILES_I8[fmt][t][v == 4 ? 2 : v - 1](w, pstride, c, nrec, &a, r0, k, yt, ldy);
-                    else
-                        TILES_F32[fmt][t](w, pstride, c, nrec, x, r0, k, yt, ldy);
-                    if (partial)
-                        for (int r = 0; r < t; r++)
-                            for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
-                    c += v;
-                }
-                r0 += t;
-            }
-        }
-        free(ub);
+    if (threads > 1 && (double)rows * n * k >= PARALLEL_MACS) {
+#pragma omp parallel num_threads(threads)
+        matmul_share(fmt, mode, x, rows, k, w, n, y, nrec, ncols, pstride, &a, big, tiles);
+    } else {
+        matmul_share(fmt, mode, x, rows, k, w, n, y, nrec, ncols, pstride, &a, big, tiles);
     }
     free(buf);
     return 0;
