@@ -29,8 +29,8 @@ static inline VF load_kv(const void *base, size_t i, int bf16) {
     return bf16 ? LOADBF((const uint16_t *)base + i) : LOADF((const float *)base + i);
 }
 
-/* The tasks (row, kv head) of this thread: all of them outside a parallel region. */
-static void attention_share(const float *q, int b, int n_heads, int n_kv, int hd, const void *k_cache,
+/* Share `id` of `nt` of the tasks (row, kv head), in one contiguous run (id 0 of 1: all of them). */
+static void attention_share(int id, int nt, const float *q, int b, int n_heads, int n_kv, int hd, const void *k_cache,
                             const void *v_cache, int bf16, long slot_stride, long head_stride, long longest,
                             const int64_t *slot_ids, const int64_t *positions, float *out, int *bad) {
     const int group = n_heads / n_kv, nv = hd / LANES, tasks = b * n_kv;
@@ -40,8 +40,8 @@ static void attention_share(const float *q, int b, int n_heads, int n_kv, int hd
 #pragma omp atomic write
         *bad = 1;
     }
-#pragma omp for schedule(static)
-    for (int task = 0; task < tasks; task++) {
+    const int first = (int)((long)tasks * id / nt), last = (int)((long)tasks * (id + 1) / nt);
+    for (int task = first; task < last; task++) {
         if (!sc) continue;
         const int r = task / n_kv, h = task % n_kv;
         const long len = positions[r] + 1;
@@ -104,11 +104,11 @@ int CAT(ISA, decode_attention)(const float *q, int b, int n_heads, int n_kv, int
      * quantize_rows) */
     if (threads > 1 && (long)b * n_kv * longest * hd * group >= (1L << 16)) {
 #pragma omp parallel num_threads(threads)
-        attention_share(q, b, n_heads, n_kv, hd, k_cache, v_cache, bf16, slot_stride, head_stride, longest, slot_ids,
-                        positions, out, &bad);
+        attention_share(THREAD_ID(), TEAM_SIZE(), q, b, n_heads, n_kv, hd, k_cache, v_cache, bf16, slot_stride,
+                        head_stride, longest, slot_ids, positions, out, &bad);
     } else {
-        attention_share(q, b, n_heads, n_kv, hd, k_cache, v_cache, bf16, slot_stride, head_stride, longest, slot_ids,
-                        positions, out, &bad);
+        attention_share(0, 1, q, b, n_heads, n_kv, hd, k_cache, v_cache, bf16, slot_stride, head_stride, longest,
+                        slot_ids, positions, out, &bad);
     }
     return bad ? -3 : 0;
 }

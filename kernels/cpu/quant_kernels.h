@@ -43,6 +43,13 @@
 #ifndef GEMV_AHEAD
 #define GEMV_AHEAD (NVP > 1 ? 4096 : 0)
 #endif
+#ifdef _OPENMP /* this thread's number and its team's size inside our own parallel regions */
+#define THREAD_ID() omp_get_thread_num()
+#define TEAM_SIZE() omp_get_num_threads()
+#else
+#define THREAD_ID() 0
+#define TEAM_SIZE() 1
+#endif
 #define CHUNK_COLS 4        /* vector columns per cache chunk */
 #define PARALLEL_MACS (1 << 18) /* multiply-adds below which one thread does the product */
 
@@ -563,16 +570,12 @@ static void quantize_rows(const float *x, int rows, int k, acts_t *a, int thread
 /* The largest tile width (vector columns) for a tile of t rows, by mode. */
 static inline int width_for(int mode, int t) { return mode == 0 ? VMAX_I8(t) : 1; }
 
-/* This thread's share of the output columns (the whole of them outside a parallel region). */
-static void matmul_share(int fmt, int mode, const float *x, int rows, int k, const uint8_t *w, int n, float *y,
-                         int nrec, int ncols, size_t pstride, const acts_t *ap, int big, int tiles) {
+/* Share `id` of `nt` of the output columns (id 0 of 1: all of them). The caller says which, so a call outside our
+ * own region never takes an enclosing team's numbers. */
+static void matmul_share(int id, int nt, int fmt, int mode, const float *x, int rows, int k, const uint8_t *w, int n,
+                         float *y, int nrec, int ncols, size_t pstride, const acts_t *ap, int big, int tiles) {
     const acts_t a = *ap;
     const int rest = rows - big;
-    int nt = 1, id = 0;
-#ifdef _OPENMP
-    nt = omp_get_num_threads();
-    id = omp_get_thread_num();
-#endif
     const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
     if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, &a, big, k, y, n);
     /* 2 rows and more: each panel (the thread's share of it) unpacked once, then every row tile multiplies
@@ -669,9 +672,9 @@ int CAT(ISA, matmul)(int fmt, int mode, const float *x, int rows, int k, const u
      * descheduled thread holds the barrier for a time slice) */
     if (threads > 1 && (double)rows * n * k >= PARALLEL_MACS) {
 #pragma omp parallel num_threads(threads)
-        matmul_share(fmt, mode, x, rows, k, w, n, y, nrec, ncols, pstride, &a, big, tiles);
+        matmul_share(THREAD_ID(), TEAM_SIZE(), fmt, mode, x, rows, k, w, n, y, nrec, ncols, pstride, &a, big, tiles);
     } else {
-        matmul_share(fmt, mode, x, rows, k, w, n, y, nrec, ncols, pstride, &a, big, tiles);
+        matmul_share(0, 1, fmt, mode, x, rows, k, w, n, y, nrec, ncols, pstride, &a, big, tiles);
     }
     free(buf);
     return 0;
