@@ -275,8 +275,8 @@ class CompiledDecode:
         # One compiling thread: the box's other core is serving; Inductor's artefacts under the package's directory.
         # The generated loops are parallel for the threads the step will run on, not for the one this (forked)
         # process computes with: built for one, every fused loop (attention, norms, rotary) ran on one core.
-        torch_internals.configure_inductor(compile_threads=1, cpp_threads=threads, march=inductor_march(),
-                                           min_chunk=LOOP_MIN_CHUNK)
+        torch_internals.configure_inductor(compile_threads=1, cpp_threads=threads, min_chunk=LOOP_MIN_CHUNK,
+                                           march=inductor_march())
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(package.parent)
         max_len = self.cache.max_seq_len
         if max_len < 2:

@@ -78,10 +78,10 @@ def require_cxx_compiler() -> None:
         raise NoCxxCompiler(str(exc)) from exc
 
 
-def configure_inductor(*, compile_threads: int, cpp_threads: int, march: str | None, min_chunk: int = 512) -> None:
+def configure_inductor(*, compile_threads: int, cpp_threads: int, min_chunk: int, march: str | None) -> None:
     """Inductor's settings for this process's compiles: how many compiling processes, the OpenMP threads the
-    generated loops are written for, the values per thread below which a loop is not parallel (512: Inductor's
-    own), and -march (None: Inductor's own choice, native)."""
+    generated loops are written for, the values per thread below which a loop is not parallel (Inductor's own is
+    512), and -march (None: Inductor's own choice, native)."""
     import torch._inductor.config as inductor_config
     inductor_config.compile_threads = compile_threads
     inductor_config.cpp.threads = cpp_threads

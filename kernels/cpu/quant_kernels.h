@@ -573,11 +573,10 @@ static inline int width_for(int mode, int t) { return mode == 0 ? VMAX_I8(t) : 1
 /* Share `id` of `nt` of the output columns (id 0 of 1: all of them). The caller says which, so a call outside our
  * own region never takes an enclosing team's numbers. */
 static void matmul_share(int id, int nt, int fmt, int mode, const float *x, int rows, int k, const uint8_t *w, int n,
-                         float *y, int nrec, int ncols, size_t pstride, const acts_t *ap, int big, int tiles) {
-    const acts_t a = *ap;
+                         float *y, int nrec, int ncols, size_t pstride, const acts_t *a, int big, int tiles) {
     const int rest = rows - big;
     const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
-    if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, &a, big, k, y, n);
+    if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, a, big, k, y, n);
     /* 2 rows and more: each panel (the thread's share of it) unpacked once, then every row tile multiplies
      * from that copy */
     const int nb = k / QK;
@@ -606,7 +605,7 @@ static void matmul_share(int id, int nt, int fmt, int mode, const float *x, int 
             float tmp[GEMM_T * 2 * LANES];
             float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
             const int ldy = partial ? v * LANES : n;
-            GEMM[fmt][v - 1][t](ub, sc, nb, &a, r0, k, yt, ldy);
+            GEMM[fmt][v - 1][t](ub, sc, nb, a, r0, k, yt, ldy);
             if (partial)
                 for (int r = 0; r < t; r++)
                     for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
@@ -626,7 +625,7 @@ static void matmul_share(int id, int nt, int fmt, int mode, const float *x, int 
                 float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
                 const int ldy = partial ? v * LANES : n;
                 if (mode == 0)
-                    TILES_I8[fmt][t][v == 4 ? 2 : v - 1](w, pstride, c, nrec, &a, r0, k, yt, ldy);
+                    TILES_I8[fmt][t][v == 4 ? 2 : v - 1](w, pstride, c, nrec, a, r0, k, yt, ldy);
                 else
                     TILES_F32[fmt][t](w, pstride, c, nrec, x, r0, k, yt, ldy);
                 if (partial)
