@@ -92,8 +92,11 @@ def build_before(ref: str, isa: str, directory: Path) -> str:
         (src / name).write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{ref}:kernels/cpu/{name}"],
                                                 capture_output=True, check=True).stdout)
     out = directory / f"quant_{isa}-before.so"
+    # built as the engine builds it here: avxvnni on a CPU without AVX-VNNI is the EVEX stand-in (its VEX form
+    # would stop this CPU with an illegal instruction)
+    flags = cpu_quant.AVXVNNI_EVEX_FLAGS if cpu_quant.cpu_info().stands_in(isa) else cpu_quant.ISA_FLAGS[isa]
     subprocess.run([cpu_quant.compiler(), str(src / f"quant_{isa}.c"), "-o", str(out),
-                    *cpu_quant.COMMON, *cpu_quant.ISA_FLAGS[isa]], check=True)
+                    *cpu_quant.COMMON, *flags], check=True)
     return str(out)
 
 
