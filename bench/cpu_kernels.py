@@ -16,6 +16,12 @@ the model, not over one layer kept in cache), int8 mode, at each row count: ms p
 (default: each ISA this CPU runs, APPLIANCE_CPU_ISA caps it) and, with --before, the same ISA's kernels as they
 were at git REF, built aside, in the same run; the weights' GB/s, this CPU's read bandwidth (numpy summing 1 GiB in
 --threads slices at once) and the fraction of it reached. APPLIANCE_CPU_ISA caps the ISAs as in the engine.
+
+    python bench/cpu_kernels.py --attention [--isa avx2] [--before REF]
+
+The decode attention operator (kernels/cpu/quant_attention.h) for one step of every layer: SmolLM2-135M's heads
+(9 query / 3 kv, 30 layers) and a Llama-3.2-1B's (32 / 8, 16 layers), head size 64, a bfloat16 cache, 1 and 16 rows
+at positions 60 and 100: ms per step, and with --before the same ISA's operator at git REF in the same run.
 """
 from __future__ import annotations
 
@@ -100,6 +106,36 @@ def build_before(ref: str, isa: str, directory: Path) -> str:
     return str(out)
 
 
+def attention_main(args) -> None:
+    import tempfile
+    info = cpu_quant.cpu_info()
+    if not cpu_quant.torch_ops():
+        raise SystemExit("our kernels' torch operators cannot be built here")
+    isa = args.isa or info.isas[0]
+    op = torch.ops.quant_cpu.decode_attention.default
+    print(f"{info.described}, {args.threads} threads, decode attention ({isa}), bfloat16 cache, head size 64")
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {isa: cpu_quant.kernels(isa, "int8").path}
+        if args.before:
+            libs[f"{isa} at {args.before}"] = build_before(args.before, isa, Path(tmp))
+        print("| model | rows | position | " + " | ".join(f"{name} ms/step" for name in libs)
+              + (" | now / before |" if args.before else " |"))
+        print("|" + "---|" * (3 + len(libs) + (1 if args.before else 0)))
+        for model, heads, kv_heads, layers in (("smollm2", 9, 3, 30), ("llama1b", 32, 8, 16)):
+            for rows in (1, 16):
+                for pos in (60, 100):
+                    torch.manual_seed(rows + pos)
+                    kc = torch.randn(16, kv_heads, 257, 64).bfloat16()
+                    vc = torch.randn(16, kv_heads, 257, 64).bfloat16()
+                    q, slots, positions = torch.randn(rows, heads, 64), torch.arange(rows), torch.full((rows,), pos)
+                    ms = {name: layers * min(best_ms(lambda: op(q, kc, vc, slots, positions, path, isa))
+                                             for _ in range(args.trials)) for name, path in libs.items()}
+                    cells = [f"{v:.3f}" for v in ms.values()]
+                    if args.before:
+                        cells.append(f"{ms[f'{isa} at {args.before}'] / ms[isa]:.2f}x")
+                    print(f"| {model} | {rows} | {pos} | " + " | ".join(cells) + " |", flush=True)
+
+
 def step_main(args) -> None:
     import tempfile
     info = cpu_quant.cpu_info()
@@ -168,12 +204,16 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-q4_1", choices=sorted(STEP_MODELS))
     ap.add_argument("--isa", default=None, help="--step: one ISA of ours (default every one this CPU runs)")
     ap.add_argument("--before", default=None, help="--step: also the kernels at this git ref, same run")
+    ap.add_argument("--attention", action="store_true", help="the decode attention of one step (see above)")
     ap.add_argument("--trials", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.step:
         args.rows = args.rows or "1,16"
         step_main(args)
+        return
+    if args.attention:
+        attention_main(args)
         return
     args.rows = args.rows or "1,4,16,64"
     info = cpu_quant.cpu_info()
