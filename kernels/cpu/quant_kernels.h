@@ -41,13 +41,14 @@
 #else
 #define ROWS_INNER(fmt) (IS_Q4(fmt) || IS_Q5(fmt) || (fmt) == F_Q4_K || (fmt) == F_Q5_K)
 #endif
-/* A vector tile (1-7 rows) fetches its panel's records this many bytes ahead (0: none). 256-bit vectors only:
- * there a tile is one panel, one stream, and the hardware prefetcher alone left the 1B's 1-row step at 0.48 of the
- * read bandwidth (AVX2 on a Zen 4 EPYC, 2 threads: 47.3 -> 36.6-39.2 ms with 4 KiB ahead, 2 KiB the same, 8 KiB
- * 1.11x, 16 KiB slower; 2 and 4 rows 1.16-1.18x; SmolLM2's 1.0-1.1x); with 512-bit vectors a tile walks four panels
- * and the same fetches made the step 0.87x (the hardware keeps up there, and the fetches take load slots). */
+/* A vector tile (1-7 rows) fetches each of its panels' records this many bytes ahead into L2 (0: none): the first
+ * row tile over a column reads it from memory, and the hardware prefetcher alone kept the 1B's 1-row step at under
+ * 0.6 of the read bandwidth (bench/cpu_kernels.py --step, a Zen 4 EPYC, 2 threads, AVX2: no fetches 47.3 ms a step;
+ * prefetchnta 4 KiB ahead 36.6-40.3 ms, further slower; prefetcht2 16 KiB ahead 27.5-28.8 ms, 1.4-1.5x, 4 rows
+ * 1.44x; 12-32 KiB 1.3-1.5x; prefetcht0 0.76x). 512-bit vectors: a 1-row tile walks four panels, which the hardware
+ * follows (fetching them too: 0.92-0.97x), from 2 rows it walks fewer and the fetches help (4 rows 1.15-1.28x). */
 #ifndef GEMV_AHEAD
-#define GEMV_AHEAD (NVP > 1 ? 4096 : 0)
+#define GEMV_AHEAD 16384
 #endif
 #ifdef _OPENMP /* this thread's number and its team's size inside our own parallel regions */
 #define THREAD_ID() omp_get_thread_num()
@@ -189,8 +190,11 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
         }
     }
     for (int s = 0; s < nrec; s++) {
-        if (GEMV_AHEAD) /* the first row tile over these columns reads them from memory: fetch ahead of it */
-            for (int l = 0; l < rb; l += 64) __builtin_prefetch(pb[0] + (size_t)s * rb + GEMV_AHEAD + l, 0, 0);
+        if (GEMV_AHEAD && (NVP > 1 || T > 1))
+#pragma GCC unroll 4
+            for (int v = 0; v < V; v++)
+                if (v == 0 || hv[v] == 0) /* each panel once */
+                    for (int l = 0; l < rb; l += 64) __builtin_prefetch(pb[v] + (size_t)s * rb + GEMV_AHEAD + l, 0, 1);
         for (int b = 0; b < sbk; b++) {
             const int blk = s * sbk + b;
             const uint8_t *qb[4];
