@@ -45,8 +45,7 @@
  * row tile over a column reads it from memory, and the hardware prefetcher alone kept the 1B's 1-row step at under
  * 0.6 of the read bandwidth (bench/cpu_kernels.py --step, a Zen 4 EPYC, 2 threads, AVX2: no fetches 47.3 ms a step;
  * prefetchnta 4 KiB ahead 36.6-40.3 ms, further slower; prefetcht2 16 KiB ahead 27.5-28.8 ms, 1.4-1.5x, 4 rows
- * 1.44x; 12-32 KiB 1.3-1.5x; prefetcht0 0.76x). 512-bit vectors: a 1-row tile walks four panels, which the hardware
- * follows (fetching them too: 0.92-0.97x), from 2 rows it walks fewer and the fetches help (4 rows 1.15-1.28x). */
+ * 1.44x; 12-32 KiB 1.3-1.5x; prefetcht0 0.76x; AVX-512, a 1-row tile one panel wide: 1.22x). */
 #ifndef GEMV_AHEAD
 #define GEMV_AHEAD 16384
 #endif
@@ -190,7 +189,7 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
         }
     }
     for (int s = 0; s < nrec; s++) {
-        if (GEMV_AHEAD && (NVP > 1 || T > 1))
+        if (GEMV_AHEAD)
 #pragma GCC unroll 4
             for (int v = 0; v < V; v++)
                 if (v == 0 || hv[v] == 0) /* each panel once */
@@ -532,7 +531,7 @@ typedef void (*tile_f32_fn)(const uint8_t *, size_t, int, int, const float *, in
         tile_f32(F, T, w, ps, c0, nrec, x, r0, k, y, ldy);                                                  \
     }
 /* Only the tile shapes this ISA's width_for asks for are made (each is fully unrolled: compile time). */
-#if VMAX_I8(1) >= 4
+#if VMAX_I8(2) >= 4
 #define DEF_I8_WIDE(F, T) DEF_I8(F, T, 4)
 #define I8_WIDE(F, T) ti8_##F##_##T##_4
 #else

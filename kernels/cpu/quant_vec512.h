@@ -57,7 +57,9 @@ static inline float hmaxf(__m512 v) { return _mm512_reduce_max_ps(v); }
                                                          4 * (C) + 1, 4 * (C) + 1, 4 * (C) + 1, 4 * (C) + 1,      \
                                                          4 * (C), 4 * (C), 4 * (C), 4 * (C)), v)
 #define XPAT(p) _mm512_broadcast_f32x4(_mm_loadu_ps(p))
-#define VMAX_I8(t) ((t) <= 2 ? 4 : 2)
+/* vector columns per int8 tile of t rows: one panel at 1 row, one stream that quant_kernels.h's fetches run ahead of
+ * (four panels at once, the hardware's streams alone: the 1B's 1-row step 0.82x; fetching all four did no better) */
+#define VMAX_I8(t) ((t) == 1 ? 1 : (t) == 2 ? 4 : 2)
 #define TMAX_F32 4
 
 /* One block of 32 activations -> int8 q, scale d = amax / 127, and the sums of each half. */
