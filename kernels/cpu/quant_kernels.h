@@ -42,10 +42,10 @@
 #define ROWS_INNER(fmt) (IS_Q4(fmt) || IS_Q5(fmt) || (fmt) == F_Q4_K || (fmt) == F_Q5_K)
 #endif
 /* A vector tile (1-7 rows) fetches each of its panels' records this many bytes ahead into L2 (0: none): the first
- * row tile over a column reads it from memory, and the hardware prefetcher alone kept the 1B's 1-row step at under
- * 0.6 of the read bandwidth (bench/cpu_kernels.py --step, a Zen 4 EPYC, 2 threads, AVX2: no fetches 47.3 ms a step;
- * prefetchnta 4 KiB ahead 36.6-40.3 ms, further slower; prefetcht2 16 KiB ahead 27.5-28.8 ms, 1.4-1.5x, 4 rows
- * 1.44x; 12-32 KiB 1.3-1.5x; prefetcht0 0.76x; AVX-512, a 1-row tile one panel wide: 1.22x). */
+ * row tile over a column reads it from memory, where the hardware prefetcher alone, or prefetchnta a few KiB ahead,
+ * left the 1B's 1-row step at about half of the read bandwidth (bench/cpu_kernels.py --step, a Zen 4 EPYC, 2
+ * threads, AVX2, against prefetchnta 4 KiB ahead: prefetcht2 16 KiB ahead 1.44-1.99x in three runs, 4 rows 1.36-1.44x;
+ * 12-32 KiB 1.36-1.50x; prefetcht1 1.31-1.82x; prefetcht0 0.76x; prefetchnta 8 KiB 0.89x). */
 #ifndef GEMV_AHEAD
 #define GEMV_AHEAD 16384
 #endif
