@@ -531,12 +531,19 @@ typedef void (*tile_f32_fn)(const uint8_t *, size_t, int, int, const float *, in
         tile_f32(F, T, w, ps, c0, nrec, x, r0, k, y, ldy);                                                  \
     }
 /* Only the tile shapes this ISA's width_for asks for are made (each is fully unrolled: compile time). */
-#if VMAX_I8(2) >= 4
-#define DEF_I8_WIDE(F, T) DEF_I8(F, T, 4)
-#define I8_WIDE(F, T) ti8_##F##_##T##_4
+#if VMAX_I8(1) >= 4
+#define DEF_I8_WIDE1(F) DEF_I8(F, 1, 4)
+#define I8_WIDE1(F) ti8_##F##_1_4
 #else
-#define DEF_I8_WIDE(F, T)
-#define I8_WIDE(F, T) 0
+#define DEF_I8_WIDE1(F)
+#define I8_WIDE1(F) 0
+#endif
+#if VMAX_I8(2) >= 4
+#define DEF_I8_WIDE2(F) DEF_I8(F, 2, 4)
+#define I8_WIDE2(F) ti8_##F##_2_4
+#else
+#define DEF_I8_WIDE2(F)
+#define I8_WIDE2(F) 0
 #endif
 #if VMAX_I8(3) >= 2
 #define DEF_I8_TALL(F, T) DEF_I8(F, T, 2)
@@ -553,7 +560,7 @@ typedef void (*tile_f32_fn)(const uint8_t *, size_t, int, int, const float *, in
 #define F32_TALL(F) 0, 0
 #endif
 #define DEF_FMT(F)                                                                                          \
-    DEF_I8(F, 1, 1) DEF_I8(F, 1, 2) DEF_I8_WIDE(F, 1) DEF_I8(F, 2, 1) DEF_I8(F, 2, 2) DEF_I8_WIDE(F, 2)      \
+    DEF_I8(F, 1, 1) DEF_I8(F, 1, 2) DEF_I8_WIDE1(F) DEF_I8(F, 2, 1) DEF_I8(F, 2, 2) DEF_I8_WIDE2(F)         \
     DEF_I8(F, 3, 1) DEF_I8_TALL(F, 3) DEF_I8(F, 4, 1) DEF_I8_TALL(F, 4)                                      \
     DEF_F32(F, 1) DEF_F32(F, 2) DEF_F32_TALL(F)
 DEF_FMT(1) /* Q4_0 and Q4_1 share one kernel (Q4_0's m is -8 d), Q5_0 and Q5_1 another */
@@ -601,8 +608,8 @@ static const gemm_fn GEMM[F_COUNT][2][GEMM_T + 1] = {GEMM_ROW(1), GEMM_ROW(1), G
 /* [fmt][T][V]: V 1, 2, 4 at index 0, 1, 2 (0 where the tile shape is not made) */
 #define I8_ROW(F)                                                                                           \
     {{0, 0, 0},                                                                                             \
-     {ti8_##F##_1_1, ti8_##F##_1_2, I8_WIDE(F, 1)},                                                         \
-     {ti8_##F##_2_1, ti8_##F##_2_2, I8_WIDE(F, 2)},                                                         \
+     {ti8_##F##_1_1, ti8_##F##_1_2, I8_WIDE1(F)},                                                           \
+     {ti8_##F##_2_1, ti8_##F##_2_2, I8_WIDE2(F)},                                                           \
      {ti8_##F##_3_1, I8_TALL(F, 3), 0},                                                                     \
      {ti8_##F##_4_1, I8_TALL(F, 4), 0}}
 static const tile_i8_fn TILES_I8[F_COUNT][5][3] = {I8_ROW(1), I8_ROW(1), I8_ROW(2), I8_ROW(3),
