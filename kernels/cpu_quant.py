@@ -59,7 +59,8 @@ ISAS = tuple(ISA_FLAGS)  # fastest first, as a rule; `auto` measures
 AVXVNNI_EVEX_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256",
                       "-DVNNI_EVEX"]
 ACTIVATIONS = ("int8", "float32")
-HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_attention.h", "quant_vec256.h", "quant_vec512.h")
+HEADERS = ("quant_layout.h", "quant_kernels.h", "quant_attention.h", "quant_eltwise.h", "quant_vec256.h",
+           "quant_vec512.h")
 
 # cpu_features() bits (kernels/cpu/cpu_features.c)
 _BITS = ("avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni",
@@ -380,6 +381,24 @@ class CpuKernels:
             return torch.ops.quant_cpu.block_matmul.default(x, data, cpu_layout.FORMATS[fmt].code, n, self.path,
                                                             self.isa, self.activations == "float32")
         return matmul(self.path, self.isa, self.activations == "float32", x, data, fmt, n)
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_ids: torch.Tensor,
+                  positions: torch.Tensor) -> torch.Tensor:
+        """(N, n_heads * head_dim) float32: each query row of q (N, n_heads, head_dim) over its slot's cached positions
+        0..positions[r] (kernels/cpu/quant_attention.h; caches (slots, n_kv, positions, head_dim) float32 or bfloat16).
+        Through the C++ operator only (`op`)."""
+        return torch.ops.quant_cpu.decode_attention.default(q, k_cache, v_cache, slot_ids, positions, self.path,
+                                                            self.isa)
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """h (rows, dim) float32 += delta (in place, where given); returns RMSNorm(h) * weight (kernels/cpu/
+        quant_eltwise.h). Through the C++ operator only (`op`)."""
+        return torch.ops.quant_cpu.add_rms_norm.default(h, delta, weight, eps, self.path, self.isa)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(rows, inter) float32: SiLU(gate) * up of gate_up (rows, 2 * inter). Through the C++ operator only."""
+        return torch.ops.quant_cpu.silu_mul.default(gate_up, self.path, self.isa)
 
     def rows(self, data: torch.Tensor, fmt: str, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
         """float32 (len(ids), k): rows ids of W, gguf's numbers exactly."""

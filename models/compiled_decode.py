@@ -178,23 +178,11 @@ class _Step(torch.nn.Module):
         by_id = {tensor_id: getattr(self, name) for name, tensor_id in self._ids.items()}
         by_id.update(zip(self._opaque_ids, opaque))
         w = traceable_weights(_rebound(self._model.weights, by_id, {}))
-        ops = GraphOps(self._model.config.rms_norm_eps, decode_attention_op(self._model, self.cache_k_0))
+        ops = GraphOps(self._model.config.rms_norm_eps, self._model.torch_ops.attention)
         rows = ops.graph_decode_rows(token_ids, slot_ids, positions, mask, self.rope_cos, self.rope_sin)
         x = forward(w, ops, [getattr(self, f"cache_k_{i}") for i in range(self._layers)],
                     [getattr(self, f"cache_v_{i}") for i in range(self._layers)], [rows])
         return w.head(x).float()
-
-
-def decode_attention_op(model: LlamaModel, k_cache: torch.Tensor):
-    """Decode attention through our CPU kernels' operator (kernels/cpu/quant_attention.h) where the model multiplies
-    with them and their C++ operators are loaded, for a float32 or bfloat16 cache of whole vectors a position; None
-    (Inductor's loops) elsewhere."""
-    k = model.cpu_kernels
-    if (k is None or not k.op or k_cache.dtype not in (torch.float32, torch.bfloat16)
-            or model.config.head_dim % 16 or model.config.head_dim > 256):
-        return None
-    op = torch.ops.quant_cpu.decode_attention.default
-    return lambda q, k_cache, v_cache, slot_ids, positions: op(q, k_cache, v_cache, slot_ids, positions, k.path, k.isa)
 
 
 # Values per thread (at the export's batch of two) below which a generated loop runs on one thread. A parallel loop

@@ -49,11 +49,13 @@ class ModelWeights:
 
 @dataclass
 class Rows:
-    """One part of a step: B rows of S tokens (flattened to N = B * S in the forward), each row in its own slot.
-    Which fields are set depends on the ops that built it (TorchOps: cos/sin/meta; KernelOps: lengths)."""
+    """One part of a step: B rows of up to S tokens each, each row in its own slot, flattened to N tokens in the
+    forward: N = B * S (padded to the longest row), or, packed, only the rows' own tokens (attention that reads each
+    token's slot and position, not a (B, S) block: our CPU kernels'). Which fields are set depends on the ops that
+    built it (TorchOps: cos/sin/meta/last; KernelOps: lengths)."""
     b: int
     s: int
-    token_ids: torch.Tensor  # (B, S)
+    token_ids: torch.Tensor  # (B, S), or (N,) packed
     slot_ids: torch.Tensor  # (B,)
     slot_rows: torch.Tensor  # (N,) each token's slot
     positions: torch.Tensor  # (N,) each token's position (padding repeats its row's last)
@@ -61,7 +63,12 @@ class Rows:
     cos: torch.Tensor | None = None  # (N, 1, head_dim) TorchOps' rotary, sin's first half negated
     sin: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # (B,) cache positions each row attends over (KernelOps)
-    meta: Any = None  # TorchOps' attention mask and cache view (forward_ops.AttentionMeta)
+    meta: Any = None  # TorchOps' attention mask and cache view (forward_ops.AttentionMeta); None when packed
+    last: torch.Tensor | None = None  # (B,) each row's last token among the N (TorchOps' ragged rows)
+
+    @property
+    def n(self) -> int:
+        return self.positions.shape[0]
 
 
 def forward(w: ModelWeights, ops, k_layers: list[torch.Tensor], v_layers: list[torch.Tensor],
@@ -69,7 +76,7 @@ def forward(w: ModelWeights, ops, k_layers: list[torch.Tensor], v_layers: list[t
     """The final-normed hidden state of every token of every part, (sum of N, hidden), in part order; writes each
     token's keys and values into its slot's cache cell."""
     n_h, n_kv, hd = w.n_heads, w.n_kv_heads, w.head_dim
-    sizes = [p.b * p.s for p in parts]
+    sizes = [p.n for p in parts]
     h = torch.cat([w.embed(p.token_ids).reshape(n, -1) for p, n in zip(parts, sizes)]) if len(parts) > 1 \
         else w.embed(parts[0].token_ids).reshape(sizes[0], -1)
     delta = None

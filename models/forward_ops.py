@@ -39,20 +39,37 @@ def attention_length(longest: int, max_seq_len: int) -> int:
 
 
 class TorchOps:
-    def __init__(self, eps: float):
-        self.eps = eps
+    """attention: our CPU kernels' operator (kernels.cpu_quant.CpuKernels.attention: each query row over its slot's
+    positions 0..position), or None for torch's sdpa. fused: our kernels (CpuKernels) for the residual add with
+    RMSNorm and for SiLU-gate on float32 tensors, one pass each where torch makes several and allocates each
+    intermediate (the eager forward's only: the compiled step leaves them to Inductor, which fuses them itself)."""
+
+    def __init__(self, eps: float, attention=None, fused=None):
+        self.eps, self.attention, self.fused = eps, attention, fused
 
     # -- rows ---------------------------------------------------------------------------------------------------
+    def packs(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        """Ragged rows of this compute and cache dtype go packed: attention through our kernels takes each token as
+        it is, so no padded token is multiplied (a 256-token chunk beside 10-token prompts: 8x fewer rows)."""
+        return self.attention is not None and dtype == torch.float32 and cache_dtype in (torch.float32,
+                                                                                         torch.bfloat16)
+
     @staticmethod
     def ragged_rows(token_ids: torch.Tensor, slot_ids: torch.Tensor, start_pos: torch.Tensor,
-                    seq_lens: torch.Tensor, max_seq_len: int, cos_t: torch.Tensor, sin_t: torch.Tensor) -> Rows:
+                    seq_lens: torch.Tensor, max_seq_len: int, cos_t: torch.Tensor, sin_t: torch.Tensor,
+                    packed: bool = False) -> Rows:
         """B ragged rows: row b holds seq_lens[b] >= 1 valid tokens at positions start_pos[b] + arange(S). Padded
-        tokens write to the scratch cell; their queries see a harmless prefix (length >= 1, so no NaN)."""
+        tokens write to the scratch cell; their queries see a harmless prefix (length >= 1, so no NaN). packed
+        (`packs()`): the valid tokens only, row after row, for attention by our kernels (no mask, no cache view)."""
         dev = token_ids.device
         b, s = token_ids.shape
         offsets = torch.arange(s, device=dev)
         positions = start_pos.unsqueeze(1) + offsets  # (B, S)
         valid = offsets.unsqueeze(0) < seq_lens.unsqueeze(1)
+        if packed:
+            flat = positions[valid]
+            return Rows(b, s, token_ids[valid], slot_ids, slot_ids.repeat_interleave(seq_lens), flat, flat,
+                        cos=cos_t[flat].unsqueeze(1), sin=sin_t[flat].unsqueeze(1), last=seq_lens.cumsum(0) - 1)
         write_pos = torch.where(valid, positions, max_seq_len)
         query_pos = torch.minimum(positions, (start_pos + seq_lens - 1).unsqueeze(1))
         t_len = attention_length(int((start_pos + seq_lens).max()), max_seq_len)
@@ -62,7 +79,8 @@ class TorchOps:
         flat = query_pos.reshape(-1)
         return Rows(b, s, token_ids, slot_ids, slot_ids.repeat_interleave(s), flat, write_pos.reshape(-1),
                     cos=cos_t[flat].unsqueeze(1), sin=sin_t[flat].unsqueeze(1),
-                    meta=AttentionMeta(t_len, first if consecutive else None, mask))
+                    meta=AttentionMeta(t_len, first if consecutive else None, mask),
+                    last=torch.arange(b, device=dev) * s + seq_lens - 1)
 
     @staticmethod
     def graph_decode_rows(token_ids: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor,
@@ -76,6 +94,8 @@ class TorchOps:
 
     # -- ops ----------------------------------------------------------------------------------------------------
     def add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor):
+        if self.fused is not None and _fp32_rows(h, weight) and (delta is None or _fp32_rows(delta)):
+            return h, self.fused.add_rms_norm(h, delta, weight, self.eps)  # h += delta, in place
         if delta is not None:
             h = h + delta
         return h, F.rms_norm(h, (h.shape[-1],), weight, self.eps)
@@ -91,10 +111,21 @@ class TorchOps:
         k_cache[rows.slot_rows, :, rows.write_pos] = k.to(k_cache.dtype)
         v_cache[rows.slot_rows, :, rows.write_pos] = v.to(v_cache.dtype)
 
+    def by_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return self.packs(q.dtype, k_cache.dtype)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """Attention of the rows' queries over their slots (this step's keys and values already written): every
+        token of every row through our kernels' operator where the ops have it (a prefill token is a query row at
+        its own position, so the causal mask is its position; padding repeats its row's last), else sdpa (packed
+        rows go to the kernel, which refuses tensors it does not take)."""
+        if rows.meta is None or self.by_kernel(q, k_cache):
+            return self.attention(q, k_cache, v_cache, rows.slot_rows, rows.positions)
+        return self.sdpa(q, k_cache, v_cache, rows)
+
     @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """Attention of the rows' queries over their slots (this step's keys and values already written).
-        GQA by folding the query heads of a group into the query rows, (B, n_kv, group * S, head_dim), instead of
+    def sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """torch's attention over the slots' cache views. GQA by folding the query heads of a group into the query rows, (B, n_kv, group * S, head_dim), instead of
         repeating keys and values; for decode (S == 1) that is a free view."""
         b, s, meta = rows.b, rows.s, rows.meta
         n_heads, hd = q.shape[1], q.shape[2]
@@ -116,30 +147,29 @@ class TorchOps:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask)
         return out.view(b, n_kv, group, s, hd).permute(0, 3, 1, 2, 4).reshape(b * s, n_heads * hd)
 
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and _fp32_rows(gate_up):
+            return self.fused.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def _fp32_rows(*ts: torch.Tensor) -> bool:
+    """float32 tensors on the CPU, contiguous (what the fused kernels take)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
 
 
 class GraphOps(TorchOps):
     """TorchOps as the compiled decode step traces them (models/compiled_decode.py). Decode attention is our CPU
-    kernels' op where the step has them (`decode_attention(q, k_cache, v_cache, slot_ids, positions)`: each row over
-    its positions 0..position, kernels/cpu/quant_attention.h), else products and sums over the cache's rows, which
-    Inductor fuses into loops that read the narrower cache where it lies: through sdpa, a step gathered and widened
-    every row's keys and values into new tensors and then ran a kernel made for long queries (one layer, 16 rows of
-    SmolLM2 over 128 positions: 284 us; Inductor's loops 136 us)."""
-
-    def __init__(self, eps: float, decode_attention=None):
-        super().__init__(eps)
-        self.decode_attention = decode_attention
+    kernels' op where the step has them (kernels/cpu/quant_attention.h), else products and sums over the cache's
+    rows, which Inductor fuses into loops that read the narrower cache where it lies: through sdpa, a step gathered
+    and widened every row's keys and values into new tensors and then ran a kernel made for long queries (one layer,
+    16 rows of SmolLM2 over 128 positions: 284 us; Inductor's loops 136 us)."""
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
-        if rows.s != 1:
-            return TorchOps.attend(q, k_cache, v_cache, rows)
-        if self.decode_attention is not None:
-            return self.decode_attention(q, k_cache, v_cache, rows.slot_ids, rows.positions)
+        if rows.s != 1 or self.by_kernel(q, k_cache):
+            return super().attend(q, k_cache, v_cache, rows)
         b, meta = rows.b, rows.meta
         n_heads, hd = q.shape[1], q.shape[2]
         n_kv = k_cache.shape[1]

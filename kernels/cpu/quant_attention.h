@@ -8,8 +8,8 @@
  * its scores in a small buffer: the dot products (one horizontal sum each), the softmax over whole vectors with a
  * vector exp, and the weighted sum of values vertically (no horizontal sums at all). */
 
-/* e^x for x <= 0 (softmax's shifted scores): 2^n e^r, |r| <= ln2 / 2, a degree-6 polynomial (relative error ~1e-7);
- * below -87 it gives 0, as expf underflows */
+/* e^x for x <= 88 (softmax's shifted scores, quant_eltwise.h's SiLU): 2^n e^r, |r| <= ln2 / 2, a degree-6
+ * polynomial (relative error ~1e-7); below -87 it gives 0, as expf underflows */
 static inline VF vexpf(VF x) {
     x = MAXF(x, SET1F(-87.0f));
     const VF n = ROUNDF(MUL(x, SET1F(1.44269504f)));

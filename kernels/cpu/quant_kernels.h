@@ -780,3 +780,4 @@ int CAT(ISA, quantize)(const float *x, int rows, int k, int8_t *q, float *d, int
 }
 
 #include "quant_attention.h"
+#include "quant_eltwise.h"

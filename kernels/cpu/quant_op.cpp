@@ -1,9 +1,10 @@
-/* Our kernels as torch operators (quant_cpu::block_matmul, quant_cpu::block_rows, quant_cpu::decode_attention): a
- * compiled decode step calls them through torch's dispatcher in about 3 us each, where a Python custom op around the
- * ctypes call took 15-17 us (121 matmuls per SmolLM2 step: ~2 ms of a ~5 ms step). The ISA libraries (quant_<isa>.c)
- * stay plain C; this file only finds their entry points (dlopen, once per library) and hands them tensors' memory.
- * Built by kernels/cpu_quant.py with the C++ compiler against the installed torch's headers, cached under a name
- * that carries its source's digest and torch's version (a different torch builds its own). */
+/* Our kernels as torch operators (quant_cpu::block_matmul, block_rows, decode_attention; add_rms_norm and silu_mul,
+ * the eager forward's only): a compiled decode step calls them through torch's dispatcher in about 3 us each, where a
+ * Python custom op around the ctypes call took 15-17 us (121 matmuls per SmolLM2 step: ~2 ms of a ~5 ms step). The
+ * ISA libraries (quant_<isa>.c) stay plain C; this file only finds their entry points (dlopen, once per library) and
+ * hands them tensors' memory. Built by kernels/cpu_quant.py with the C++ compiler against the installed torch's
+ * headers, cached under a name that carries its source's digest and torch's version (a different torch builds its
+ * own). */
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <dlfcn.h>
@@ -17,6 +18,8 @@ namespace {
 
 typedef int (*matmul_fn)(int, int, const float *, int, int, const uint8_t *, int, float *, int);
 typedef int (*rows_fn)(int, const uint8_t *, int, int, const int64_t *, int, float *);
+typedef int (*norm_fn)(float *, const float *, const float *, long, long, float, float *, int);
+typedef int (*silu_fn)(const float *, long, long, float *, int);
 typedef int (*attention_fn)(const float *, int, int, int, int, const void *, const void *, int, long, long, long,
                             const int64_t *, const int64_t *, float *, int);
 
@@ -87,6 +90,38 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k_cache, cons
     return out;
 }
 
+/* h (rows, dim) float32, contiguous: h += delta in place (where given); returns RMSNorm(h) * weight. The eager
+ * forward's op only (never traced: no fake, no functional form). */
+at::Tensor add_rms_norm(at::Tensor &h, const std::optional<at::Tensor> &delta, const at::Tensor &weight, double eps,
+                        const std::string &library, const std::string &isa) {
+    const bool with_delta = delta.has_value() && delta->defined();
+    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous() && weight.scalar_type() == at::kFloat &&
+                    weight.is_contiguous() && weight.numel() == h.size(1) &&
+                    (!with_delta || (delta->scalar_type() == at::kFloat && delta->is_contiguous() &&
+                                     delta->sizes() == h.sizes())),
+                "add_rms_norm: bad arguments");
+    at::Tensor out = at::empty_like(h);
+    const auto fn = reinterpret_cast<norm_fn>(symbol(library, isa + "_add_rms_norm"));
+    const int rc = fn(h.data_ptr<float>(), with_delta ? delta->data_ptr<float>() : nullptr, weight.data_ptr<float>(),
+                      (long)h.size(0), (long)h.size(1), (float)eps, out.data_ptr<float>(), at::get_num_threads());
+    TORCH_CHECK(rc == 0, "add_rms_norm failed (", rc, ")");
+    return out;
+}
+
+/* gate_up (rows, 2 * inter) float32, contiguous -> (rows, inter) SiLU(gate) * up. */
+at::Tensor silu_mul(const at::Tensor &gate_up, const std::string &library, const std::string &isa) {
+    TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() &&
+                    gate_up.size(1) % 2 == 0,
+                "silu_mul: bad arguments");
+    const int64_t inter = gate_up.size(1) / 2;
+    at::Tensor out = at::empty({gate_up.size(0), inter}, gate_up.options());
+    const auto fn = reinterpret_cast<silu_fn>(symbol(library, isa + "_silu_mul"));
+    const int rc = fn(gate_up.data_ptr<float>(), (long)gate_up.size(0), (long)inter, out.data_ptr<float>(),
+                      at::get_num_threads());
+    TORCH_CHECK(rc == 0, "silu_mul failed (", rc, ")");
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(quant_cpu, m) {
@@ -94,10 +129,14 @@ TORCH_LIBRARY(quant_cpu, m) {
     m.def("block_rows(Tensor data, int fmt, int n, int k, Tensor ids, str library, str isa) -> Tensor");
     m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slot_ids, Tensor positions, str library, "
           "str isa) -> Tensor");
+    m.def("add_rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps, str library, str isa) -> Tensor");
+    m.def("silu_mul(Tensor gate_up, str library, str isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(quant_cpu, CPU, m) {
     m.impl("block_matmul", block_matmul);
     m.impl("block_rows", block_rows);
     m.impl("decode_attention", decode_attention);
+    m.impl("add_rms_norm", add_rms_norm);
+    m.impl("silu_mul", silu_mul);
 }

@@ -43,6 +43,8 @@ typedef __m256 VF;
 #define ADDF(a, b) _mm256_add_ps(a, b)
 #define SUBF(a, b) _mm256_sub_ps(a, b)
 #define MAXF(a, b) _mm256_max_ps(a, b)
+#define MINF(a, b) _mm256_min_ps(a, b)
+#define DIVF(a, b) _mm256_div_ps(a, b)
 static inline float hsumf(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

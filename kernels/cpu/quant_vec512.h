@@ -41,6 +41,8 @@ typedef __m512 VF;
 #define ADDF(a, b) _mm512_add_ps(a, b)
 #define SUBF(a, b) _mm512_sub_ps(a, b)
 #define MAXF(a, b) _mm512_max_ps(a, b)
+#define MINF(a, b) _mm512_min_ps(a, b)
+#define DIVF(a, b) _mm512_div_ps(a, b)
 static inline float hsumf(__m512 v) { return _mm512_reduce_add_ps(v); }
 static inline float hmaxf(__m512 v) { return _mm512_reduce_max_ps(v); }
 #define ROUNDF(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
