@@ -343,18 +343,19 @@ class LlamaModel:
 
     @torch.no_grad()
     def forward(self, cache: KVCache, token_ids: torch.Tensor, slot_ids: torch.Tensor, start_pos: torch.Tensor,
-                seq_lens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+                seq_lens: torch.Tensor, all_logits: bool = False, pad: bool = False) -> torch.Tensor:
         """Run B ragged rows: row b holds seq_lens[b] >= 1 valid tokens at positions start_pos[b] + arange(S).
 
         Writes their keys/values into slot slot_ids[b] and returns fp32 logits of each row's last valid token
-        (B, vocab), or of every position (B, S, vocab) with all_logits.
+        (B, vocab), or of every position (B, S, vocab) with all_logits. pad: every row padded to the longest even
+        where the ops take them packed (the same numbers, more rows: benchmarks' baseline and tests).
         """
         dev = self.device
         b, s = token_ids.shape
         if s == 1 and not all_logits and self.use_kernels():  # decode: the fused kernels
             return self.decode_kernels(cache, token_ids.to(dev)[:, 0], slot_ids.to(dev, torch.long),
                                        start_pos.to(dev, torch.long))
-        rows = self._ragged(cache, token_ids, slot_ids, start_pos, seq_lens, packed=not all_logits)
+        rows = self._ragged(cache, token_ids, slot_ids, start_pos, seq_lens, packed=not (all_logits or pad))
         x = forward(self.weights, self.torch_ops, cache.k_layers, cache.v_layers, [rows])
         if all_logits:
             return self.weights.head(x).float().view(b, s, -1)
@@ -364,15 +365,16 @@ class LlamaModel:
 
     @torch.no_grad()
     def forward_mixed(self, cache: KVCache, prefill: tuple[torch.Tensor, ...],
-                      decode: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                      decode: tuple[torch.Tensor, ...], pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill chunks and decode rows of one step in one pass over the weights: every matmul multiplies the
         tokens of both at once, only attention runs per part. prefill: forward()'s (token_ids (B, S), slot_ids,
         start_pos, seq_lens); decode: (token_ids (D,), slot_ids, positions). Returns fp32 logits of each prefill
-        row's last valid token (B, vocab) and of each decode row (D, vocab), forward()'s numbers for each."""
+        row's last valid token (B, vocab) and of each decode row (D, vocab), forward()'s numbers for each (pad: as
+        forward()'s)."""
         ids, slots, starts, lens = prefill
         d_ids, d_slots, d_pos = decode
-        parts = [self._ragged(cache, ids, slots, starts, lens),
-                 self._ragged(cache, d_ids.view(-1, 1), d_slots, d_pos, torch.ones_like(d_pos))]
+        parts = [self._ragged(cache, ids, slots, starts, lens, packed=not pad),
+                 self._ragged(cache, d_ids.view(-1, 1), d_slots, d_pos, torch.ones_like(d_pos), packed=not pad)]
         x = forward(self.weights, self.torch_ops, cache.k_layers, cache.v_layers, parts)
         n, b = parts[0].n, ids.shape[0]
         logits = self.weights.head(torch.cat([x[:n][parts[0].last], x[n:]])).float()

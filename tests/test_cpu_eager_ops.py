@@ -114,14 +114,12 @@ def test_a_ragged_prefill_packed_gives_every_row_what_the_padded_one_gives(tmp_p
     w = load_weights(path, torch.float32, "blocks")
     model = LlamaModel(w.config, w.tensors, cpu_kernels=kernels)
     assert model.torch_ops.packs(torch.float32, torch.bfloat16)
-    padded = LlamaModel(w.config, w.tensors, cpu_kernels=kernels)
-    padded._ragged = lambda *a, packed=True: LlamaModel._ragged(padded, *a, packed=False)
     torch.manual_seed(0)
     lens = torch.tensor([13, 2, 40, 1])
     ids = torch.randint(3, w.config.vocab_size, (4, 40))
     slots, start = torch.tensor([2, 0, 3, 1]), torch.zeros(4, dtype=torch.long)
     caches = [KVCache(w.config, 6, 64, torch.bfloat16) for _ in range(2)]
-    got, want = (m.forward(c, ids, slots, start, lens) for m, c in zip((model, padded), caches))
+    got, want = (model.forward(c, ids, slots, start, lens, pad=pad) for c, pad in zip(caches, (False, True)))
     assert torch.equal(got, want)
     real = caches[0].kv[..., :64, :]  # the padded rows wrote their padding to the scratch cell 64
     assert torch.equal(real, caches[1].kv[..., :64, :]) and real.abs().sum() > 0
@@ -129,6 +127,7 @@ def test_a_ragged_prefill_packed_gives_every_row_what_the_padded_one_gives(tmp_p
     prefill = (torch.randint(3, w.config.vocab_size, (2, 9)), torch.tensor([5, 4]), torch.zeros(2, dtype=torch.long),
                torch.tensor([9, 3]))
     decode = (got.argmax(-1), slots, lens)
-    (p_got, d_got), (p_want, d_want) = (m.forward_mixed(c, prefill, decode) for m, c in zip((model, padded), caches))
+    (p_got, d_got), (p_want, d_want) = (model.forward_mixed(c, prefill, decode, pad=pad)
+                                        for c, pad in zip(caches, (False, True)))
     assert torch.equal(p_got, p_want) and torch.equal(d_got, d_want)
     assert torch.equal(caches[0].kv[..., :64, :], caches[1].kv[..., :64, :])
