@@ -50,7 +50,7 @@ class TorchOps:
     # -- rows ---------------------------------------------------------------------------------------------------
     def packs(self, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
         """Ragged rows of this compute and cache dtype go packed: attention through our kernels takes each token as
-        it is, so no padded token is multiplied (a 256-token chunk beside 10-token prompts: 8x fewer rows)."""
+        it is, so no padded token is multiplied (a 200-token prompt beside five 10-token ones: 250 rows, not 1,200)."""
         return self.attention is not None and dtype == torch.float32 and cache_dtype in (torch.float32,
                                                                                          torch.bfloat16)
 
@@ -125,8 +125,9 @@ class TorchOps:
 
     @staticmethod
     def sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """torch's attention over the slots' cache views. GQA by folding the query heads of a group into the query rows, (B, n_kv, group * S, head_dim), instead of
-        repeating keys and values; for decode (S == 1) that is a free view."""
+        """torch's attention over the slots' cache views. GQA by folding the query heads of a group into the query
+        rows, (B, n_kv, group * S, head_dim), instead of repeating keys and values; for decode (S == 1) that is a free
+        view."""
         b, s, meta = rows.b, rows.s, rows.meta
         n_heads, hd = q.shape[1], q.shape[2]
         n_kv = k_cache.shape[1]
@@ -157,7 +158,6 @@ class TorchOps:
 def _fp32_rows(*ts: torch.Tensor) -> bool:
     """float32 tensors on the CPU, contiguous (what the fused kernels take)."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
-
 
 
 class GraphOps(TorchOps):

@@ -95,8 +95,8 @@ at::Tensor decode_attention(const at::Tensor &q, const at::Tensor &k_cache, cons
 at::Tensor add_rms_norm(at::Tensor &h, const std::optional<at::Tensor> &delta, const at::Tensor &weight, double eps,
                         const std::string &library, const std::string &isa) {
     const bool with_delta = delta.has_value() && delta->defined();
-    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous() && weight.scalar_type() == at::kFloat &&
-                    weight.is_contiguous() && weight.numel() == h.size(1) &&
+    TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous() &&
+                    weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == h.size(1) &&
                     (!with_delta || (delta->scalar_type() == at::kFloat && delta->is_contiguous() &&
                                      delta->sizes() == h.sizes())),
                 "add_rms_norm: bad arguments");
