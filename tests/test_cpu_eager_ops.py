@@ -10,21 +10,7 @@ import torch.nn.functional as F
 
 from kernels import cpu_quant
 from models.forward_ops import TorchOps
-
-
-@pytest.fixture(scope="module")
-def isas():
-    if not cpu_quant.torch_ops():
-        pytest.skip("our kernels' torch operators cannot be built here")
-    out = {}
-    for isa in cpu_quant.ISAS:
-        try:
-            out[isa] = cpu_quant.kernels(isa, "int8")
-        except cpu_quant.KernelsUnavailable:
-            continue
-    if not out:
-        pytest.skip("our CPU kernels cannot run here")
-    return out
+from test_cpu_attention import isas  # noqa: F401 - every ISA's kernels this CPU runs (a fixture)
 
 
 @pytest.fixture(params=[1, 2])
