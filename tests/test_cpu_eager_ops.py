@@ -24,7 +24,8 @@ def threads(request):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_prefill_rows_attend_through_the_kernel_as_through_sdpa(isas, threads, cache_dtype):
     """Ragged rows of a prefill (different lengths, a chunk after an earlier one, slots out of order), grouped query
-    heads: every token's attention, padding included, is sdpa's with the causal mask."""
+    heads: every token's attention, padding included, is sdpa's with the causal mask; packed (the rows' own tokens
+    only), each token's the same."""
     torch.manual_seed(3)
     n_heads, n_kv, hd, slots, max_seq = 9, 3, 64, 5, 120
     k_cache = torch.randn(slots, n_kv, max_seq + 1, hd).to(cache_dtype)
@@ -35,9 +36,15 @@ def test_prefill_rows_attend_through_the_kernel_as_through_sdpa(isas, threads, c
     rows = TorchOps.ragged_rows(torch.zeros(3, 7, dtype=torch.long), slot_ids, start, lens, max_seq, cos, sin)
     q = torch.randn(rows.b * rows.s, n_heads, hd) * 3
     want = TorchOps(1e-5).attend(q, k_cache, v_cache, rows)
+    packed = TorchOps.ragged_rows(torch.zeros(3, 7, dtype=torch.long), slot_ids, start, lens, max_seq, cos, sin,
+                                  packed=True)
+    valid = (torch.arange(7) < lens[:, None]).reshape(-1)
     for isa, k in isas.items():
-        got = TorchOps(1e-5, attention=k.attention).attend(q, k_cache, v_cache, rows)
-        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=lambda m: f"{isa}: {m}")
+        ops = TorchOps(1e-5, attention=k.attention)
+        torch.testing.assert_close(ops.attend(q, k_cache, v_cache, rows), want, rtol=2e-5, atol=2e-5,
+                                   msg=lambda m: f"{isa}: {m}")
+        torch.testing.assert_close(ops.attend(q[valid], k_cache, v_cache, packed), want[valid], rtol=2e-5, atol=2e-5,
+                                   msg=lambda m: f"{isa}, packed: {m}")
 
 
 @pytest.mark.parametrize("rows, dim", [(1, 576), (624, 576), (3, 100), (40, 2048)])

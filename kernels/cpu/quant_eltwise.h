@@ -2,7 +2,7 @@
  * kernels: prefill, mixed steps, and decode before its compiled step is ready), each one pass over memory where
  * torch's make two to five and allocate a fresh tensor for every intermediate: the residual add with RMSNorm, and
  * SiLU(gate) x up. Included by quant_kernels.h, over each ISA's vectors. Not bit for bit torch's (the sums' order),
- * within float32 rounding of them (tests/test_cpu_attention.py). */
+ * within float32 rounding of them (tests/test_cpu_eager_ops.py). */
 
 /* Rows first..last of h (rows, dim): h += delta where delta is given (in place, the residual stream), then
  * out = h / sqrt(mean(h^2) + eps) * weight, as torch's rms_norm orders it. */
