@@ -19,11 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import generate  # noqa: F401 - first: --isa's environment is set before torch loads
+from generate import build, default_model, isa_banner, load  # first: --isa's environment is set before torch loads
 
 import torch  # noqa: E402
 
-from generate import build, default_model, isa_banner, load  # noqa: E402
+from kernels import cpu_quant  # noqa: E402
 from models.forward_ops import TorchOps  # noqa: E402
 from models.llama import KVCache  # noqa: E402
 
@@ -46,7 +46,6 @@ def main() -> None:
     path = args.model or default_model()
     if path is None or path.suffix != ".gguf":
         raise SystemExit("--model: a GGUF file")
-    from kernels import cpu_quant
     weights = args.weights or f"blocks/int8/{cpu_quant.best('int8').isa}"
     print(isa_banner(args.isa))
     cfg, tensors, prompts, label, _tok = load(path, torch.float32)

@@ -111,15 +111,12 @@ class TorchOps:
         k_cache[rows.slot_rows, :, rows.write_pos] = k.to(k_cache.dtype)
         v_cache[rows.slot_rows, :, rows.write_pos] = v.to(v_cache.dtype)
 
-    def by_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        return self.packs(q.dtype, k_cache.dtype)
-
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
         """Attention of the rows' queries over their slots (this step's keys and values already written): every
         token of every row through our kernels' operator where the ops have it (a prefill token is a query row at
         its own position, so the causal mask is its position; padding repeats its row's last), else sdpa (packed
         rows go to the kernel, which refuses tensors it does not take)."""
-        if rows.meta is None or self.by_kernel(q, k_cache):
+        if rows.meta is None or self.packs(q.dtype, k_cache.dtype):
             return self.attention(q, k_cache, v_cache, rows.slot_rows, rows.positions)
         return self.sdpa(q, k_cache, v_cache, rows)
 
@@ -168,7 +165,7 @@ class GraphOps(TorchOps):
     16 rows of SmolLM2 over 128 positions: 284 us; Inductor's loops 136 us)."""
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: Rows) -> torch.Tensor:
-        if rows.s != 1 or self.by_kernel(q, k_cache):
+        if rows.s != 1 or self.packs(q.dtype, k_cache.dtype):
             return super().attend(q, k_cache, v_cache, rows)
         b, meta = rows.b, rows.meta
         n_heads, hd = q.shape[1], q.shape[2]

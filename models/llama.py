@@ -252,19 +252,14 @@ class LlamaModel:
         self.weights = ModelWeights(embed=embed, layers=layers, norm=take("model.norm.weight"), head=lm_head,
                                     n_heads=n_h, n_kv_heads=n_kv, head_dim=config.head_dim,
                                     eps=config.rms_norm_eps)
+        # The non-matmul ops through our CPU kernels' operators where the model multiplies with them and the
+        # operators are loaded; attention too where it takes the head size (a 16 x 39 SmolLM2 prefill's attention of
+        # a layer: 0.46-0.53 ms, against 2.1-2.8 ms through sdpa over widened cache views; AVX2, a Zen 4 EPYC)
         fused = cpu_kernels if cpu_kernels is not None and cpu_kernels.op and self.device.type == "cpu" else None
-        self.torch_ops = TorchOps(config.rms_norm_eps, self._kernel_attention(), fused)
+        hd = config.head_dim
+        attention = fused.attention if fused is not None and hd % 16 == 0 and hd <= 256 else None
+        self.torch_ops = TorchOps(config.rms_norm_eps, attention, fused)
         self._tables: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _kernel_attention(self):
-        """Attention through our CPU kernels' operator (kernels/cpu/quant_attention.h) where the model multiplies
-        with them and their C++ operators are loaded, for head sizes it takes; None (torch's) elsewhere. A 16 x 39
-        SmolLM2 prefill's attention of a layer: 0.46-0.53 ms, against 2.1-2.8 ms through sdpa over widened cache
-        views (AVX2, a Zen 4 EPYC, 2 threads)."""
-        k, hd = self.cpu_kernels, self.config.head_dim
-        if k is None or not k.op or self.device.type != "cpu" or hd % 16 or hd > 256:
-            return None
-        return k.attention
 
     # -- what tests, benchmarks and the compiled step read ------------------------------------------------------
     @property
