@@ -15,7 +15,9 @@ One decode step's matmuls, every layer's own weights (random blocks; a pass over
 the model, not over one layer kept in cache), int8 mode, at each row count: ms per step for our kernels of --isa
 (default: each ISA this CPU runs, APPLIANCE_CPU_ISA caps it) and, with --before, the same ISA's kernels as they
 were at git REF, built aside, in the same run; the weights' GB/s, this CPU's read bandwidth (numpy summing 1 GiB in
---threads slices at once) and the fraction of it reached. APPLIANCE_CPU_ISA caps the ISAs as in the engine.
+--threads slices at once) and the fraction of it reached (the bound at one row); the multiply-adds a second and the
+fraction reached of the ISA's ceiling: its GEMM's inner loop alone, products into sums held in registers, on
+--threads threads (bench/isa_ceiling.c; the bound at many rows). APPLIANCE_CPU_ISA caps the ISAs as in the engine.
 
     python bench/cpu_kernels.py --attention [--isa avx2] [--before REF]
 
@@ -26,6 +28,8 @@ at positions 60 and 100: ms per step, and with --before the same ISA's operator 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -86,9 +90,27 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of our `isa` library as the engine builds it here: avxvnni on a CPU without AVX-VNNI is the
+    EVEX stand-in (its VEX form would stop this CPU with an illegal instruction)."""
+    return cpu_quant.AVXVNNI_EVEX_FLAGS if cpu_quant.cpu_info().stands_in(isa) else cpu_quant.ISA_FLAGS[isa]
+
+
+def isa_ceiling(isa: str, threads: int, directory: Path) -> float | None:
+    """G multiply-adds a second of `isa`'s int8 GEMM inner loop alone on `threads` threads (bench/isa_ceiling.c,
+    built with the library's flags); None for amx, whose tiles are another loop."""
+    if isa == "amx":
+        return None
+    out = directory / f"isa_ceiling_{isa}.so"
+    subprocess.run([cpu_quant.compiler(), str(Path(__file__).with_name("isa_ceiling.c")), "-o", str(out),
+                    *cpu_quant.COMMON, *isa_flags(isa)], check=True)
+    fn = ctypes.CDLL(str(out)).isa_ceiling_gmacs
+    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int]
+    return fn(50_000_000, threads)
+
+
 def build_before(ref: str, isa: str, directory: Path) -> str:
     """Our kernels of `isa` as they were at git `ref`, built into directory: the library's path."""
-    import subprocess
     root = Path(__file__).resolve().parents[1]
     src = directory / "src"
     src.mkdir(parents=True, exist_ok=True)
@@ -98,11 +120,8 @@ def build_before(ref: str, isa: str, directory: Path) -> str:
         (src / name).write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{ref}:kernels/cpu/{name}"],
                                                 capture_output=True, check=True).stdout)
     out = directory / f"quant_{isa}-before.so"
-    # built as the engine builds it here: avxvnni on a CPU without AVX-VNNI is the EVEX stand-in (its VEX form
-    # would stop this CPU with an illegal instruction)
-    flags = cpu_quant.AVXVNNI_EVEX_FLAGS if cpu_quant.cpu_info().stands_in(isa) else cpu_quant.ISA_FLAGS[isa]
     subprocess.run([cpu_quant.compiler(), str(src / f"quant_{isa}.c"), "-o", str(out),
-                    *cpu_quant.COMMON, *flags], check=True)
+                    *cpu_quant.COMMON, *isa_flags(isa)], check=True)
     return str(out)
 
 
@@ -161,16 +180,22 @@ def step_main(args) -> None:
         cpu_layout.random_blocks(htype, rows_h, hk, seed=7, scale=0.002), htype, rows_h, hk))
     head_scale = hn / rows_h
     step_bytes = sum(m.nbytes for m in mats) + head_scale * head.nbytes
+    row_macs = sum(m.shape[0] * m.shape[1] for m in mats) + hn * hk  # one row's multiply-adds in a step
     libs = {}
     with tempfile.TemporaryDirectory() as tmp:
+        ceiling = {isa: isa_ceiling(isa, args.threads, Path(tmp)) for isa in isas}
+        print("ceiling: " + ", ".join(f"{isa} {c:.0f} G multiply-adds/s" if c else f"{isa} - (not this loop)"
+                                      for isa, c in ceiling.items())
+              + f" (the int8 GEMM's inner loop alone, {args.threads} threads: bench/isa_ceiling.c)")
         for isa in isas:
             libs[f"{isa}"] = (cpu_quant.kernels(isa, "int8").path, isa)
             if args.before:
                 libs[f"{isa} at {args.before}"] = (build_before(args.before, isa, Path(tmp)), isa)
         print(f"| rows | " + " | ".join(f"{name} ms/step" for name in libs) + " | weights MB/step | "
-              + " | ".join(f"{name} GB/s (of {bw:.1f})" for name in libs)
+              + " | ".join(f"{name} GB/s (of {bw:.1f})" for name in libs) + " | "
+              + " | ".join(f"{name} G MAC/s (of ceiling)" for name in libs)
               + (" | now / before |" if args.before else " |"))
-        print("|" + "---|" * (2 + 2 * len(libs) + (1 if args.before else 0)))
+        print("|" + "---|" * (2 + 3 * len(libs) + (1 if args.before else 0)))
         for rows in [int(r) for r in args.rows.split(",")]:
             xs = {k: torch.randn(rows, k) for k in {m.shape[1] for m in mats + [head]}}
             calls = {}
@@ -190,6 +215,9 @@ def step_main(args) -> None:
             ms = {name: (b[0] + head_scale * b[1]) * 1e3 for name, b in best.items()}
             cells = [f"{ms[name]:.2f}" for name in libs] + [f"{step_bytes / 1e6:.0f}"]
             cells += [f"{step_bytes / ms[name] / 1e6:.1f} ({step_bytes / ms[name] / 1e6 / bw:.2f})" for name in libs]
+            for name, (_path, isa) in libs.items():
+                gmacs = rows * row_macs / ms[name] / 1e6
+                cells.append(f"{gmacs:.0f} ({gmacs / ceiling[isa]:.2f})" if ceiling[isa] else f"{gmacs:.0f}")
             if args.before:
                 cells += [" ".join(f"{ms[f'{isa} at {args.before}'] / ms[isa]:.2f}x" for isa in isas)]
             print(f"| {rows} | " + " | ".join(cells) + " |", flush=True)

@@ -24,7 +24,10 @@ greedy, exactly N new tokens):
       without the service's thread hop and tokenizer, which cost little per token;
   (b) HF: LlamaForCausalLM.generate() on the left-padded batch with its attention mask (fp32, dequantised);
   (c) limit: only the weight matmuls of the same decode steps in fp32 (no attention, norms, sampling).
-Aggregate tokens/s = sequences x N / wall time (prefill included). With --service, (a') the same through
+Aggregate tokens/s = sequences x N / wall time (prefill included). With a GGUF file a second table puts each
+engine's figures against this CPU's bounds: multiply-adds a second (the bound where sequences are many: compare
+bench/cpu_kernels.py --step's ceiling) and the weights read a second at one pass per generated token against the
+read bandwidth measured beside each row (the bound at one sequence). With --service, (a') the same through
 GenerativeModelService (engine thread, chat template, tokenizer, asyncio) on the model file, as the OPC UA layer
 calls it. Each figure is the best of --repeats runs, interleaved: the CPU is shared, and the best run is the one
 least disturbed by other processes; only ratios within one run mean anything.
@@ -96,6 +99,7 @@ from appliance.engine.slots import SlotManager  # noqa: E402
 from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
+from cpu_kernels import read_bandwidth  # noqa: E402  (bench/cpu_kernels.py)
 
 QUESTIONS = ["What is a centrifugal pump?", "Why does a valve chatter?", "Explain PID control briefly.",
              "What causes cavitation?", "How does a heat exchanger work?", "What is an OPC UA method?",
@@ -186,6 +190,27 @@ def bench_limit(model: LlamaModel, n: int, new: int) -> float:
                 w(xs[w.in_features])
         wall = time.perf_counter() - t0
     return n * new / wall
+
+
+def gguf_matmuls(path: Path) -> tuple[int, int, int]:
+    """(multiply-adds of one token through the layers' matrices, through the head's, the bytes of every matrix one
+    forward pass reads) from the GGUF file's tensors: the head is token_embd where the file ties the two."""
+    from gguf import GGUFReader
+    tensors = GGUFReader(str(path)).tensors
+    head = next((t for t in tensors if t.name == "output.weight"), None) or \
+        next(t for t in tensors if t.name == "token_embd.weight")
+    layers = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    return (sum(int(t.n_elements) for t in layers), int(head.n_elements),
+            sum(int(t.n_bytes) for t in layers) + int(head.n_bytes))
+
+
+def run_work(sizes: tuple[int, int, int], prompts: list[list[int]], n: int, new: int) -> tuple[float, float]:
+    """(multiply-adds, weight bytes read) of one run of n sequences of `new` tokens: every prompt token through the
+    layers and its last one through the head, then new - 1 decode steps of every row through both; one pass over
+    the matrices per generated token (the prefill's and each step's), whatever the rows."""
+    layer, head, nbytes = sizes
+    prompt_tokens = sum(len(prompts[i % len(prompts)]) for i in range(n))
+    return prompt_tokens * layer + n * head + n * (new - 1) * (layer + head), float(new * nbytes)
 
 
 def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int], new: int, repeats: int) -> dict:
@@ -338,8 +363,10 @@ def main() -> None:
     # collector's way (its full passes over torch's objects showed as 2-3% of a 16-row step here)
     gc.freeze()
     rows = []
+    bandwidth = {}
     repeats = args.repeats or (2 if args.quick else 3)
     for n in batches:
+        bandwidth[n] = read_bandwidth(args.threads)  # the host's read bandwidth moves: measured beside each row
         ours = {name: 0.0 for name in models}
         same = {}
         h_tps = limit = l_tps = 0.0
@@ -394,6 +421,25 @@ def main() -> None:
                       f"{ours[m] / lim:.2f}"]
         cells.append(", ".join(f"{m} {same[m]}/{n}" for m in names if same[m] is not None) or "-")
         print(f"| {n} | " + " | ".join(cells) + " |")
+    if gguf:
+        sizes = gguf_matmuls(path)
+        print()
+        print(f"work per run (the file's matrices: {sizes[2] / 1e6:.0f} MB a pass, {(sizes[0] + sizes[1]) / 1e6:.0f} M "
+              "multiply-adds a token): multiply-adds a second, the bound where sequences are many; weights read a "
+              "second at one pass per generated token, prefill included, against this CPU's read bandwidth "
+              "(numpy, measured beside the row), the bound at one sequence")
+        engines = [f"ours {m}" for m in names] + (["llama.cpp"] if rows[0][4] else [])
+        head = ("| seqs | " + " | ".join(f"{e} G MAC/s" for e in engines) + " | "
+                + " | ".join(f"{e} weights GB/s (of read)" for e in engines) + " |")
+        print(head)
+        print("|" + "---|" * (head.count("|") - 1))
+        for n, ours, _same, _h, lc, _lim in rows:
+            macs, nbytes = run_work(sizes, prompts, n, new)
+            walls = [n * new / ours[m] for m in names] + ([n * new / lc] if lc else [])
+            cells = [f"{macs / w / 1e9:.0f}" for w in walls]
+            cells += [f"{nbytes / w / 1e9:.1f} ({nbytes / w / 1e9 / bandwidth[n]:.2f} of {bandwidth[n]:.1f})"
+                      for w in walls]
+            print(f"| {n} | " + " | ".join(cells) + " |")
     if accuracy:
         print()
         print(f"against our fp32 path over {kl_tokens} teacher-forced tokens (README at d344bd4):")
