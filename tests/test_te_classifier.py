@@ -134,3 +134,13 @@ def test_a_short_training_run_exports_agreeing_graphs(tmp_path):
     onnx_path, ts_path = te_train.export(model, tmp_path, cfg.window)
     x = te.load_te_test_windows(8)[0][::30]
     assert te_train.export_max_diff(model, onnx_path, ts_path, x) < 1e-5
+
+
+def test_the_shipped_example_window_is_a_fault_1_window(session):
+    """`appliance call te-classifier --example` sends this file: one window of held-out data that the shipped
+    classifier names as its fault, so a commissioning engineer sees a real answer without data of their own."""
+    from appliance.cli.call import EXAMPLE_WINDOW, parse_floats
+    window = np.array(parse_floats(EXAMPLE_WINDOW.read_text()), dtype=np.float32).reshape(1, *te.INPUT_SHAPE)
+    held_out = te.load_te_rows(1, test=True)[te.FAULT_ONSET_ROW + 40:te.FAULT_ONSET_ROW + 40 + te.WINDOW]
+    np.testing.assert_allclose(window[0], held_out, rtol=1e-5)
+    assert int(onnx_probs(session, window).argmax()) == 1

@@ -217,6 +217,9 @@ def test_cli_call_with_csv_and_json(app, tmp_path):
     assert p.returncode == 1 and "BadInvalidArgument" in p.stdout and "BadOutOfRange" in p.stdout
     p = subprocess.run(base + ["--input", "[1, oops]"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--input" in p.stderr
+    # a file name that names no file is an error naming it, not inline data the server refuses
+    p = subprocess.run(base + ["--input", str(tmp_path / "window.csv")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "window.csv: no such file" in p.stderr and "status:" not in p.stdout, p.stderr
     # inline values longer than any file name (64 samples, 1 KiB of text) are values, not a path
     p = subprocess.run(base + ["--input", "[" + ",".join(["0.5"] * 256) + "]"], capture_output=True, text=True,
                        timeout=120)

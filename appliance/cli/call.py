@@ -9,10 +9,16 @@ import asyncio
 import csv
 import io
 import json
+import re
 import socket
 from pathlib import Path
 
+from models.te_classifier import MODEL_DIR
+
 from .common import audit_implicit_certificate, fail, load_config_arg
+
+# One held-out window of the demo's TE data, so commissioning needs no data of its own (README, step 4)
+EXAMPLE_WINDOW = MODEL_DIR / "example-window.csv"
 
 
 def register(sub) -> None:
@@ -24,6 +30,9 @@ def register(sub) -> None:
     s.add_argument("--endpoint")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--input", help="CSV or JSON floats: a file or inline text")
+    g.add_argument("--example", action="store_true",
+                   help="send the demo classifier's sample window (a Tennessee Eastman fault-1 window, "
+                        "20 x 52 values, shipped as " + EXAMPLE_WINDOW.name + ")")
     g.add_argument("--prompt")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0)
@@ -32,7 +41,7 @@ def register(sub) -> None:
 
 
 def parse_floats(text: str) -> list[float]:
-    """JSON (a list, nested lists are flattened) or CSV (a header row of names is skipped)."""
+    """JSON (a list, nested lists are flattened) or CSV (a header row of names and '#' comment lines skipped)."""
     text = text.strip()
     if text.startswith("["):
         data = json.loads(text)
@@ -47,17 +56,26 @@ def parse_floats(text: str) -> list[float]:
                 raise ValueError(f"not a number: {x!r}")
         return list(flat(data))
     values: list[float] = []
+    header_allowed = True
     for row_no, row in enumerate(csv.reader(io.StringIO(text)), start=1):
         cells = [c.strip() for c in row if c.strip()]
-        if not cells:
+        if not cells or cells[0].startswith("#"):
             continue
         try:
             values.extend(float(c) for c in cells)
         except ValueError:
-            if row_no == 1 and not values:
-                continue  # a header
+            if header_allowed:
+                header_allowed = False
+                continue  # a header: the first row that is not a comment
             raise ValueError(f"line {row_no}: not a number in {row!r}") from None
+        header_allowed = False
     return values
+
+
+def looks_like_path(text: str) -> bool:
+    """A value no inline numbers can be: it names a folder or a file extension (window.csv, ./w, data/x.json)."""
+    text = text.strip()
+    return "/" in text or bool(re.fullmatch(r"[^\s,;\[\]]+\.[A-Za-z]\w*", text))
 
 
 def commissioning_identity(state_dir: Path):
@@ -91,8 +109,10 @@ def run_call(args) -> int:
             audit_implicit_certificate(config, "call", "commissioning", "operator", cert)
     port = config.server.port
     endpoint = args.endpoint or f"opc.tcp://127.0.0.1:{port}"
+    if args.example:
+        args.input = str(EXAMPLE_WINDOW)
     if args.input is None and args.prompt is None:
-        return fail("give --input (CSV or JSON, a file or inline) or --prompt TEXT")
+        return fail("give --input (CSV or JSON, a file or inline), --example or --prompt TEXT")
     values: list[float] = []
     if args.input is not None:
         source = Path(args.input)
@@ -100,6 +120,8 @@ def run_call(args) -> int:
             is_file = source.is_file()
         except OSError:  # inline values longer than a file name can be
             is_file = False
+        if not is_file and looks_like_path(args.input):
+            return fail(f"{args.input}: no such file (--input takes a CSV or JSON file, or the numbers inline)")
         try:
             text = source.read_text() if is_file else args.input
             values = parse_floats(text)
