@@ -44,7 +44,7 @@ def test_issue_default_out_dir_and_role_map(state, capsys):
     assert "urn:line3:appliance:client:s7-line3" in out and "not encrypted" in out
     clients = state / "clients"
     assert sorted(p.name for p in clients.iterdir()) == [
-        "s7-line3.ca.der", "s7-line3.der", "s7-line3.key.pem", "s7-line3.p12", "s7-line3.pem"]
+        "s7-line3.ca.crl", "s7-line3.ca.der", "s7-line3.der", "s7-line3.key.pem", "s7-line3.p12", "s7-line3.pem"]
     roles = json.loads((state / "access" / "certificates.json").read_text())
     (entry,) = roles.values()
     assert entry["name"] == "s7-line3" and entry["role"] == "operator" and "CN=s7-line3" in entry["subject"]

@@ -141,6 +141,10 @@ class SecurityConfig:
     login_backoff_s: float = setting(1.0, number(0, 3600))
     login_backoff_max_s: float = setting(30.0, number(0, 86400))
     cert_expiry_warning_days: int = setting(30, integer(0, 3650))
+    # a CA in the trust list or issuers list without a CRL: its certificates refused (Part 4 revocation unknown)
+    require_crl: bool = setting(True, boolean())
+    # how often serve checks that the appliance CA's CRL is re-signed in time (30 days before its nextUpdate)
+    crl_check_interval_s: float = setting(3600.0, number(1, 86400))
     # Part 12 certificate management (ServerConfiguration, its TrustList): security_admin, and engineers when true
     engineers_manage_certificates: bool = setting(False, boolean())
     limits: LimitsConfig = setting(None, NestedSection(LimitsConfig))
