@@ -24,6 +24,7 @@ from .records import CertEntry, IssuedCert, PKIError, RevokedCert
 from .rolemap import RoleMap, check_role
 from .server_certificate import ServerCertificateStore, issued_by_appliance_ca
 from .store import CRL_REVOKED, StoredCert, load_snapshot
+from .trust_list_update import recover as recover_trust_list
 from .x509io import (
     CertificateFormatError,
     normalize_thumbprint,
@@ -99,6 +100,7 @@ class PKI:
             self.init(uri, hosts, addrs, force=True)
             return True
         ServerCertificateStore(self.layout.pki_dir).finish_interrupted_install()
+        recover_trust_list(self.layout)  # a trust list update cut short by a crash: finished or dropped
         problem = self._server_cert_problem(uri, hosts, addrs)
         if problem and not issued_by_appliance_ca(self.layout):
             # Installed through Part 12 or `certs install-server`: the plant's CA manages it, never replaced here.

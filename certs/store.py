@@ -154,6 +154,8 @@ class CachedStore:
         self._snapshot = StoreSnapshot()
 
     def get(self) -> StoreSnapshot:
+        if self._key is not None and self.layout.trust_journal.exists():
+            return self._snapshot  # a trust list update is switching folders: the list as it was, whole
         key = _fingerprint(self.layout)
         with self._lock:
             if key != self._key:

@@ -479,3 +479,94 @@ def test_an_install_interrupted_half_way_is_finished_at_the_next_start(tmp_path)
     assert pki.layout.own_cert_der.read_bytes() == cert and not store.pending_dir.exists()
     key = serialization.load_pem_private_key(pki.layout.own_key_pem.read_bytes(), None)
     assert key.public_key().public_numbers() == x509.load_der_x509_certificate(cert).public_key().public_numbers()
+
+
+def test_close_and_update_of_a_large_list_answers_other_sessions_meanwhile(app, tmp_path):
+    """A list of 1,000 certificates written, parsed and fsynced by CloseAndUpdate: an HMI's reads go on being
+    answered."""
+    key = make_test_certificate("bulk-0").key
+    bulk = [make_test_certificate(f"bulk-{i}", key=key, application_uri=f"urn:bulk:{i}").cert_der
+            for i in range(990)]
+
+    async def go():
+        async with session(app, *app.admin) as gds, session(app, *app.monitor) as hmi:
+            tl = await read_trust_list(gds)
+            original = ua.TrustListDataType(SpecifiedLists=15, TrustedCertificates=list(tl.TrustedCertificates),
+                                            TrustedCrls=list(tl.TrustedCrls),
+                                            IssuerCertificates=list(tl.IssuerCertificates),
+                                            IssuerCrls=list(tl.IssuerCrls))
+            tl.TrustedCertificates = (list(tl.TrustedCertificates) + bulk)[:1000]  # MAX_ENTRIES a list
+            state = hmi.get_node(ua.NodeId(ua.ObjectIds.Server_ServerStatus_State))
+            answered: list[float] = []
+            done = asyncio.Event()
+
+            async def poll():
+                while not done.is_set():
+                    await state.read_value()
+                    answered.append(time.monotonic())
+
+            poller = asyncio.create_task(poll())
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            res = await write_trust_list(gds, tl, piece=200_000)
+            t1 = time.monotonic()
+            done.set()
+            await poller
+            assert res.StatusCode.is_good(), res.StatusCode
+            assert len((await read_trust_list(gds)).TrustedCertificates) == len(tl.TrustedCertificates)
+            assert (await write_trust_list(gds, original, piece=200_000)).StatusCode.is_good()
+            return t0, t1, answered
+
+    t0, t1, answered = run(go(), 300)
+    during = [t for t in answered if t0 <= t <= t1]
+    gaps = [b - a for a, b in zip([t0, *during], [*during, t1])]
+    print(f"CloseAndUpdate of a 1,000-certificate list (with the writes): {t1 - t0:.2f} s; {len(during)} reads answered "
+          f"meanwhile, the longest wait {max(gaps) * 1000:.0f} ms")
+    assert t1 - t0 > 0.5  # long enough to tell a blocked loop from a free one
+    assert max(gaps) < (t1 - t0) / 3, "the event loop stood still while the trust list was written"
+
+
+def test_a_replaced_list_with_a_non_ca_issuer_is_refused_and_changes_nothing(app, tmp_path):
+    leaf = make_test_certificate("not-a-ca", application_uri=None)
+
+    async def go():
+        async with session(app, *app.admin) as gds:
+            tl = await read_trust_list(gds)
+            before = sorted(tl.IssuerCertificates)
+            tl.IssuerCertificates = list(tl.IssuerCertificates) + [leaf.cert_der]
+            res = await write_trust_list(gds, tl)
+            assert res.StatusCode.name == "BadCertificateInvalid", res.StatusCode
+            assert sorted((await read_trust_list(gds)).IssuerCertificates) == before
+    run(go(), 120)
+
+
+def test_close_and_update_without_the_appliance_cas_crl_says_so_and_revokes_nothing(tmp_path):
+    """A GDS push that leaves out the appliance CA's CRL: answered Good (the list is the GDS's), audited and raised
+    as an event naming the CA; the CA's clients are then refused as revocation-unknown, not silently un-revoked."""
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}})
+    try:
+        admin = a.issue("gds", "security_admin")
+        plc = a.issue("plc1", "operator")
+        ca_subject = x509.load_der_x509_certificate(a.pki.layout.ca_cert_der.read_bytes()).subject.rfc4514_string()
+
+        async def go():
+            async with session(a, *plc):
+                pass  # the CA's CRL in place: connected
+            async with session(a, *admin) as gds:
+                tl = await read_trust_list(gds)
+                assert len(tl.TrustedCrls) == 1
+                tl.TrustedCrls = []
+                res = await write_trust_list(gds, tl)
+                assert res.StatusCode.is_good(), res.StatusCode
+            with pytest.raises(ua.UaStatusCodeError) as refused:
+                async with session(a, *plc):
+                    pass
+            return refused.value
+        refused = run(go(), 120)
+        assert type(refused).__name__ == "BadCertificateRevocationUnknown"
+        update = [r for r in audit_records(a) if r["action"] == "TrustList.CloseAndUpdate"][-1]
+        assert update["status"] == "Good" and "CAs without a CRL" in update["detail"] and ca_subject in \
+            update["detail"]
+    finally:
+        a.stop()

@@ -100,7 +100,7 @@ class ApplianceUaServer:
                                    describe=self.ai.values)
         # Part 12 certificate management (not in an address space built for `appliance nodeset`, which has no PKI);
         # certificate_changed: the expiry metric and alarm follow a new server certificate
-        self.certificates = (ServerConfiguration(config, pki, self.handlers, certificate_changed)
+        self.certificates = (ServerConfiguration(config, pki, self.handlers, certificate_changed, self.emit_event)
                              if pki is not None else None)
 
     def method_specs(self) -> list[MethodSpec]:

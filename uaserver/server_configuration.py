@@ -80,13 +80,15 @@ def server_identity(config) -> ServerIdentity:
 
 class ServerConfiguration:
     def __init__(self, config, pki: PKI, handlers: MethodHandlers,
-                 certificate_changed: Callable[[], None] = lambda: None):
+                 certificate_changed: Callable[[], None] = lambda: None,
+                 emit_event: Callable[[str, int], None] = lambda message, severity: None):
         self.config = config
         self.identity = server_identity(config)
         self.store = ServerCertificateStore(pki.layout.pki_dir)
         self.rejected_dir = pki.layout.rejected
         self.handlers = handlers
         self.certificate_changed = certificate_changed  # the expiry metric and alarm follow the new certificate
+        self.emit_event = emit_event  # a server event (message, severity) for what a GDS should be told
         self.server: Server | None = None
         self.trust_list = TrustListFile(TrustListFolders(pki.layout.pki_dir), self._live_sessions)
         self._lock = asyncio.Lock()  # one change of the certificate files at a time
@@ -208,7 +210,8 @@ class ServerConfiguration:
     # -- the TrustList file -------------------------------------------------------------------------------------
     async def _open(self, ctx: CallContext, args: tuple):
         mode = _integer(args[0], 0, 0, 255)
-        handle = self.trust_list.open(ctx.session.key, mode)
+        async with self._lock:  # not while an update switches the folders: the list read is the old or the new
+            handle = self.trust_list.open(ctx.session.key, mode)
         ctx.detail = f"handle {handle} mode {mode}"
         await self._trust_list_variables()
         return [ua.Variant(handle, ua.VariantType.UInt32)]
@@ -217,7 +220,8 @@ class ServerConfiguration:
         masks = _integer(args[0], 0, 0, 0xFFFFFFFF)
         if masks & ~ALL:
             raise MethodStatus("BadInvalidArgument")
-        handle = self.trust_list.open(ctx.session.key, READ, masks)
+        async with self._lock:
+            handle = self.trust_list.open(ctx.session.key, READ, masks)
         ctx.detail = f"handle {handle} masks {masks}"
         await self._trust_list_variables()
         return [ua.Variant(handle, ua.VariantType.UInt32)]
@@ -243,23 +247,31 @@ class ServerConfiguration:
         return []
 
     async def _close_and_update(self, ctx: CallContext, args: tuple):
-        before = self.trust_list.folders.thumbprints()
-        try:
-            async with self._lock:
-                content = self.trust_list.close_and_update(ctx.session.key, _handle(args[0]))
-        finally:
-            await self._trust_list_variables()
-        after = self.trust_list.folders.thumbprints()
+        async with self._lock:
+            try:
+                before = await asyncio.to_thread(self.trust_list.folders.thumbprints)
+                content = await self.trust_list.close_and_update(ctx.session.key, _handle(args[0]))
+                after = await asyncio.to_thread(self.trust_list.folders.thumbprints)
+                missing = await asyncio.to_thread(self.trust_list.folders.cas_without_crl)
+            finally:
+                await self._trust_list_variables()
         ctx.detail = (f"lists {content.specified}; trusted {_listed(before['trusted'])} -> "
                       f"{_listed(after['trusted'])}; issuers {_listed(before['issuers'])} -> "
                       f"{_listed(after['issuers'])}")
+        if missing and self.config.security.require_crl:
+            # Good all the same (the list is what the GDS wrote), but the GDS and the plant are told
+            warning = (f"CAs without a CRL: {', '.join(missing)}: the certificates they issued are refused "
+                       "(BadCertificateRevocationUnknown) until their CRLs are added (security.require_crl)")
+            ctx.detail += f"; {warning}"
+            log.warning("trust list updated through CloseAndUpdate: %s", warning)
+            self.emit_event(f"Trust list updated: {warning}", 700)
         return [ua.Variant(False, ua.VariantType.Boolean)]  # in effect at once: the next CreateSession sees it
 
     async def _add_certificate(self, ctx: CallContext, args: tuple):
         der, trusted = _bytes(args[0], 0), _boolean(args[1], 1)
         ctx.detail = f"add {_thumbprint_of(der)} to {'trusted' if trusted else 'issuers'}"
         async with self._lock:
-            self.trust_list.add_certificate(der, trusted)
+            await self.trust_list.add_certificate(der, trusted)
         await self._trust_list_variables()
         return []
 
@@ -267,7 +279,7 @@ class ServerConfiguration:
         thumb, trusted = _string(args[0], 0), _boolean(args[1], 1)
         ctx.detail = f"remove {thumb[:64]} from {'trusted' if trusted else 'issuers'}"
         async with self._lock:
-            self.trust_list.remove_certificate(thumb, trusted)
+            await self.trust_list.remove_certificate(thumb, trusted)
         await self._trust_list_variables()
         return []
 
@@ -290,7 +302,7 @@ class ServerConfiguration:
         node = self.server.get_node
         prefix = "ServerConfiguration_CertificateGroups_DefaultApplicationGroup_TrustList_"
         await node(ua.NodeId(getattr(O, prefix + "Size"))).write_value(
-            ua.Variant(self.trust_list.size(), ua.VariantType.UInt64))
+            ua.Variant(await asyncio.to_thread(self.trust_list.size), ua.VariantType.UInt64))
         await node(ua.NodeId(getattr(O, prefix + "OpenCount"))).write_value(
             ua.Variant(len(self.trust_list.handles), ua.VariantType.UInt16))
         await node(ua.NodeId(getattr(O, prefix + "LastUpdateTime"))).write_value(
