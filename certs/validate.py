@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from .layout import PkiLayout
-from .store import CRL_NONE, CRL_REVOKED, CRL_UNKNOWN, CachedStore, StoredCert, StoreSnapshot
+from .store import CRL_NONE, CRL_REVOKED, CRL_UNKNOWN, CachedStore, StoredCert, StoreSnapshot, is_ca
 from .x509io import (
     MALFORMED,
     MAX_CERT_BYTES,
@@ -92,6 +92,20 @@ class TrustList:
     def validate_user_certificate(self, cert_der: bytes) -> ValidationResult:
         """An X509 user identity token's certificate (ActivateSession)."""
         return self._validate(cert_der, None, application=False)
+
+    def issuing_ca(self, cert_der: bytes) -> tuple[str | None, int]:
+        """For a role mapped by subject: the thumbprint of the CA in trusted/ or issuers/ that signed this (leaf)
+        certificate, or None; and how many CA certificates those folders hold."""
+        snap = self._store.get()
+        cas = sum(1 for c in snap.trusted + snap.issuers if is_ca(c.cert))
+        try:
+            leaf = _parse(cert_der)[0]
+        except _Refused:
+            return None, cas
+        issuer = next((c for c in snap.candidates_for(leaf.cert)
+                       if c.thumbprint != leaf.thumbprint and _may_issue(c.cert, 0) and _signed_by(leaf.cert, c.cert)),
+                      None)
+        return (issuer.thumbprint if issuer else None), cas
 
     # -- the steps of Part 4 Table 106, in its order ---------------------------------------------------------
     def _validate(self, cert_der: bytes, application_uri: str | None, application: bool) -> ValidationResult:

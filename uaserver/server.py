@@ -149,6 +149,7 @@ class ApplianceUaServer:
             anonymous=sec.anonymous, user_names=sec.user_names, x509_users=sec.x509_users,
             validate_user_certificate=lambda der: self.trust_list.validate_user_certificate(der).status,
             configured_role=sec.role_for_certificate, role_for_certificate=self.pki.role_for_certificate,
+            issuing_ca=lambda der: self.trust_list.issuing_ca(der),
             authenticate=self.user_store.authenticate if self.user_store is not None else (lambda *a: None))
         server = AppServer(user_manager=manager)
         await server.init()
