@@ -148,3 +148,30 @@ def test_a_crl_that_cannot_be_re_signed_is_flagged(tmp_path):
         assert metric(app, "appliance_ca_crl_expiring") == 1
     finally:
         app.stop()
+
+
+def test_check_config_names_a_trusted_ca_without_its_crl(tmp_path):
+    """The configuration is valid (exit 0), but the engineer is told which CA's certificates will be refused."""
+    import yaml
+    from certs.pki import PKI
+    from certificates import make_test_certificate, make_test_crl
+    state = tmp_path / "state"
+    pki = PKI(state)
+    pki.init(f"urn:{socket.gethostname()}:appliance", ["localhost"], ["127.0.0.1"])
+    plant = make_test_certificate("Plant CA", is_ca=True, application_uri=None)
+    (pki.layout.trusted / "plant-ca.der").write_bytes(plant.cert_der)
+    affine_model(tmp_path / "affine.onnx")
+    path = tmp_path / "appliance.yaml"
+
+    def check(require_crl: bool) -> subprocess.CompletedProcess:
+        path.write_text(yaml.safe_dump({"server": {"state_dir": str(state)},
+                                        "security": {"require_crl": require_crl},
+                                        "models": {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}}}))
+        return subprocess.run([sys.executable, "-m", "appliance", "check-config", str(path)], capture_output=True,
+                              text=True, timeout=120)
+    done = check(True)
+    assert done.returncode == 0 and "OK:" in done.stdout
+    assert "CN=Plant CA" in done.stderr and "has no CRL" in done.stderr and "Appliance CA" not in done.stderr
+    assert "no CRL" not in check(False).stderr
+    (pki.layout.crl / "plant-ca.crl").write_bytes(make_test_crl(plant, []))
+    assert "no CRL" not in check(True).stderr

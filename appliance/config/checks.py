@@ -358,3 +358,16 @@ def check_certificate_roles(cfg: ApplianceConfig, ctx: Context) -> None:
                   f"{len(cas)} CAs are trusted ({names}): any of them can issue this subject; map it as "
                   "{role: ROLE, issuer: THUMBPRINT of its CA}, or map the certificate's thumbprint")
 
+
+def trust_list_notes(cfg: ApplianceConfig) -> list[str]:
+    """What `appliance check-config` tells about the state directory's trust list (not errors: the configuration
+    is valid, but clients will be refused): each stored CA without a CRL while security.require_crl is on."""
+    if not cfg.security.require_crl:
+        return []
+    from certs.layout import PkiLayout
+    from certs.store import load_snapshot
+    snap = load_snapshot(PkiLayout(Path(cfg.server.state_dir) / "pki"))
+    return [f"warning: security.require_crl: the trusted CA {c.cert.subject.rfc4514_string()} ({c.thumbprint}) has "
+            "no CRL in pki/crl: the certificates it issued are refused (BadCertificateRevocationUnknown) until "
+            "its CRL is added (or set security.require_crl: false)" for c in snap.cas_without_crl()]
+
