@@ -1,4 +1,4 @@
-"""The appliance CA's CRL kept current while serving: re-signed before its nextUpdate, its remaining validity a
+"""The appliance CA's CRL kept current while serving (and a stale CreateSigningRequest key deleted): re-signed before its nextUpdate, its remaining validity a
 metric, an event when it is close to running out (the CA key is absent, so it cannot be re-signed here).
 
 A client that checks revocation (node-opcua by default, the .NET stack, UaExpert) refuses the server once the CRL
@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Callable
 
 from certs.pki import CRL_RENEW_BEFORE, PKI, PKIError
+from certs.server_certificate import ServerCertificateStore
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,12 @@ class CrlWatch:
         self._task: asyncio.Task | None = None
 
     def check(self) -> tuple[bool, datetime | None]:
-        """Re-sign when due; (re-signed, nextUpdate). Blocking: run it in a thread."""
+        """Re-sign when due; (re-signed, nextUpdate). Blocking: run it in a thread. The same timer deletes a
+        CreateSigningRequest key that waited too long for its certificate (REQUESTED_KEY_MAX_AGE)."""
+        try:
+            ServerCertificateStore(self.pki.layout.pki_dir).expire_requested_key()
+        except OSError as exc:
+            log.error("cannot delete the expired key of a signing request: %s", exc.strerror)
         try:
             signed = self.pki.refresh_crl(self.renew_before)
         except PKIError as exc:  # the CA key unreadable or not the CA's: reported as an expiring CRL

@@ -100,6 +100,7 @@ class PKI:
             self.init(uri, hosts, addrs, force=True)
             return True
         ServerCertificateStore(self.layout.pki_dir).finish_interrupted_install()
+        ServerCertificateStore(self.layout.pki_dir).expire_requested_key()
         recover_trust_list(self.layout)  # a trust list update cut short by a crash: finished or dropped
         problem = self._server_cert_problem(uri, hosts, addrs)
         if problem and not issued_by_appliance_ca(self.layout):

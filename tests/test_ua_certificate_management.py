@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import socket
+import stat
 import subprocess
 import time
 import urllib.request
@@ -568,5 +570,72 @@ def test_close_and_update_without_the_appliance_cas_crl_says_so_and_revokes_noth
         update = [r for r in audit_records(a) if r["action"] == "TrustList.CloseAndUpdate"][-1]
         assert update["status"] == "Good" and "CAs without a CRL" in update["detail"] and ca_subject in \
             update["detail"]
+    finally:
+        a.stop()
+
+
+def test_a_requested_key_goes_with_cancel_apply_and_age_and_its_late_certificate_is_refused_saying_why(tmp_path):
+    """CreateSigningRequest with RegeneratePrivateKey keeps a new key (0600, in a 0700 folder) only while its
+    request is pending: a second request, CancelChanges, ApplyChanges of another certificate and 24 hours each end
+    it, and a certificate issued for it afterwards is refused with the reason in the audit trail."""
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}},
+                         extra={"security": {"crl_check_interval_s": 1}})
+    ca = plant_ca("Pending CA")
+    key_file = a.pki.layout.private / "requested-key.pem"
+    try:
+        admin = a.issue("gds", "security_admin")
+
+        def refusal() -> str:
+            return [r for r in audit_records(a) if r["action"] == "UpdateCertificate"][-1]["detail"]
+
+        async def go():
+            async with session(a, *admin) as gds:
+                first = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+                assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+                second = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                res = await update_certificate(gds, sign_request(ca, first), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)  # audited once the answer is out
+                assert "superseded by a later CreateSigningRequest" in refusal()
+
+                assert (await call(gds, SERVER_CONFIGURATION, method("CancelChanges"))).StatusCode.is_good()
+                assert not key_file.exists()
+                res = await update_certificate(gds, sign_request(ca, second), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)
+                assert "cancelled by CancelChanges" in refusal()
+
+                third = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                same_key = await create_signing_request(gds, new_key=False)
+                res = await update_certificate(gds, sign_request(ca, same_key), [ca.cert_der])
+                assert res.StatusCode.is_good(), res.StatusCode
+                assert (await call(gds, SERVER_CONFIGURATION, method("ApplyChanges"))).StatusCode.is_good()
+                assert not key_file.exists()
+            await asyncio.sleep(1.5)  # ApplyChanges closes the channels opened before it
+            async with session(a, *admin) as gds:
+                res = await update_certificate(gds, sign_request(ca, third), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)
+                assert "superseded by ApplyChanges of another certificate" in refusal()
+
+                fourth = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                old = time.time() - 25 * 3600
+                os.utime(key_file, (old, old))
+                res = await update_certificate(gds, sign_request(ca, fourth), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)
+                assert "expired 24 hours after its CreateSigningRequest" in refusal()
+                assert not key_file.exists()
+
+                # nobody calls: serve's timer deletes a key that waited too long all the same
+                await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                os.utime(key_file, (old, old))
+                end = time.monotonic() + 15
+                while key_file.exists() and time.monotonic() < end:
+                    await asyncio.sleep(0.2)
+                assert not key_file.exists()
+        run(go(), 240)
     finally:
         a.stop()

@@ -92,6 +92,7 @@ class ServerConfiguration:
         self.server: Server | None = None
         self.trust_list = TrustListFile(TrustListFolders(pki.layout.pki_dir), self._live_sessions)
         self._lock = asyncio.Lock()  # one change of the certificate files at a time
+        self._last_refusal = ""
 
     def _live_sessions(self) -> set[str]:
         return {s.key for s in external_sessions(self.server)} if self.server is not None else set()
@@ -163,8 +164,12 @@ class ServerConfiguration:
         before = self._thumbprint()
         ctx.detail = f"server certificate {before}; offered {_thumbprint_of(cert)}"
         async with self._lock:
-            staged = await asyncio.to_thread(self._refusing, self.store.stage, self.identity, cert, issuers,
-                                             key_format, key)
+            try:
+                staged = await asyncio.to_thread(self._refusing, self.store.stage, self.identity, cert, issuers,
+                                                 key_format, key)
+            except MethodStatus:
+                ctx.detail += f"; refused: {self._last_refusal}"  # the reason, for the GDS's operator
+                raise
         ctx.detail = (f"server certificate {before}; staged {staged.thumbprint} (issuers "
                       f"{', '.join(thumbprint(to_der(c)) for c in staged.issuers) or 'none'}"
                       f"{', new private key' if staged.new_key else ''}) until ApplyChanges")
@@ -193,7 +198,7 @@ class ServerConfiguration:
     async def _cancel_changes(self, ctx: CallContext, args: tuple):
         async with self._lock:
             had = await asyncio.to_thread(self.store.discard)
-        outcome = "staged certificate discarded" if had else "nothing staged"
+        outcome = "staged certificate and requested key discarded" if had else "nothing staged"
         ctx.detail = f"server certificate {self._thumbprint()}; {outcome}"
         return []
 
@@ -284,12 +289,12 @@ class ServerConfiguration:
         return []
 
     # -- helpers ------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _refusing(fn, *args):
+    def _refusing(self, fn, *args):
         try:
             return fn(*args)
         except CertificateRefused as refused:
             log.warning("certificate management refused: %s", refused.reason)
+            self._last_refusal = refused.reason  # read right after, under self._lock
             raise MethodStatus(refused.status) from None
 
     def _thumbprint(self) -> str:
