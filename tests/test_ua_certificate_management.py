@@ -32,7 +32,7 @@ from gds import (CERT_TYPE, GROUP, SERVER_CONFIGURATION, TRUST_LIST, byte_string
                  write_trust_list)
 from harness import RunningAppliance
 from onnx_models import affine_model
-from uaclient import call as call_model, floats, run, session
+from uaclient import call as call_model, floats, run, session, status_name
 
 PLC_URI = "urn:plant:line3:plc7"
 
@@ -639,3 +639,51 @@ def test_a_requested_key_goes_with_cancel_apply_and_age_and_its_late_certificate
         run(go(), 240)
     finally:
         a.stop()
+
+
+def test_get_certificates_from_node_opcua(app):
+    """Part 12 1.05's GetCertificates, called by node-opcua (generic session.call by NodeId: its push-management
+    client has no method for it) as a GDS reads which certificates the server holds; security_admin only."""
+    out = node_step(app, app.admin, "get-certificates")
+    assert out["status"] == "Good", out
+    assert out["certificateTypes"] == ["ns=0;i=12560"]  # RsaSha256ApplicationCertificateType
+    assert out["certificates"] == [thumbprint(app.pki.layout.own_cert_der.read_bytes())]
+    assert out["serverCertificate"] == out["certificates"][0]  # the one its channel presented
+    assert node_step(app, app.engineer, "get-certificates")["status"] == "BadUserAccessDenied"
+
+    async def go():
+        async with session(app, *app.admin) as gds:
+            node = gds.get_node(ua.NodeId(ua.ObjectIds.ServerConfiguration_GetCertificates))
+            assert (await node.read_browse_name()).Name == "GetCertificates"
+            wrong = await call(gds, SERVER_CONFIGURATION, node.nodeid, nodeid(ua.NodeId(5, 0)))
+            assert wrong.StatusCode.name == "BadInvalidArgument"
+    run(go(), 60)
+
+
+def test_security_admin_calls_have_a_rate_limit_bucket(tmp_path):
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}},
+                         extra={"security": {"rate_limits": {"security_admin": {"calls_per_s": 0.2, "burst": 3}}}})
+    try:
+        gds1, gds2, plc = a.issue("gds1", "security_admin"), a.issue("gds2", "security_admin"), \
+            a.issue("plc1", "operator")
+
+        async def go():
+            async with session(a, *gds1) as c1, session(a, *gds2) as c2, session(a, *plc) as p:
+                statuses = [(await call(c1, SERVER_CONFIGURATION, method("GetRejectedList"))).StatusCode.name
+                            for _ in range(4)]
+                assert statuses == ["Good"] * 3 + ["BadTooManyOperations"], statuses
+                # one bucket for the role: the other GDS client is over it too; operators are not
+                assert (await call(c2, SERVER_CONFIGURATION, method("GetRejectedList"))).StatusCode.name == \
+                    "BadTooManyOperations"
+                assert status_name(await call_model(p, "affine", "Infer", [floats([1] * 4)])) == "Good"
+        run(go(), 60)
+        assert metric_line(a, 'appliance_rate_limited_total{role="security_admin"}') == 2.0
+    finally:
+        a.stop()
+
+
+def metric_line(app, prefix: str) -> float:
+    with urllib.request.urlopen(app.metrics_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix + " "))

@@ -1,5 +1,6 @@
 """Part 12 push certificate management behind namespace 0's ServerConfiguration object (i=12637): its properties,
-CreateSigningRequest, UpdateCertificate, ApplyChanges, CancelChanges, GetRejectedList, and the
+CreateSigningRequest, UpdateCertificate, ApplyChanges, CancelChanges, GetRejectedList, GetCertificates (1.05; added
+to the address space here, asyncua's namespace 0 predates it), and the
 DefaultApplicationGroup's TrustList (i=12642) as a file (trust_list_file.py).
 
 Every method runs through MethodHandlers.wrap (the `security_admin` right, rate limit, audit, status codes) and
@@ -62,7 +63,11 @@ for _prefix, _names in (("ServerConfiguration", CONFIGURATION_METHODS), ("Server
     for _name, _node in _method_ids(_prefix, _names):
         METHOD_NODES.setdefault(_name, []).append(_node)
 # (name, input count) of each method
-ARGUMENT_COUNTS = {"CreateSigningRequest": 5, "UpdateCertificate": 6, "ApplyChanges": 0, "CancelChanges": 0,
+# GetCertificates (Part 12 1.05) is not in asyncua's namespace 0: start() adds it, on the instance and the type
+GET_CERTIFICATES_NODES = (ua.NodeId(O.ServerConfiguration_GetCertificates),
+                          ua.NodeId(O.ServerConfigurationType_GetCertificates))
+METHOD_NODES["GetCertificates"] = list(GET_CERTIFICATES_NODES)
+ARGUMENT_COUNTS = {"GetCertificates": 1, "CreateSigningRequest": 5, "UpdateCertificate": 6, "ApplyChanges": 0, "CancelChanges": 0,
                    "GetRejectedList": 0, "Open": 1, "Close": 1, "Read": 2, "Write": 2, "GetPosition": 1,
                    "SetPosition": 2, "OpenWithMasks": 1, "CloseAndUpdate": 1, "AddCertificate": 2,
                    "RemoveCertificate": 2}
@@ -121,7 +126,9 @@ class ServerConfiguration:
         for node, value, vtype in values:
             await server.get_node(ua.NodeId(node)).write_value(ua.Variant(value, vtype) if vtype else value)
         await self._trust_list_variables()
+        await _add_get_certificates(server)
         bodies = {
+            "GetCertificates": self._get_certificates,
             "CreateSigningRequest": self._create_signing_request, "UpdateCertificate": self._update_certificate,
             "ApplyChanges": self._apply_changes, "CancelChanges": self._cancel_changes,
             "GetRejectedList": self._get_rejected_list, "Open": self._open, "Close": self._close, "Read": self._read,
@@ -130,7 +137,7 @@ class ServerConfiguration:
             "AddCertificate": self._add_certificate, "RemoveCertificate": self._remove_certificate,
         }
         for name, body in bodies.items():
-            target = SERVER_CONFIGURATION if name in CONFIGURATION_METHODS else TRUST_LIST
+            target = SERVER_CONFIGURATION if name in (*CONFIGURATION_METHODS, "GetCertificates") else TRUST_LIST
             label = name if target == SERVER_CONFIGURATION else f"TrustList.{name}"
             callback = self.handlers.wrap(label, "", RIGHT, ARGUMENT_COUNTS[name], self._guarded(target, body))
             for node in METHOD_NODES[name]:
@@ -201,6 +208,15 @@ class ServerConfiguration:
         outcome = "staged certificate and requested key discarded" if had else "nothing staged"
         ctx.detail = f"server certificate {self._thumbprint()}; {outcome}"
         return []
+
+    async def _get_certificates(self, ctx: CallContext, args: tuple):
+        """Part 12 1.05: the certificate types and certificates of a group; here one group, one RSA-SHA256
+        certificate (the one the channels present, leaf only)."""
+        _certificate_group(args[0], 0)
+        der = await asyncio.to_thread(lambda: to_der(self.store.certificate()))
+        ctx.detail = f"server certificate {thumbprint(der)}"
+        return [ua.Variant([CERTIFICATE_TYPE], ua.VariantType.NodeId, is_array=True),
+                ua.Variant([der], ua.VariantType.ByteString, is_array=True)]
 
     async def _get_rejected_list(self, ctx: CallContext, args: tuple):
         found = []
@@ -312,6 +328,24 @@ class ServerConfiguration:
             ua.Variant(len(self.trust_list.handles), ua.VariantType.UInt16))
         await node(ua.NodeId(getattr(O, prefix + "LastUpdateTime"))).write_value(
             ua.Variant(self.trust_list.last_update, ua.VariantType.DateTime))
+
+
+async def _add_get_certificates(server: Server) -> None:
+    """ServerConfiguration.GetCertificates and ServerConfigurationType's, with their argument descriptions."""
+    def argument(name: str, data_type: int, array: bool, text: str) -> ua.Argument:
+        return ua.Argument(Name=name, DataType=ua.NodeId(data_type), ValueRank=1 if array else -1,
+                           ArrayDimensions=[0] if array else [], Description=ua.LocalizedText(text))
+    inputs = [argument("CertificateGroupId", O.NodeId, False, "the certificate group (null: the default group)")]
+    outputs = [argument("CertificateTypeIds", O.NodeId, True, "the type of each certificate"),
+               argument("Certificates", O.ByteString, True, "the group's certificates, DER")]
+    for parent, node in zip((SERVER_CONFIGURATION, ua.NodeId(O.ServerConfigurationType)), GET_CERTIFICATES_NODES):
+        try:
+            await server.get_node(node).read_browse_name()
+            continue  # a newer namespace 0 has it already
+        except ua.UaStatusCodeError:
+            pass
+        await server.get_node(parent).add_method(node, ua.QualifiedName("GetCertificates", 0),
+                                                 lambda parent, *args: [], inputs, outputs)
 
 
 def _listed(thumbs: list[str]) -> str:

@@ -123,6 +123,8 @@ class RateLimitsConfig:
     monitor: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
     operator: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
     engineer: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    # Part 12 certificate management calls (ServerConfiguration, its TrustList) of security_admin clients
+    security_admin: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
     per_client: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
 
 
