@@ -1,5 +1,6 @@
-"""The appliance CA's CRL kept current while serving (and a stale CreateSigningRequest key deleted): re-signed before its nextUpdate, its remaining validity a
-metric, an event when it is close to running out (the CA key is absent, so it cannot be re-signed here).
+"""The appliance CA's CRL kept current while serving: re-signed before its nextUpdate, its remaining validity a
+metric, an event when it is close to running out (the CA key is absent, so it cannot be re-signed here). The same
+timer deletes a CreateSigningRequest key that waited too long for its certificate.
 
 A client that checks revocation (node-opcua by default, the .NET stack, UaExpert) refuses the server once the CRL
 it was given passes its nextUpdate; the re-signed CRL has to be handed out again before that (docs/security.md).

@@ -1,10 +1,10 @@
 """Rate limits per role and per client identity: token buckets checked before any engine work.
 
 `security.rate_limits` in the YAML gives each role (`monitor`, `operator`, `engineer`, `security_admin`: one bucket
-shared by every client of that role) and each client identity (`per_client`: one bucket per certificate + user) a refill rate in
-calls per second and a burst. A call is allowed only when every bucket that applies holds a token, and then takes
-one from each; a refused call takes none, so a client over its own limit does not drain its role's bucket. The
-caller answers a refusal with BadTooManyOperations and counts it (`appliance_rate_limited_total{role}`).
+shared by every client of that role) and each client identity (`per_client`: one bucket per certificate + user) a
+refill rate in calls per second and a burst. A call is allowed only when every bucket that applies holds a token,
+and then takes one from each; a refused call takes none, so a client over its own limit does not drain its role's
+bucket. The caller answers a refusal with BadTooManyOperations and counts it (`appliance_rate_limited_total{role}`).
 
 Runs on the event loop: no locks. Torch-free, numpy-free.
 """

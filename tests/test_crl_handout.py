@@ -164,9 +164,9 @@ def test_check_config_names_a_trusted_ca_without_its_crl(tmp_path):
     path = tmp_path / "appliance.yaml"
 
     def check(require_crl: bool) -> subprocess.CompletedProcess:
-        path.write_text(yaml.safe_dump({"server": {"state_dir": str(state)},
-                                        "security": {"require_crl": require_crl},
-                                        "models": {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}}}))
+        model = {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}
+        path.write_text(yaml.safe_dump({"server": {"state_dir": str(state)}, "security": {"require_crl": require_crl},
+                                        "models": {"affine": model}}))
         return subprocess.run([sys.executable, "-m", "appliance", "check-config", str(path)], capture_output=True,
                               text=True, timeout=120)
     done = check(True)

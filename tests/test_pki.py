@@ -553,7 +553,8 @@ def test_a_ca_without_a_crl_is_revocation_unknown_unless_the_yaml_says_otherwise
     assert lax.validate_application_certificate(leaf.cert_der, None).ok
     _empty_crls(pki, root)
     result = strict.validate_application_certificate(leaf.cert_der, None)
-    assert (result.status, result.reason) == ("BadCertificateRevocationUnknown", "the issuer 'Plant Issuing' has no CRL")
+    assert (result.status, result.reason) == ("BadCertificateRevocationUnknown",
+                                              "the issuer 'Plant Issuing' has no CRL")
     _empty_crls(pki, inter)
     assert strict.validate_application_certificate(leaf.cert_der, None).ok
     # the appliance CA's own CRL removed: its clients are revocation-unknown, not silently un-revoked

@@ -522,8 +522,8 @@ def test_close_and_update_of_a_large_list_answers_other_sessions_meanwhile(app, 
     t0, t1, answered = run(go(), 300)
     during = [t for t in answered if t0 <= t <= t1]
     gaps = [b - a for a, b in zip([t0, *during], [*during, t1])]
-    print(f"CloseAndUpdate of a 1,000-certificate list (with the writes): {t1 - t0:.2f} s; {len(during)} reads answered "
-          f"meanwhile, the longest wait {max(gaps) * 1000:.0f} ms")
+    print(f"CloseAndUpdate of a 1,000-certificate list (with the writes): {t1 - t0:.2f} s; {len(during)} reads "
+          f"answered meanwhile, the longest wait {max(gaps) * 1000:.0f} ms")
     assert t1 - t0 > 0.5  # long enough to tell a blocked loop from a free one
     assert max(gaps) < (t1 - t0) / 3, "the event loop stood still while the trust list was written"
 

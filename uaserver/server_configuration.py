@@ -67,7 +67,8 @@ for _prefix, _names in (("ServerConfiguration", CONFIGURATION_METHODS), ("Server
 GET_CERTIFICATES_NODES = (ua.NodeId(O.ServerConfiguration_GetCertificates),
                           ua.NodeId(O.ServerConfigurationType_GetCertificates))
 METHOD_NODES["GetCertificates"] = list(GET_CERTIFICATES_NODES)
-ARGUMENT_COUNTS = {"GetCertificates": 1, "CreateSigningRequest": 5, "UpdateCertificate": 6, "ApplyChanges": 0, "CancelChanges": 0,
+ARGUMENT_COUNTS = {"GetCertificates": 1,
+                   "CreateSigningRequest": 5, "UpdateCertificate": 6, "ApplyChanges": 0, "CancelChanges": 0,
                    "GetRejectedList": 0, "Open": 1, "Close": 1, "Read": 2, "Write": 2, "GetPosition": 1,
                    "SetPosition": 2, "OpenWithMasks": 1, "CloseAndUpdate": 1, "AddCertificate": 2,
                    "RemoveCertificate": 2}

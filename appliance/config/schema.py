@@ -19,7 +19,8 @@ from yaml.nodes import Node, ScalarNode
 
 from .builtin import BUILTIN_MODELS
 from .rules import (
-    DNS_NAME, CertificateRoles, LabelsRule, RoleGrant, ListOf, NestedSection, Scalar, Section, boolean, choice, class_check,
+    DNS_NAME, CertificateRoles, LabelsRule, ListOf, NestedSection, RoleGrant, Scalar, Section, boolean, choice,
+    class_check,
     endpoint_check, integer, ip_check, is_host, listen_check, normalize_thumbprint, number, optional,
     password_hash_check, path_rule, required, resolve_path, setting, split_listen, subject_key, text, uri_check,
 )
