@@ -101,7 +101,10 @@ class PKI:
             return True
         ServerCertificateStore(self.layout.pki_dir).finish_interrupted_install()
         ServerCertificateStore(self.layout.pki_dir).expire_requested_key()
-        recover_trust_list(self.layout)  # a trust list update cut short by a crash: finished or dropped
+        try:
+            recover_trust_list(self.layout)  # a trust list update cut short by a crash: finished or dropped
+        except OSError as exc:  # the journal stays; the validator reads what is there; the next start tries again
+            log.error("could not finish an interrupted trust list update: %s", exc.strerror)
         problem = self._server_cert_problem(uri, hosts, addrs)
         if problem and not issued_by_appliance_ca(self.layout):
             # Installed through Part 12 or `certs install-server`: the plant's CA manages it, never replaced here.
