@@ -657,6 +657,11 @@ def test_get_certificates_from_node_opcua(app):
             assert (await node.read_browse_name()).Name == "GetCertificates"
             wrong = await call(gds, SERVER_CONFIGURATION, node.nodeid, nodeid(ua.NodeId(5, 0)))
             assert wrong.StatusCode.name == "BadInvalidArgument"
+            # by the type's method NodeId too, with a null group (the default group)
+            type_method = ua.NodeId(ua.ObjectIds.ServerConfigurationType_GetCertificates)
+            by_type = await call(gds, SERVER_CONFIGURATION, type_method, nodeid(ua.NodeId()))
+            assert by_type.StatusCode.is_good(), by_type.StatusCode
+            assert outputs(by_type)[1] == [app.pki.layout.own_cert_der.read_bytes()]
     run(go(), 60)
 
 
