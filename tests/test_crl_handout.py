@@ -5,6 +5,7 @@ re-signs the CRL before its nextUpdate by itself (audited); its remaining validi
 cannot be re-signed raises the expiring flag."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import socket
@@ -21,6 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from certs.crl import RevocationLedger, sign_crl
 from harness import RunningAppliance
 from onnx_models import affine_model
+from uaclient import run, session
 
 ROOT = Path(__file__).resolve().parent.parent
 GDS_PUSH = ROOT / "tests" / "node" / "gds_push.js"
@@ -98,11 +100,11 @@ def test_node_opcua_with_revocation_checks_trusts_the_files_the_cli_wrote(tmp_pa
         app.stop()
 
 
-def _stale_crl(app, days_left: float) -> None:
+def _stale_crl(app, days_left: float, key_file: Path | None = None) -> None:
     """The CA's CRL as if it had been signed long ago: its nextUpdate `days_left` days from now."""
     layout = app.pki.layout
     ca = x509.load_der_x509_certificate(layout.ca_cert_der.read_bytes())
-    key = serialization.load_pem_private_key(layout.ca_key_pem.read_bytes(), None)
+    key = serialization.load_pem_private_key((key_file or layout.ca_key_pem).read_bytes(), None)
     signed = datetime.now(timezone.utc) - timedelta(days=365 - days_left)
     data = RevocationLedger(layout.revocation_ledger).load()
     layout.ca_crl_der.write_bytes(sign_crl(ca, key, {}, int(data["crl_number"]) + 1, signed))
@@ -133,16 +135,34 @@ def test_serve_re_signs_the_crl_before_its_next_update_and_audits_it(tmp_path):
 
 
 def test_a_crl_that_cannot_be_re_signed_is_flagged(tmp_path):
-    """The CA key kept off the box: the CRL runs out; the metric says so before clients refuse the server."""
+    """The CA key taken off the box (kept by the plant's security officer): the CRL runs toward its nextUpdate; the
+    metric flags it and an HMI subscribed to the Server's events is told, before clients refuse the server."""
     affine_model(tmp_path / "affine.onnx")
-    state = tmp_path / "state"
-    app = RunningAppliance(state, {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}})
-    _stale_crl(app, days_left=5)
-    app.stop()
-    key = app.pki.layout.ca_key_pem
-    key.rename(tmp_path / "ca.key.pem")
-    app = RunningAppliance(state, {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}})
+    app = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}},
+                           extra={"security": {"crl_check_interval_s": 1}})
     try:
+        hmi = app.issue("hmi", "monitor")
+        assert metric(app, "appliance_ca_crl_expiring") == 0
+
+        class Events:
+            def __init__(self):
+                self.messages: list[str] = []
+
+            def event_notification(self, event):
+                self.messages.append(event.Message.Text)
+
+        async def go():
+            events = Events()
+            async with session(app, *hmi) as client:
+                await (await client.create_subscription(50, events)).subscribe_events(client.nodes.server)
+                app.pki.layout.ca_key_pem.rename(tmp_path / "ca.key.pem")
+                _stale_crl(app, days_left=5, key_file=tmp_path / "ca.key.pem")
+                end = time.monotonic() + 30
+                while time.monotonic() < end and not any("CRL expires" in m for m in events.messages):
+                    await asyncio.sleep(0.2)
+            return events.messages
+        messages = run(go(), 60)
+        assert any("CRL expires in 5 days" in m and "CA key" in m for m in messages), messages
         left = metric(app, "appliance_ca_crl_expiry_seconds")
         assert 4 * 86400 < left < 5 * 86400
         assert metric(app, "appliance_ca_crl_expiring") == 1
