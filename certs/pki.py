@@ -404,6 +404,7 @@ class PKI:
         snapshot = load_snapshot(self.layout)
         roles = self.role_map.load()
         anchors = snapshot.trusted + snapshot.issuers
+        without_crl = {c.thumbprint for c in snapshot.cas_without_crl()}
         entries: list[CertEntry] = []
         for location, folder in (("trusted", self.layout.trusted), ("issuers", self.layout.issuers),
                                  ("rejected", self.layout.rejected)):
@@ -423,6 +424,7 @@ class PKI:
                     entries.append(CertEntry(
                         location, path.name, s.cert.subject.rfc4514_string(), s.thumbprint,
                         s.cert.not_valid_after_utc, mapped.get("role"), revoked, _is_ca(s.cert), mapped.get("name"),
+                        no_crl=location != "rejected" and s.thumbprint in without_crl,
                     ))
         return entries
 

@@ -43,6 +43,7 @@ class CertEntry:
     is_ca: bool = False
     name: str | None = None  # the NAME it was issued under, if issued here
     error: str | None = None  # set when the file is not a readable certificate
+    no_crl: bool = False  # a CA in trusted/ or issuers/ that no CRL in crl/ is issued by (security.require_crl)
 
 
 @dataclass

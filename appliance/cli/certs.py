@@ -157,6 +157,7 @@ def cmd_list(state_dir: Path) -> int:
             continue
         flags = " [CA]" if e.is_ca else ""
         flags += " [REVOKED]" if e.revoked else ""
+        flags += " [NO CRL]" if e.no_crl else ""  # its certificates are refused while security.require_crl is on
         print(f"{e.location:9} {e.file:32} {e.role or '-':9} {_date(e.not_after):10} {e.thumbprint}  {e.subject}{flags}")
     return OK
 
