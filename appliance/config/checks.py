@@ -347,7 +347,10 @@ def check_certificate_roles(cfg: ApplianceConfig, ctx: Context) -> None:
         return
     from certs.layout import PkiLayout
     from certs.store import is_ca, load_snapshot
-    snap = load_snapshot(PkiLayout(Path(cfg.server.state_dir) / "pki"))
+    try:
+        snap = load_snapshot(PkiLayout(Path(cfg.server.state_dir) / "pki"))
+    except OSError:  # a state directory this user cannot read: serve checks again at start (it can read it)
+        return
     cas = [c for c in snap.trusted + snap.issuers if is_ca(c.cert)]
     if len(cas) <= 1:
         return
@@ -366,7 +369,10 @@ def trust_list_notes(cfg: ApplianceConfig) -> list[str]:
         return []
     from certs.layout import PkiLayout
     from certs.store import load_snapshot
-    snap = load_snapshot(PkiLayout(Path(cfg.server.state_dir) / "pki"))
+    try:
+        snap = load_snapshot(PkiLayout(Path(cfg.server.state_dir) / "pki"))
+    except OSError as exc:
+        return [f"note: the trust list in {cfg.server.state_dir}/pki was not checked: {exc.strerror}"]
     return [f"warning: security.require_crl: the trusted CA {c.cert.subject.rfc4514_string()} ({c.thumbprint}) has "
             "no CRL in pki/crl: the certificates it issued are refused (BadCertificateRevocationUnknown) until "
             "its CRL is added (or set security.require_crl: false)" for c in snap.cas_without_crl()]
