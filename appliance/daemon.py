@@ -67,6 +67,7 @@ class Appliance:
         self.http = None
         self.watchdog = None
         self.audit = None
+        self.crl_watch = None
         self.metrics: Metrics | None = None
         self._watchdog_task: asyncio.Task | None = None
         self._background = TaskSet(log, "background")  # short tasks (a prompt publish, a GPU worker's stop), kept
@@ -163,7 +164,7 @@ class Appliance:
         hostnames, ips = certificate_names(cfg)
         if pki.ensure(cfg.server.application_uri, hostnames, ips):
             log.info("created the appliance CA and server certificate in %s", state_dir / "pki")
-        trust_list = TrustList(state_dir / "pki")
+        trust_list = TrustList(state_dir / "pki", require_crl=cfg.security.require_crl)
 
         device = resolve_device(cfg.engine.device)
         backend = make_backend(cfg.watchdog.backend)
@@ -196,6 +197,7 @@ class Appliance:
         await self.ua.start()
         if self.audit is not None and self.audit.torn:
             self.ua.emit_event(f"Audit log: {self.audit.torn}", severity=800)
+        self._start_crl_watch(pki)
         if self.cert_expiry_s < cfg.security.cert_expiry_warning_days * 86400:
             self.ua.emit_event("The server certificate expires within "
                                f"{cfg.security.cert_expiry_warning_days} days: renew it (a GDS's push, `appliance certs "
@@ -204,6 +206,23 @@ class Appliance:
             self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics,
                                          self.supervision.readiness, status=self.supervision.status_snapshot)
             await self.http.start()
+
+    def _start_crl_watch(self, pki) -> None:
+        """The CA's CRL re-signed in time by serve itself, with its metric and event (appliance/crl_watch.py); the
+        CAs the validator will refuse for want of a CRL are named once at start."""
+        from certs.store import load_snapshot
+        from .crl_watch import CrlWatch
+        sec = self.config.security
+        self.crl_watch = CrlWatch(pki, metrics=self.metrics, audit=self.audit, emit_event=self.ua.emit_event,
+                                  interval_s=sec.crl_check_interval_s, warning_days=sec.cert_expiry_warning_days)
+        self.crl_watch.publish(False, pki.crl_next_update())  # ensure() has just re-signed it if it was due
+        self.crl_watch.start()
+        if sec.require_crl:
+            for ca in load_snapshot(pki.layout).cas_without_crl():
+                message = (f"The trusted CA {ca.cert.subject.rfc4514_string()} has no CRL in pki/crl: the "
+                           "certificates it issued are refused (security.require_crl)")
+                log.warning(message)
+                self.ua.emit_event(message, severity=700)
 
     def _watch_certificate(self, pki) -> None:
         from datetime import datetime, timezone
@@ -302,6 +321,8 @@ class Appliance:
             await self.http.stop()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors), return_exceptions=True)
         await self.supervision.stop()
+        if self.crl_watch is not None:
+            await self.crl_watch.stop()
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
             await asyncio.gather(self._watchdog_task, return_exceptions=True)

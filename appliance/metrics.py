@@ -97,6 +97,10 @@ class Metrics:
                                         "Seconds until the server certificate expires", registry=r)
         self.server_cert_expiring = Gauge("appliance_server_certificate_expiring",
                                           "1 when the server certificate expires within 30 days", registry=r)
+        self.ca_crl_expiry = Gauge("appliance_ca_crl_expiry_seconds",
+                                   "Seconds until the appliance CA's CRL passes its nextUpdate", registry=r)
+        self.ca_crl_expiring = Gauge("appliance_ca_crl_expiring", "1 when the appliance CA's CRL passes its "
+                                     "nextUpdate within security.cert_expiry_warning_days (not re-signed)", registry=r)
         self.worker_up = Gauge("appliance_worker_up", "1 while the model's worker process answers, else 0",
                                ["model"], registry=r)
         self.worker_restarts = Counter("appliance_worker_restarts", "Times the model's worker process was replaced",

@@ -1,10 +1,10 @@
 """Rate limits per role and per client identity: token buckets checked before any engine work.
 
-`security.rate_limits` in the YAML gives each role (`monitor`, `operator`, `engineer`: one bucket shared by every
-client of that role) and each client identity (`per_client`: one bucket per certificate + user) a refill rate in
-calls per second and a burst. A call is allowed only when every bucket that applies holds a token, and then takes
-one from each; a refused call takes none, so a client over its own limit does not drain its role's bucket. The
-caller answers a refusal with BadTooManyOperations and counts it (`appliance_rate_limited_total{role}`).
+`security.rate_limits` in the YAML gives each role (`monitor`, `operator`, `engineer`, `security_admin`: one bucket
+shared by every client of that role) and each client identity (`per_client`: one bucket per certificate + user) a
+refill rate in calls per second and a burst. A call is allowed only when every bucket that applies holds a token,
+and then takes one from each; a refused call takes none, so a client over its own limit does not drain its role's
+bucket. The caller answers a refusal with BadTooManyOperations and counts it (`appliance_rate_limited_total{role}`).
 
 Runs on the event loop: no locks. Torch-free, numpy-free.
 """
@@ -17,6 +17,7 @@ from typing import Callable
 
 from .config import RateLimit, RateLimitsConfig
 
+ROLE_BUCKETS = ("monitor", "operator", "engineer", "security_admin")  # security.rate_limits' role keys
 MAX_TRACKED_CLIENTS = 10_000  # per-client buckets kept; see RateLimiter._client_bucket
 # A client calling exactly at its rate must not be refused for float rounding of elapsed time (0.1 s steps of a
 # clock at 1000 s sum to 0.0999999...)
@@ -49,7 +50,7 @@ class RateLimiter:
                  max_clients: int = MAX_TRACKED_CLIENTS):
         self.limits, self.clock, self.max_clients = limits, clock, max_clients
         now = clock()
-        self._roles = {role: TokenBucket.full(limit, now) for role in ("monitor", "operator", "engineer")
+        self._roles = {role: TokenBucket.full(limit, now) for role in ROLE_BUCKETS
                        if (limit := getattr(limits, role)) is not None}
         self._clients: OrderedDict[str, TokenBucket] = OrderedDict()
         self.refused: dict[str, int] = {}  # role -> calls refused, for appliance_rate_limited_total{role}

@@ -79,5 +79,10 @@ class PkiLayout:
         # Every revocation ever made, so the CRL can be re-signed even if its file is damaged.
         return self.private / "revoked.json"
 
+    @property
+    def trust_journal(self) -> Path:
+        # present only while a trust list update switches folders (certs/trust_list_update.py)
+        return self.pki_dir / ".trust-update.json"
+
     def store_dirs(self) -> tuple[Path, ...]:
         return (self.own, self.trusted, self.issuers, self.crl, self.rejected, self.private)

@@ -24,6 +24,7 @@ from .records import CertEntry, IssuedCert, PKIError, RevokedCert
 from .rolemap import RoleMap, check_role
 from .server_certificate import ServerCertificateStore, issued_by_appliance_ca
 from .store import CRL_REVOKED, StoredCert, load_snapshot
+from .trust_list_update import recover as recover_trust_list
 from .x509io import (
     CertificateFormatError,
     normalize_thumbprint,
@@ -99,6 +100,11 @@ class PKI:
             self.init(uri, hosts, addrs, force=True)
             return True
         ServerCertificateStore(self.layout.pki_dir).finish_interrupted_install()
+        ServerCertificateStore(self.layout.pki_dir).expire_requested_key()
+        try:
+            recover_trust_list(self.layout)  # a trust list update cut short by a crash: finished or dropped
+        except OSError as exc:  # the journal stays; the validator reads what is there; the next start tries again
+            log.error("could not finish an interrupted trust list update: %s", exc.strerror)
         problem = self._server_cert_problem(uri, hosts, addrs)
         if problem and not issued_by_appliance_ca(self.layout):
             # Installed through Part 12 or `certs install-server`: the plant's CA manages it, never replaced here.
@@ -218,7 +224,11 @@ class PKI:
             key_pem_path=out_dir / f"{name}.key.pem",
             p12_path=out_dir / f"{name}.p12",
             ca_der_path=out_dir / f"{name}.ca.der",
+            ca_crl_path=out_dir / f"{name}.ca.crl",
         )
+        self.refresh_crl()  # the CRL handed out with the CA is a current one
+        crl_der = self.layout.ca_crl_der.read_bytes()
+        issued.crl_next_update = parse_crl(crl_der).next_update_utc
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(issued.key_pem_path, builder.private_key_pem(key, password), SECRET)
@@ -226,6 +236,7 @@ class PKI:
             write_atomic(issued.cert_der_path, der, PUBLIC)
             write_atomic(issued.cert_pem_path, to_pem(cert), PUBLIC)
             write_atomic(issued.ca_der_path, to_der(ca_cert), PUBLIC)
+            write_atomic(issued.ca_crl_path, crl_der, PUBLIC)
             write_atomic(self.layout.trusted / f"{name}.der", der, PUBLIC)
         except OSError as exc:
             raise PKIError(f"cannot write {exc.filename or out_dir}: {exc.strerror}") from None
@@ -306,7 +317,9 @@ class PKI:
             stored.path.unlink(missing_ok=True)
         self.role_map.remove(thumb)
         log.info("revoked %s (%s)%s", name, thumb, "" if on_crl else " (not issued by this CA: removed only)")
-        return RevokedCert(name, thumb, serial, on_crl)
+        if not on_crl:
+            return RevokedCert(name, thumb, serial, on_crl)
+        return RevokedCert(name, thumb, serial, on_crl, self.layout.ca_crl_der, self.crl_next_update())
 
     def _add_to_crl(self, ca_cert, ca_key, serial: int, name: str | None, thumb: str) -> None:
         ledger = RevocationLedger(self.layout.revocation_ledger)
@@ -323,15 +336,16 @@ class PKI:
         ledger.save(data)
         write_atomic(self.layout.ca_crl_der, crl_der, PUBLIC)
 
-    def refresh_crl(self) -> bool:
-        """Re-sign the CA's CRL when it is missing, does not verify, or expires within 30 days. True if signed."""
+    def refresh_crl(self, renew_before: timedelta = CRL_RENEW_BEFORE) -> bool:
+        """Re-sign the CA's CRL when it is missing, does not verify, or expires within renew_before (30 days).
+        True if signed."""
         if not (self.layout.ca_cert_der.is_file() and self.layout.ca_key_pem.is_file()):
             return False
         ca_cert, ca_key = self._load_ca()
         try:
             crl = parse_crl(self.layout.ca_crl_der.read_bytes())
             fresh = crl.is_signature_valid(ca_cert.public_key()) and (
-                crl.next_update_utc is not None and crl.next_update_utc - self._clock() > CRL_RENEW_BEFORE
+                crl.next_update_utc is not None and crl.next_update_utc - self._clock() > renew_before
             )
         except (OSError, ValueError):
             fresh = False
@@ -340,6 +354,13 @@ class PKI:
         ledger = RevocationLedger(self.layout.revocation_ledger)
         self._sign_crl(ca_cert, ca_key, ledger, ledger.load())
         return True
+
+    def crl_next_update(self) -> datetime | None:
+        """The nextUpdate of the appliance CA's CRL as it is on disk; None when there is none or it is unreadable."""
+        try:
+            return parse_crl(self.layout.ca_crl_der.read_bytes()).next_update_utc
+        except (OSError, ValueError):
+            return None
 
     # -- queries -----------------------------------------------------------------------------------------------
     def role_for_certificate(self, cert_der: bytes) -> str | None:
@@ -357,7 +378,8 @@ class PKI:
         return x509.load_der_x509_certificate(self.layout.own_cert_der.read_bytes()).not_valid_after_utc
 
     def export_server(self, out_dir: Path) -> list[Path]:
-        """The server certificate and the CA, DER and PEM, for a PLC's certificate manager."""
+        """The server certificate and the CA, DER and PEM, and the CA's CRL (DER, appliance-ca.crl), for a PLC's
+        certificate manager: a client that checks revocation refuses the server without the CRL."""
         if not (self.layout.own_cert_der.is_file() and self.layout.ca_cert_der.is_file()):
             raise PKIError(f"no server certificate in {self.layout.own}; run `appliance certs init`")
         out_dir = Path(out_dir)
@@ -369,6 +391,10 @@ class PKI:
                 for data, suffix in ((to_der(cert), ".der"), (to_pem(cert), ".pem")):
                     write_atomic(out_dir / f"{stem}{suffix}", data, PUBLIC)
                     written.append(out_dir / f"{stem}{suffix}")
+            self.refresh_crl()
+            if self.layout.ca_crl_der.is_file():  # absent only when the CA's key is (a CA managed elsewhere)
+                write_atomic(out_dir / f"{CA_FILE_STEM}.crl", self.layout.ca_crl_der.read_bytes(), PUBLIC)
+                written.append(out_dir / f"{CA_FILE_STEM}.crl")
         except OSError as exc:
             raise PKIError(f"cannot write {exc.filename or out_dir}: {exc.strerror}") from None
         return written
@@ -378,6 +404,7 @@ class PKI:
         snapshot = load_snapshot(self.layout)
         roles = self.role_map.load()
         anchors = snapshot.trusted + snapshot.issuers
+        without_crl = {c.thumbprint for c in snapshot.cas_without_crl()}
         entries: list[CertEntry] = []
         for location, folder in (("trusted", self.layout.trusted), ("issuers", self.layout.issuers),
                                  ("rejected", self.layout.rejected)):
@@ -397,6 +424,7 @@ class PKI:
                     entries.append(CertEntry(
                         location, path.name, s.cert.subject.rfc4514_string(), s.thumbprint,
                         s.cert.not_valid_after_utc, mapped.get("role"), revoked, _is_ca(s.cert), mapped.get("name"),
+                        no_crl=location != "rejected" and s.thumbprint in without_crl,
                     ))
         return entries
 

@@ -22,10 +22,13 @@ class IssuedCert:
     key_pem_path: Path
     p12_path: Path
     ca_der_path: Path
+    ca_crl_path: Path  # the CA's CRL (DER): a client that checks revocation needs it beside the CA
+    crl_next_update: datetime | None = None
 
     @property
     def files(self) -> list[Path]:
-        return [self.cert_der_path, self.cert_pem_path, self.key_pem_path, self.p12_path, self.ca_der_path]
+        return [self.cert_der_path, self.cert_pem_path, self.key_pem_path, self.p12_path, self.ca_der_path,
+                self.ca_crl_path]
 
 
 @dataclass
@@ -40,6 +43,7 @@ class CertEntry:
     is_ca: bool = False
     name: str | None = None  # the NAME it was issued under, if issued here
     error: str | None = None  # set when the file is not a readable certificate
+    no_crl: bool = False  # a CA in trusted/ or issuers/ that no CRL in crl/ is issued by (security.require_crl)
 
 
 @dataclass
@@ -48,3 +52,5 @@ class RevokedCert:
     thumbprint: str
     serial: int | None
     on_crl: bool  # False when the certificate was not issued by the current appliance CA
+    crl_path: Path | None = None  # the re-signed CRL to hand out again (when on_crl)
+    crl_next_update: datetime | None = None

@@ -7,11 +7,13 @@ GDS receives and a reason for the log and the audit trail (never a path).
 """
 from __future__ import annotations
 
+import hashlib
 import ipaddress
+import json
 import logging
 import shutil
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from cryptography import x509
@@ -30,6 +32,10 @@ PRIVATE_KEY_FORMATS = ("PEM", "PFX")
 MIN_RSA_BITS, MAX_RSA_BITS = 2048, 4096  # what the offered security policies can use
 MIN_NONCE_BYTES = 32  # Part 12: the caller's entropy when a new key is asked for
 MAX_ISSUERS = 4
+# A key made for CreateSigningRequest (RegeneratePrivateKey) waits this long for its certificate, then is deleted:
+# a private key that serves nothing must not stay on the box. A GDS that needs longer asks again.
+REQUESTED_KEY_MAX_AGE = timedelta(hours=24)
+MAX_FORMER_REQUESTS = 16  # public-key digests of former requests kept, to say why their certificate is refused
 
 
 class CertificateRefused(Exception):
@@ -78,8 +84,59 @@ class ServerCertificateStore:
 
     @property
     def requested_key_path(self) -> Path:
-        """A key made for a signing request with RegeneratePrivateKey, kept until its certificate arrives."""
+        """A key made for a signing request with RegeneratePrivateKey, kept until its certificate arrives (at most
+        REQUESTED_KEY_MAX_AGE)."""
         return self.layout.private / "requested-key.pem"
+
+    @property
+    def former_requests_path(self) -> Path:
+        """Public-key digests of requested keys that were dropped, and why: no private material."""
+        return self.layout.private / "former-requests.json"
+
+    # -- the requested key's life --------------------------------------------------------------------------------
+    def _requested_key(self) -> rsa.RSAPrivateKey | None:
+        """The pending requested key, unless it is older than REQUESTED_KEY_MAX_AGE (then it is deleted)."""
+        self.expire_requested_key()
+        try:
+            return serialization.load_pem_private_key(self.requested_key_path.read_bytes(), None)
+        except FileNotFoundError:
+            return None
+
+    def expire_requested_key(self) -> bool:
+        """Delete the requested key once it is older than REQUESTED_KEY_MAX_AGE. True if it was."""
+        try:
+            made = datetime.fromtimestamp(self.requested_key_path.stat().st_mtime, timezone.utc)
+        except FileNotFoundError:
+            return False
+        if self._clock() - made <= REQUESTED_KEY_MAX_AGE:
+            return False
+        hours = REQUESTED_KEY_MAX_AGE.total_seconds() / 3600
+        return self.drop_requested_key(f"expired {hours:g} hours after its CreateSigningRequest")
+
+    def drop_requested_key(self, why: str) -> bool:
+        """Delete the requested key, remembering its public key's digest and why (for the refusal of a certificate
+        issued for it later). True if there was one."""
+        try:
+            key = serialization.load_pem_private_key(self.requested_key_path.read_bytes(), None)
+        except FileNotFoundError:
+            return False
+        except (ValueError, TypeError):
+            key = None  # unreadable: deleted all the same
+        if key is not None:
+            former = self._former_requests()
+            former[_key_digest(key.public_key())] = {"why": why, "when": self._clock().isoformat(timespec="seconds")}
+            kept = dict(list(former.items())[-MAX_FORMER_REQUESTS:])
+            write_atomic(self.former_requests_path, json.dumps(kept, indent=1).encode(), 0o600)
+        self.requested_key_path.unlink(missing_ok=True)
+        log.info("deleted the key of the pending signing request: %s", why)
+        return True
+
+    def _former_requests(self) -> dict[str, dict]:
+        try:
+            data = json.loads(self.former_requests_path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
 
     # -- what is in use ------------------------------------------------------------------------------------------
     def certificate(self) -> x509.Certificate:
@@ -118,6 +175,8 @@ class ServerCertificateStore:
                 raise CertificateRefused("BadInvalidArgument",
                                          f"a new key needs a Nonce of at least {MIN_NONCE_BYTES} bytes")
             key = builder.new_rsa_key(builder.SERVER_KEY_BITS)
+            self.drop_requested_key("superseded by a later CreateSigningRequest with a new key")
+            self.layout.private.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_atomic(self.requested_key_path, builder.private_key_pem(key), 0o600)
         else:
             key = self.private_key()
@@ -146,7 +205,7 @@ class ServerCertificateStore:
         _check_names(cert, identity)
         _check_chain(cert, issuers, now, self._anchors())
         staged = StagedCertificate(cert, issuers, new_key)
-        self.discard()
+        self.discard(requested_key_too=False)
         folder = self.pending_dir
         write_atomic(folder / "key.pem", builder.private_key_pem(key), 0o600)
         write_atomic(folder / "issuers.der", b"".join(to_der(c) for c in issuers), 0o644)
@@ -165,12 +224,18 @@ class ServerCertificateStore:
         if key_format:
             raise CertificateRefused("BadInvalidArgument", "a PrivateKeyFormat without a PrivateKey")
         candidates = []
-        if self.requested_key_path.is_file():
-            candidates.append((serialization.load_pem_private_key(self.requested_key_path.read_bytes(), None), True))
+        requested = self._requested_key()
+        if requested is not None:
+            candidates.append((requested, True))
         candidates.append((self.private_key(), False))
         for key, new in candidates:
             if key.public_key().public_numbers() == public.public_numbers():
                 return key, new
+        former = self._former_requests().get(_key_digest(public))
+        if former is not None:
+            raise CertificateRefused("BadCertificateInvalid", "the certificate is for the key of an earlier signing "
+                                     f"request, which was {former['why']} ({former['when']}): its key is gone; ask "
+                                     "for a new CreateSigningRequest")
         raise CertificateRefused("BadCertificateInvalid",
                                  "the certificate is for another key than the server's (or the requested one)")
 
@@ -197,10 +262,12 @@ class ServerCertificateStore:
         return StagedCertificate(cert, issuers, key.public_key().public_numbers() !=
                                  self.private_key().public_key().public_numbers())
 
-    def discard(self) -> bool:
-        """CancelChanges: forget what is staged. True if something was."""
+    def discard(self, requested_key_too: bool = True) -> bool:
+        """CancelChanges: forget what is staged and the pending request's key. True if something was."""
         had = (self.pending_dir / "cert.der").is_file()
         shutil.rmtree(self.pending_dir, ignore_errors=True)
+        if requested_key_too:
+            had = self.drop_requested_key("cancelled by CancelChanges") or had
         return had
 
     # -- ApplyChanges --------------------------------------------------------------------------------------------
@@ -219,8 +286,14 @@ class ServerCertificateStore:
         write_atomic(own.own_cert_pem, to_pem(staged.cert), 0o644)
         write_atomic(own.own_cert_der, to_der(staged.cert), 0o644)
         shutil.rmtree(folder, ignore_errors=True)
-        if staged.new_key:
-            self.requested_key_path.unlink(missing_ok=True)
+        if self.requested_key_path.exists():
+            # whatever was installed, the pending request is over: its key went in, or it will never be used
+            in_use = serialization.load_pem_private_key(key_pem, None).public_key().public_numbers()
+            requested = self._requested_key()
+            if requested is not None and requested.public_key().public_numbers() == in_use:
+                self.requested_key_path.unlink(missing_ok=True)
+            else:
+                self.drop_requested_key("superseded by ApplyChanges of another certificate")
         log.info("installed the server certificate %s (%s)", staged.cert.subject.rfc4514_string(), staged.thumbprint)
         return staged
 
@@ -237,6 +310,11 @@ class ServerCertificateStore:
             return False
         log.warning("finishing the installation of the staged server certificate that was interrupted")
         return self.install_staged() is not None
+
+
+def _key_digest(public_key) -> str:
+    der = public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
 
 
 def required_names(hosts: list[str]) -> tuple[str, ...]:

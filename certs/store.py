@@ -44,10 +44,22 @@ class StoreSnapshot:
 
     def __post_init__(self) -> None:
         self.trusted_thumbprints = {c.thumbprint for c in self.trusted}
+        self.stored_thumbprints = self.trusted_thumbprints | {c.thumbprint for c in self.issuers}
         # candidate issuers by subject, trust anchors first
         self.by_subject: dict[bytes, list[StoredCert]] = {}
         for stored in self.trusted + self.issuers:
             self.by_subject.setdefault(stored.cert.subject.public_bytes(), []).append(stored)
+
+    def stores(self, cert: StoredCert) -> bool:
+        """The certificate is in trusted/ or issuers/ (not only in a chain a peer sent)."""
+        return cert.thumbprint in self.stored_thumbprints
+
+    def cas_without_crl(self) -> list[StoredCert]:
+        """The CA certificates of trusted/ and issuers/ that no CRL in crl/ is issued by (by name; a CRL that
+        does not verify is refused when used)."""
+        crl_issuers = {c.crl.issuer.public_bytes() for c in self.crls}
+        return [c for c in self.trusted + self.issuers
+                if is_ca(c.cert) and c.cert.subject.public_bytes() not in crl_issuers]
 
     def candidates_for(self, cert: x509.Certificate) -> list[StoredCert]:
         return self.by_subject.get(cert.issuer.public_bytes(), [])
@@ -75,6 +87,13 @@ class StoreSnapshot:
                             issuer.cert.subject.rfc4514_string())
             self._crl_checks[key] = ok
         return self._crl_checks[key]
+
+
+def is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except (x509.ExtensionNotFound, ValueError):
+        return False
 
 
 def _files(folder: Path) -> list[Path]:
@@ -135,6 +154,8 @@ class CachedStore:
         self._snapshot = StoreSnapshot()
 
     def get(self) -> StoreSnapshot:
+        if self._key is not None and self.layout.trust_journal.exists():
+            return self._snapshot  # a trust list update is switching folders: the list as it was, whole
         key = _fingerprint(self.layout)
         with self._lock:
             if key != self._key:

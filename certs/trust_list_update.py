@@ -1,13 +1,20 @@
 """The trust list as Part 12 sees it (trusted certificates and CRLs, issuer certificates and CRLs), read from and
 written to the same pki/ folders the CLI and the channel's certificate check use.
 
-A replacement is checked whole before any file moves, then each affected folder is built beside the live one and
-swapped in by rename; a failure puts every swapped folder back. The validator (certs/validate.py) re-reads the
-folders when they change, so the next CreateSession sees the new list. Masks are Part 12's TrustListMasks.
+A replacement is checked whole before any file moves. Each affected folder is then built beside the live one
+(`.trusted.new`, files and folder fsynced), and a journal naming those folders (`pki/.trust-update.json`) is
+written and fsynced: that is the commit point. Then each live folder is renamed to `.NAME.old` and the new one
+into its place, the journal removed and the old folders deleted. A crash (power cut, kill -9) at any step leaves
+either no journal (the old list is live: the staged folders are deleted at the next start) or the journal (the
+next start, `recover()`, finishes the switch): the old list or the new one, never neither, never a mix. While the
+journal exists the validator keeps the list it had (certs/store.py), so a running server sees the switch whole.
+A rename that fails after the commit is undone in the same way (the new folder back to `.NAME.new`, the old
+one back in place), so the list stays the old one. Masks are Part 12's TrustListMasks.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -18,6 +25,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from .layout import PkiLayout
+from .store import is_ca, load_snapshot
 from .records import PKIError
 from .x509io import (MALFORMED, CertificateFormatError, normalize_thumbprint, parse_certificates, parse_crl,
                      safe_file_stem, thumbprint, write_atomic)
@@ -77,6 +85,10 @@ class TrustListFolders:
             [e.der for e in self._certificates(self.layout.issuers)],
             [e.der for e in crls if e.subject not in trusted_names])
 
+    def cas_without_crl(self) -> list[str]:
+        """The subjects of the trusted and issuer CA certificates no CRL in crl/ is issued by."""
+        return [c.cert.subject.rfc4514_string() for c in load_snapshot(self.layout).cas_without_crl()]
+
     def thumbprints(self) -> dict[str, list[str]]:
         """For the audit trail: thumbprints of the trusted and issuer certificates."""
         return {"trusted": sorted(thumbprint(e.der) for e in self._certificates(self.layout.trusted)),
@@ -115,6 +127,8 @@ class TrustListFolders:
         specified = new.specified & ALL
         trusted = _parse_certificates(new.trusted_certificates, "trusted certificate")
         issuers = _parse_certificates(new.issuer_certificates, "issuer certificate")
+        if specified & ISSUER_CERTIFICATES and not all(is_ca(x509.load_der_x509_certificate(e.der)) for e in issuers):
+            raise TrustListRefused("BadCertificateInvalid", "an issuer certificate must be a CA certificate")
         trusted_crls = _parse_crls(new.trusted_crls)
         issuer_crls = _parse_crls(new.issuer_crls)
         plan: dict[Path, list[_Entry]] = {}
@@ -131,36 +145,39 @@ class TrustListFolders:
                                      + (issuer_crls if specified & ISSUER_CRLS else keep_issuer))
         self._swap_in(plan)
 
+    @property
+    def journal(self) -> Path:
+        return journal_path(self.layout)
+
     def _swap_in(self, plan: dict[Path, list[_Entry]]) -> None:
+        recover(self.layout)  # an earlier update cut short is finished (or dropped) first
         staged: dict[Path, Path] = {}
         try:
             for folder, entries in plan.items():
+                shutil.rmtree(_old(folder), ignore_errors=True)
                 staged[folder] = self._build(folder, entries)
+                _fsync_dir(staged[folder])
+            _fsync_dir(self.layout.pki_dir)
+        except OSError as exc:
+            for folder in plan:  # the one being built too
+                shutil.rmtree(_new(folder), ignore_errors=True)
+            raise TrustListRefused("BadInternalError", f"the trust list could not be staged: {exc.strerror}") from None
+        names = [folder.name for folder in staged]
+        try:
+            # the commit point: from here on the next start finishes the switch
+            write_atomic(self.journal, json.dumps({"folders": names}).encode(), 0o600)
+            _fsync_dir(self.layout.pki_dir)
         except OSError as exc:
             for tmp in staged.values():
                 shutil.rmtree(tmp, ignore_errors=True)
             raise TrustListRefused("BadInternalError", f"the trust list could not be staged: {exc.strerror}") from None
-        swapped: list[tuple[Path, Path]] = []
         try:
-            for folder, tmp in staged.items():
-                old = folder.with_name(f".{folder.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                if folder.exists():
-                    os.rename(folder, old)
-                swapped.append((folder, old))
-                os.rename(tmp, folder)
+            _switch(self.layout, names)
         except OSError as exc:
-            for folder, old in reversed(swapped):  # roll back: the previous folders return
-                if folder.exists() and old.exists():
-                    shutil.rmtree(folder, ignore_errors=True)
-                if old.exists():
-                    os.rename(old, folder)
-            for tmp in staged.values():
-                shutil.rmtree(tmp, ignore_errors=True)
+            _undo(self.layout, names)
             raise TrustListRefused("BadInternalError",
                                    f"the trust list could not be replaced: {exc.strerror}") from None
-        for _, old in swapped:
-            shutil.rmtree(old, ignore_errors=True)
+        _finish(self.layout, names)
 
     def _build(self, folder: Path, entries: list[_Entry]) -> Path:
         """The new folder beside the live one: kept files linked (same names, so `certs revoke NAME` still finds
@@ -286,3 +303,105 @@ def _is_ca(cert: x509.Certificate) -> bool:
         return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     except (x509.ExtensionNotFound, ValueError):
         return False
+
+
+# -- the folder switch and its recovery -------------------------------------------------------------------------
+SWITCHED = ("trusted", "issuers", "crl")
+
+
+def journal_path(layout: PkiLayout) -> Path:
+    return layout.trust_journal
+
+
+def _new(folder: Path) -> Path:
+    return folder.with_name(f".{folder.name}.new")
+
+
+def _old(folder: Path) -> Path:
+    return folder.with_name(f".{folder.name}.old")
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _switch(layout: PkiLayout, names: list[str]) -> None:
+    """Each named folder: live -> .NAME.old, .NAME.new -> live. Idempotent from any point it was cut at."""
+    for name in names:
+        folder = layout.pki_dir / name
+        if not _new(folder).exists():
+            continue  # switched already
+        if folder.exists():
+            shutil.rmtree(_old(folder), ignore_errors=True)  # a leftover: the live folder holds the old list
+            os.rename(folder, _old(folder))
+        os.rename(_new(folder), folder)
+    _fsync_dir(layout.pki_dir)
+
+
+def _undo(layout: PkiLayout, names: list[str]) -> None:
+    """A rename failed after the commit: each switched folder back (new -> .NAME.new, .NAME.old -> live) so the
+    state is that of before the switch, then the journal and the staged folders go. A crash in here leaves the
+    journal, and the next start finishes the switch instead: the new list, whole."""
+    try:
+        for name in reversed(names):
+            folder = layout.pki_dir / name
+            if _old(folder).exists():
+                if folder.exists():
+                    shutil.rmtree(_new(folder), ignore_errors=True)
+                    os.rename(folder, _new(folder))
+                os.rename(_old(folder), folder)
+        _fsync_dir(layout.pki_dir)
+        journal_path(layout).unlink(missing_ok=True)
+        _fsync_dir(layout.pki_dir)
+    except OSError as exc:  # the journal stays: the next start finishes the switch
+        log.error("undoing a failed trust list switch failed too (%s): the next start completes it", exc.strerror)
+        return
+    for name in names:
+        shutil.rmtree(_new(layout.pki_dir / name), ignore_errors=True)
+
+
+def _finish(layout: PkiLayout, names: list[str]) -> None:
+    journal_path(layout).unlink(missing_ok=True)
+    _fsync_dir(layout.pki_dir)
+    for name in names:
+        shutil.rmtree(_old(layout.pki_dir / name), ignore_errors=True)
+
+
+def recover(layout: PkiLayout) -> str | None:
+    """At start (and before each update): a switch cut short by a crash is finished (journal present) or its
+    staging dropped (no journal). Returns what was done, for the log, or None."""
+    journal = journal_path(layout)
+    for torn in layout.pki_dir.glob(f".{journal.name}.*.tmp"):  # a journal cut before its rename: never committed
+        torn.unlink(missing_ok=True)
+    try:
+        names = [n for n in json.loads(journal.read_text())["folders"] if n in SWITCHED]
+    except FileNotFoundError:
+        names = None
+    except (OSError, ValueError, KeyError, TypeError):
+        names = None  # a journal torn before its rename cannot exist (written atomically); unreadable: dropped
+        log.error("the trust list journal %s is unreadable: the update it stood for is dropped", journal.name)
+        journal.unlink(missing_ok=True)
+    if names is not None:
+        _switch(layout, names)
+        _finish(layout, names)
+        log.warning("finished a trust list update cut short (%s): the new list is in place", ", ".join(names))
+        return "finished"
+    done = None
+    for name in SWITCHED:
+        folder = layout.pki_dir / name
+        if _new(folder).exists():
+            shutil.rmtree(_new(folder), ignore_errors=True)  # staged, never committed: the old list stays
+            done = "dropped"
+        if _old(folder).exists():
+            if not folder.exists():
+                os.rename(_old(folder), folder)  # an old-style swap cut between its renames: the old list back
+                done = "restored"
+            else:
+                shutil.rmtree(_old(folder), ignore_errors=True)
+    if done:
+        log.warning("a trust list update cut short before its commit was dropped: the previous list is in place")
+    return done

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from .layout import PkiLayout
-from .store import CRL_REVOKED, CRL_UNKNOWN, CachedStore, StoredCert, StoreSnapshot
+from .store import CRL_NONE, CRL_REVOKED, CRL_UNKNOWN, CachedStore, StoredCert, StoreSnapshot, is_ca
 from .x509io import (
     MALFORMED,
     MAX_CERT_BYTES,
@@ -76,8 +76,10 @@ class TrustList:
         pki_dir: Path,
         clock: Callable[[], datetime] | datetime | None = None,
         copy_rejected: bool = True,
+        require_crl: bool = True,
     ):
         self.layout = PkiLayout(Path(pki_dir))
+        self.require_crl = require_crl  # security.require_crl: a stored CA without a CRL is revocation-unknown
         self._store = CachedStore(self.layout)
         self._clock = clock  # None: the wall clock; tests pass a datetime or a callable
         self._copy_rejected_enabled = copy_rejected  # the CLI checks certificates without filing them
@@ -90,6 +92,20 @@ class TrustList:
     def validate_user_certificate(self, cert_der: bytes) -> ValidationResult:
         """An X509 user identity token's certificate (ActivateSession)."""
         return self._validate(cert_der, None, application=False)
+
+    def issuing_ca(self, cert_der: bytes) -> tuple[str | None, int]:
+        """For a role mapped by subject: the thumbprint of the CA in trusted/ or issuers/ that signed this (leaf)
+        certificate, or None; and how many CA certificates those folders hold."""
+        snap = self._store.get()
+        cas = sum(1 for c in snap.trusted + snap.issuers if is_ca(c.cert))
+        try:
+            leaf = _parse(cert_der)[0]
+        except _Refused:
+            return None, cas
+        issuer = next((c for c in snap.candidates_for(leaf.cert)
+                       if c.thumbprint != leaf.thumbprint and _may_issue(c.cert, 0) and _signed_by(leaf.cert, c.cert)),
+                      None)
+        return (issuer.thumbprint if issuer else None), cas
 
     # -- the steps of Part 4 Table 106, in its order ---------------------------------------------------------
     def _validate(self, cert_der: bytes, application_uri: str | None, application: bool) -> ValidationResult:
@@ -111,7 +127,7 @@ class TrustList:
             if application:
                 _check_uri(leaf.cert, application_uri)
             _check_usage(leaf.cert, application)
-            _check_revocation(chain, anchor, snap)
+            _check_revocation(chain, anchor, snap, self.require_crl)
             return ValidationResult(True, GOOD, "trusted", thumb, subject)
         except _Refused as refused:
             return ValidationResult(False, refused.status, refused.reason, thumb, subject)
@@ -269,13 +285,21 @@ def _check_usage(cert: x509.Certificate, application: bool) -> None:
         raise _Refused(USE, "extendedKeyUsage lacks clientAuth")
 
 
-def _check_revocation(chain: list[StoredCert], anchor: int, snap: StoreSnapshot) -> None:
+def _check_revocation(chain: list[StoredCert], anchor: int, snap: StoreSnapshot, require_crl: bool) -> None:
     """Each certificate up to the trust anchor against its issuer's CRLs. Revocation is checked even above a
-    directly trusted leaf, so a revoked certificate copied back into trusted/ stays refused. An issuer with
-    no CRL passes (plant CAs often have none); one whose CRLs all fail to verify does not."""
-    for index in range(min(anchor + 1, len(chain) - 1)):
+    directly trusted leaf, so a revoked certificate copied back into trusted/ stays refused. An issuer whose CRLs
+    all fail to verify is revocation-unknown; so is a CA of the trust list or the issuers list that has no CRL at
+    all (Part 4, 6.1.3: each CA shall have one), unless require_crl is off: every CA between the leaf and the
+    trust anchor, and a stored CA above a directly trusted certificate. A CA only the peer sent, above a directly
+    trusted certificate, is not asked for one: nobody here could have given it."""
+    for index in reversed(range(min(anchor + 1, len(chain) - 1))):  # from the anchor down: a revoked CA first
         cert, issuer = chain[index].cert, chain[index + 1]
         status = snap.crl_status(cert, issuer)
+        if status == CRL_NONE and require_crl and (index < anchor or snap.stores(issuer)):
+            if index == 0:
+                raise _Refused(REVOCATION_UNKNOWN, f"the issuer {common_name(issuer.cert)!r} has no CRL")
+            raise _Refused(ISSUER_REVOCATION_UNKNOWN,
+                           f"the CA {common_name(issuer.cert)!r} that issued {common_name(cert)!r} has no CRL")
         if status == CRL_REVOKED:
             if index == 0:
                 raise _Refused(REVOKED, "certificate revoked")

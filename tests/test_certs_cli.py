@@ -44,7 +44,7 @@ def test_issue_default_out_dir_and_role_map(state, capsys):
     assert "urn:line3:appliance:client:s7-line3" in out and "not encrypted" in out
     clients = state / "clients"
     assert sorted(p.name for p in clients.iterdir()) == [
-        "s7-line3.ca.der", "s7-line3.der", "s7-line3.key.pem", "s7-line3.p12", "s7-line3.pem"]
+        "s7-line3.ca.crl", "s7-line3.ca.der", "s7-line3.der", "s7-line3.key.pem", "s7-line3.p12", "s7-line3.pem"]
     roles = json.loads((state / "access" / "certificates.json").read_text())
     (entry,) = roles.values()
     assert entry["name"] == "s7-line3" and entry["role"] == "operator" and "CN=s7-line3" in entry["subject"]
@@ -73,7 +73,13 @@ def test_list_shows_certificates_with_roles(state, capsys):
     out = capsys.readouterr().out
     lines = {line.split()[1]: line for line in out.splitlines()[1:]}
     assert "operator" in lines["s7-line3.der"] and "engineer" in lines["scada.der"]
-    assert "[CA]" in lines["appliance-ca.der"]
+    assert "[CA]" in lines["appliance-ca.der"] and "[NO CRL]" not in lines["appliance-ca.der"]
+    plant = make_test_certificate("Plant CA", is_ca=True, application_uri=None)
+    (state / "pki" / "trusted" / "plant-ca.der").write_bytes(plant.cert_der)
+    assert cmd_list(state) == 0
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert "[CA] [NO CRL]" in lines["plant-ca.der"]
+    (state / "pki" / "trusted" / "plant-ca.der").unlink()
 
 
 def test_untrusted_then_trust_then_reject(state, tmp_path, capsys):

@@ -106,8 +106,8 @@ def test_every_key_can_be_set():
     assert cfg.server.ip_addresses == ["192.0.2.10", "2001:db8::10"]
     assert cfg.security.policies == ["Aes256_Sha256_RsaPss"] and cfg.security.modes == ["SignAndEncrypt", "Sign"]
     # thumbprints are normalized (YAML would otherwise read 3F:2A:... style keys in odd ways)
-    assert cfg.security.certificate_roles == {"3f2a00112233445566778899aabbccddeeff019c": "engineer",
-                                              "CN=scada-01, O=Plant": "operator"}
+    assert {k: g.role for k, g in cfg.security.certificate_roles.items()} == {
+        "3f2a00112233445566778899aabbccddeeff019c": "engineer", "CN=scada-01, O=Plant": "operator"}
     assert cfg.security.role_for_certificate("3F2A00112233445566778899AABBCCDDEEFF019C") == "engineer"
     assert cfg.security.role_for_certificate("00" * 20, "O=Plant,CN=scada-01") == "operator"  # RFC 4514 order
     assert cfg.security.role_for_certificate("00" * 20, "CN=other") is None

@@ -75,6 +75,13 @@ def _trust_file(pki: PKI, cert_der: bytes, stem: str, folder: str = "trusted") -
     return path
 
 
+def _empty_crls(pki: PKI, *cas) -> None:
+    """Each CA's (empty) CRL in pki/crl: a CA without one is revocation-unknown (security.require_crl)."""
+    for ca in cas:
+        (pki.layout.crl / f"{ca.cert.subject.rfc4514_string()[:20]}-{ca.cert.serial_number % 9999}.crl").write_bytes(
+            make_test_crl(ca, []))
+
+
 # -- layout and contents ----------------------------------------------------------------------------------------
 def test_init_writes_the_documented_layout(base):
     pki = PKI(base)
@@ -403,6 +410,7 @@ def test_chain_through_an_intermediate_in_issuers(pki, plant_ca):
     _trust_file(pki, root.cert_der, "plant-root")
     assert tl.validate_application_certificate(leaf.cert_der, "urn:hmi-7").status == "BadCertificateUntrusted"
     _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
+    _empty_crls(pki, root, inter)
     assert tl.validate_application_certificate(leaf.cert_der, "urn:hmi-7").ok
     # an intermediate in issuers/ is not itself a trust anchor
     (pki.layout.trusted / "plant-root.der").unlink()
@@ -412,6 +420,7 @@ def test_chain_through_an_intermediate_in_issuers(pki, plant_ca):
 def test_chain_sent_by_the_peer_supplies_the_intermediate(pki, plant_ca):
     root, inter, leaf = plant_ca
     _trust_file(pki, root.cert_der, "plant-root")
+    _empty_crls(pki, root, inter)
     tl = TrustList(pki.layout.pki_dir)
     result = tl.validate_application_certificate(leaf.cert_der + inter.cert_der, "urn:hmi-7")
     assert result.ok and result.thumbprint == hashlib.sha1(leaf.cert_der).hexdigest()
@@ -490,6 +499,7 @@ def test_forged_crl_is_ignored_and_leaves_revocation_unknown(pki, plant_ca, ca2_
     root, inter, leaf = plant_ca
     _trust_file(pki, root.cert_der, "plant-root")
     _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
+    _empty_crls(pki, root)
     tl = TrustList(pki.layout.pki_dir)
     forged = make_test_crl(inter, [leaf.cert.serial_number], signing_key=key)  # not the issuer's key
     (pki.layout.crl / "plant-issuing.crl").write_bytes(forged)
@@ -510,6 +520,7 @@ def test_a_crl_file_that_does_not_parse_is_ignored(pki, plant_ca):
     _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
     genuine = make_test_crl(inter, [])
     (pki.layout.crl / "plant-issuing.crl").write_bytes(genuine)
+    _empty_crls(pki, root)
     at = genuine.find(b"\x02\x01\x01")  # TBSCertList's version: v2
     (pki.layout.crl / "damaged.crl").write_bytes(genuine[:at] + b"\x02\x01\x05" + genuine[at + 3:])
     assert TrustList(pki.layout.pki_dir).validate_application_certificate(leaf.cert_der, None).ok
@@ -527,6 +538,30 @@ def test_revoked_intermediate_is_issuer_revoked(pki, plant_ca):
     (pki.layout.crl / "plant-root.crl.pem").write_bytes(forged)
     assert tl.validate_application_certificate(leaf.cert_der, None).status == \
         "BadCertificateIssuerRevocationUnknown"
+
+
+def test_a_ca_without_a_crl_is_revocation_unknown_unless_the_yaml_says_otherwise(pki, plant_ca):
+    """Part 4: each CA of the chain needs its CRL. A GDS push that leaves a CA's CRL out does not un-revoke."""
+    root, inter, leaf = plant_ca
+    _trust_file(pki, root.cert_der, "plant-root")
+    _trust_file(pki, inter.cert_der, "plant-issuing", folder="issuers")
+    strict = TrustList(pki.layout.pki_dir)
+    lax = TrustList(pki.layout.pki_dir, require_crl=False)
+    result = strict.validate_application_certificate(leaf.cert_der, None)
+    assert (result.status, result.reason) == ("BadCertificateIssuerRevocationUnknown",
+                                              "the CA 'Plant Root' that issued 'Plant Issuing' has no CRL")
+    assert lax.validate_application_certificate(leaf.cert_der, None).ok
+    _empty_crls(pki, root)
+    result = strict.validate_application_certificate(leaf.cert_der, None)
+    assert (result.status, result.reason) == ("BadCertificateRevocationUnknown",
+                                              "the issuer 'Plant Issuing' has no CRL")
+    _empty_crls(pki, inter)
+    assert strict.validate_application_certificate(leaf.cert_der, None).ok
+    # the appliance CA's own CRL removed: its clients are revocation-unknown, not silently un-revoked
+    client = (pki.state_dir / "clients" / "plc1.der").read_bytes()
+    pki.layout.ca_crl_der.unlink()
+    assert strict.validate_user_certificate(client).status == "BadCertificateRevocationUnknown"
+    assert lax.validate_user_certificate(client).ok
 
 
 def test_unexpected_failure_is_security_checks_failed(base):
@@ -597,8 +632,10 @@ def test_list_shows_roles_revocations_and_rejected(pki, key):
 
 def test_export_server(base, tmp_path):
     files = PKI(base).export_server(tmp_path / "export")
-    assert sorted(p.name for p in files) == ["appliance-ca.der", "appliance-ca.pem", "appliance-server.der",
-                                              "appliance-server.pem"]
+    assert sorted(p.name for p in files) == ["appliance-ca.crl", "appliance-ca.der", "appliance-ca.pem",
+                                              "appliance-server.der", "appliance-server.pem"]
+    crl = x509.load_der_x509_crl((tmp_path / "export" / "appliance-ca.crl").read_bytes())
+    assert crl.is_signature_valid(_der(PKI(base).layout.ca_cert_der).public_key())
     assert (tmp_path / "export" / "appliance-server.der").read_bytes() == PKI(base).layout.own_cert_der.read_bytes()
     assert x509.load_pem_x509_certificate((tmp_path / "export" / "appliance-ca.pem").read_bytes()) == \
         _der(PKI(base).layout.ca_cert_der)

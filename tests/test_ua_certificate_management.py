@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import os
 import socket
+import stat
 import subprocess
 import time
 import urllib.request
@@ -30,7 +32,7 @@ from gds import (CERT_TYPE, GROUP, SERVER_CONFIGURATION, TRUST_LIST, byte_string
                  write_trust_list)
 from harness import RunningAppliance
 from onnx_models import affine_model
-from uaclient import call as call_model, floats, run, session
+from uaclient import call as call_model, floats, run, session, status_name
 
 PLC_URI = "urn:plant:line3:plc7"
 
@@ -479,3 +481,214 @@ def test_an_install_interrupted_half_way_is_finished_at_the_next_start(tmp_path)
     assert pki.layout.own_cert_der.read_bytes() == cert and not store.pending_dir.exists()
     key = serialization.load_pem_private_key(pki.layout.own_key_pem.read_bytes(), None)
     assert key.public_key().public_numbers() == x509.load_der_x509_certificate(cert).public_key().public_numbers()
+
+
+def test_close_and_update_of_a_large_list_answers_other_sessions_meanwhile(app, tmp_path):
+    """A list of 1,000 certificates written, parsed and fsynced by CloseAndUpdate: an HMI's reads go on being
+    answered."""
+    key = make_test_certificate("bulk-0").key
+    bulk = [make_test_certificate(f"bulk-{i}", key=key, application_uri=f"urn:bulk:{i}").cert_der
+            for i in range(990)]
+
+    async def go():
+        async with session(app, *app.admin) as gds, session(app, *app.monitor) as hmi:
+            tl = await read_trust_list(gds)
+            original = ua.TrustListDataType(SpecifiedLists=15, TrustedCertificates=list(tl.TrustedCertificates),
+                                            TrustedCrls=list(tl.TrustedCrls),
+                                            IssuerCertificates=list(tl.IssuerCertificates),
+                                            IssuerCrls=list(tl.IssuerCrls))
+            tl.TrustedCertificates = (list(tl.TrustedCertificates) + bulk)[:1000]  # MAX_ENTRIES a list
+            state = hmi.get_node(ua.NodeId(ua.ObjectIds.Server_ServerStatus_State))
+            answered: list[float] = []
+            done = asyncio.Event()
+
+            async def poll():
+                while not done.is_set():
+                    await state.read_value()
+                    answered.append(time.monotonic())
+
+            poller = asyncio.create_task(poll())
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            res = await write_trust_list(gds, tl, piece=200_000)
+            t1 = time.monotonic()
+            done.set()
+            await poller
+            assert res.StatusCode.is_good(), res.StatusCode
+            assert len((await read_trust_list(gds)).TrustedCertificates) == len(tl.TrustedCertificates)
+            assert (await write_trust_list(gds, original, piece=200_000)).StatusCode.is_good()
+            return t0, t1, answered
+
+    t0, t1, answered = run(go(), 300)
+    during = [t for t in answered if t0 <= t <= t1]
+    gaps = [b - a for a, b in zip([t0, *during], [*during, t1])]
+    print(f"CloseAndUpdate of a 1,000-certificate list (with the writes): {t1 - t0:.2f} s; {len(during)} reads "
+          f"answered meanwhile, the longest wait {max(gaps) * 1000:.0f} ms")
+    assert t1 - t0 > 0.5  # long enough to tell a blocked loop from a free one
+    assert max(gaps) < (t1 - t0) / 3, "the event loop stood still while the trust list was written"
+
+
+def test_a_replaced_list_with_a_non_ca_issuer_is_refused_and_changes_nothing(app, tmp_path):
+    leaf = make_test_certificate("not-a-ca", application_uri=None)
+
+    async def go():
+        async with session(app, *app.admin) as gds:
+            tl = await read_trust_list(gds)
+            before = sorted(tl.IssuerCertificates)
+            tl.IssuerCertificates = list(tl.IssuerCertificates) + [leaf.cert_der]
+            res = await write_trust_list(gds, tl)
+            assert res.StatusCode.name == "BadCertificateInvalid", res.StatusCode
+            assert sorted((await read_trust_list(gds)).IssuerCertificates) == before
+    run(go(), 120)
+
+
+def test_close_and_update_without_the_appliance_cas_crl_says_so_and_revokes_nothing(tmp_path):
+    """A GDS push that leaves out the appliance CA's CRL: answered Good (the list is the GDS's), audited and raised
+    as an event naming the CA; the CA's clients are then refused as revocation-unknown, not silently un-revoked."""
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}})
+    try:
+        admin = a.issue("gds", "security_admin")
+        plc = a.issue("plc1", "operator")
+        ca_subject = x509.load_der_x509_certificate(a.pki.layout.ca_cert_der.read_bytes()).subject.rfc4514_string()
+
+        async def go():
+            async with session(a, *plc):
+                pass  # the CA's CRL in place: connected
+            async with session(a, *admin) as gds:
+                tl = await read_trust_list(gds)
+                assert len(tl.TrustedCrls) == 1
+                tl.TrustedCrls = []
+                res = await write_trust_list(gds, tl)
+                assert res.StatusCode.is_good(), res.StatusCode
+            with pytest.raises(ua.UaStatusCodeError) as refused:
+                async with session(a, *plc):
+                    pass
+            return refused.value
+        refused = run(go(), 120)
+        assert type(refused).__name__ == "BadCertificateRevocationUnknown"
+        update = [r for r in audit_records(a) if r["action"] == "TrustList.CloseAndUpdate"][-1]
+        assert update["status"] == "Good" and "CAs without a CRL" in update["detail"] and ca_subject in \
+            update["detail"]
+    finally:
+        a.stop()
+
+
+def test_a_requested_key_goes_with_cancel_apply_and_age_and_its_late_certificate_is_refused_saying_why(tmp_path):
+    """CreateSigningRequest with RegeneratePrivateKey keeps a new key (0600, in a 0700 folder) only while its
+    request is pending: a second request, CancelChanges, ApplyChanges of another certificate and 24 hours each end
+    it, and a certificate issued for it afterwards is refused with the reason in the audit trail."""
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}},
+                         extra={"security": {"crl_check_interval_s": 1}})
+    ca = plant_ca("Pending CA")
+    key_file = a.pki.layout.private / "requested-key.pem"
+    try:
+        admin = a.issue("gds", "security_admin")
+
+        def refusal() -> str:
+            return [r for r in audit_records(a) if r["action"] == "UpdateCertificate"][-1]["detail"]
+
+        async def go():
+            async with session(a, *admin) as gds:
+                first = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+                assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+                second = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                res = await update_certificate(gds, sign_request(ca, first), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)  # audited once the answer is out
+                assert "superseded by a later CreateSigningRequest" in refusal()
+
+                assert (await call(gds, SERVER_CONFIGURATION, method("CancelChanges"))).StatusCode.is_good()
+                assert not key_file.exists()
+                res = await update_certificate(gds, sign_request(ca, second), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)
+                assert "cancelled by CancelChanges" in refusal()
+
+                third = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                same_key = await create_signing_request(gds, new_key=False)
+                res = await update_certificate(gds, sign_request(ca, same_key), [ca.cert_der])
+                assert res.StatusCode.is_good(), res.StatusCode
+                assert (await call(gds, SERVER_CONFIGURATION, method("ApplyChanges"))).StatusCode.is_good()
+                assert not key_file.exists()
+            await asyncio.sleep(1.5)  # ApplyChanges closes the channels opened before it
+            async with session(a, *admin) as gds:
+                res = await update_certificate(gds, sign_request(ca, third), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)
+                assert "superseded by ApplyChanges of another certificate" in refusal()
+
+                fourth = await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                old = time.time() - 25 * 3600
+                os.utime(key_file, (old, old))
+                res = await update_certificate(gds, sign_request(ca, fourth), [ca.cert_der])
+                assert res.StatusCode.name == "BadCertificateInvalid"
+                await asyncio.sleep(0.3)
+                assert "expired 24 hours after its CreateSigningRequest" in refusal()
+                assert not key_file.exists()
+
+                # nobody calls: serve's timer deletes a key that waited too long all the same
+                await create_signing_request(gds, new_key=True, nonce=bytes(range(32)))
+                os.utime(key_file, (old, old))
+                end = time.monotonic() + 15
+                while key_file.exists() and time.monotonic() < end:
+                    await asyncio.sleep(0.2)
+                assert not key_file.exists()
+        run(go(), 240)
+    finally:
+        a.stop()
+
+
+def test_get_certificates_from_node_opcua(app):
+    """Part 12 1.05's GetCertificates, called by node-opcua (generic session.call by NodeId: its push-management
+    client has no method for it) as a GDS reads which certificates the server holds; security_admin only."""
+    out = node_step(app, app.admin, "get-certificates")
+    assert out["status"] == "Good", out
+    assert out["certificateTypes"] == ["ns=0;i=12560"]  # RsaSha256ApplicationCertificateType
+    assert out["certificates"] == [thumbprint(app.pki.layout.own_cert_der.read_bytes())]
+    assert out["serverCertificate"] == out["certificates"][0]  # the one its channel presented
+    assert node_step(app, app.engineer, "get-certificates")["status"] == "BadUserAccessDenied"
+
+    async def go():
+        async with session(app, *app.admin) as gds:
+            node = gds.get_node(ua.NodeId(ua.ObjectIds.ServerConfiguration_GetCertificates))
+            assert (await node.read_browse_name()).Name == "GetCertificates"
+            wrong = await call(gds, SERVER_CONFIGURATION, node.nodeid, nodeid(ua.NodeId(5, 0)))
+            assert wrong.StatusCode.name == "BadInvalidArgument"
+            # by the type's method NodeId too, with a null group (the default group)
+            type_method = ua.NodeId(ua.ObjectIds.ServerConfigurationType_GetCertificates)
+            by_type = await call(gds, SERVER_CONFIGURATION, type_method, nodeid(ua.NodeId()))
+            assert by_type.StatusCode.is_good(), by_type.StatusCode
+            assert outputs(by_type)[1] == [app.pki.layout.own_cert_der.read_bytes()]
+    run(go(), 60)
+
+
+def test_security_admin_calls_have_a_rate_limit_bucket(tmp_path):
+    affine_model(tmp_path / "affine.onnx")
+    a = RunningAppliance(tmp_path / "state", {"affine": {"kind": "tensor", "path": str(tmp_path / "affine.onnx")}},
+                         extra={"security": {"rate_limits": {"security_admin": {"calls_per_s": 0.2, "burst": 3}}}})
+    try:
+        gds1, gds2, plc = a.issue("gds1", "security_admin"), a.issue("gds2", "security_admin"), \
+            a.issue("plc1", "operator")
+
+        async def go():
+            async with session(a, *gds1) as c1, session(a, *gds2) as c2, session(a, *plc) as p:
+                statuses = [(await call(c1, SERVER_CONFIGURATION, method("GetRejectedList"))).StatusCode.name
+                            for _ in range(4)]
+                assert statuses == ["Good"] * 3 + ["BadTooManyOperations"], statuses
+                # one bucket for the role: the other GDS client is over it too; operators are not
+                assert (await call(c2, SERVER_CONFIGURATION, method("GetRejectedList"))).StatusCode.name == \
+                    "BadTooManyOperations"
+                assert status_name(await call_model(p, "affine", "Infer", [floats([1] * 4)])) == "Good"
+        run(go(), 60)
+        assert metric_line(a, 'appliance_rate_limited_total{role="security_admin"}') == 2.0
+    finally:
+        a.stop()
+
+
+def metric_line(app, prefix: str) -> float:
+    with urllib.request.urlopen(app.metrics_url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix + " "))

@@ -48,15 +48,18 @@ login_verdict: contextvars.ContextVar[LoginVerdict | None] = contextvars.Context
 class ApplianceUserManager(UserManager):
     def __init__(self, *, anonymous: bool, user_names: bool, x509_users: bool,
                  validate_user_certificate: Callable[[bytes], str],
-                 configured_role: Callable[[str, str], str | None],
+                 configured_role: Callable[[str, str, str | None, int], str | None],
                  role_for_certificate: Callable[[bytes], str | None],
+                 issuing_ca: Callable[[bytes], tuple[str | None, int]] = lambda der: (None, 0),
                  authenticate: Callable[[str, str, str], str | None]):
         self.anonymous = anonymous
         self.user_names = user_names
         self.x509_users = x509_users
         self.validate_user_certificate = validate_user_certificate
-        self.configured_role = configured_role  # the YAML's security.certificate_roles (thumbprint or subject)
+        # the YAML's security.certificate_roles: (thumbprint, subject, issuing CA's thumbprint, CAs trusted) -> role
+        self.configured_role = configured_role
         self.role_for_certificate = role_for_certificate
+        self.issuing_ca = issuing_ca  # the CA that signed a certificate, and how many CAs are trusted
         self.authenticate = authenticate
 
     def get_user(self, iserver, username=None, password=None, certificate=None) -> ApplianceUser | None:
@@ -99,4 +102,6 @@ class ApplianceUserManager(UserManager):
             subject = x509.load_der_x509_certificate(der).subject.rfc4514_string()
         except ValueError:
             return None
-        return self.configured_role(thumbprint(der), subject) or self.role_for_certificate(der)
+        # a subject is an identity only together with the CA that vouches for it (any trusted CA can issue it)
+        issuer, trusted_cas = self.issuing_ca(der)
+        return self.configured_role(thumbprint(der), subject, issuer, trusted_cas) or self.role_for_certificate(der)

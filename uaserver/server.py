@@ -100,7 +100,7 @@ class ApplianceUaServer:
                                    describe=self.ai.values)
         # Part 12 certificate management (not in an address space built for `appliance nodeset`, which has no PKI);
         # certificate_changed: the expiry metric and alarm follow a new server certificate
-        self.certificates = (ServerConfiguration(config, pki, self.handlers, certificate_changed)
+        self.certificates = (ServerConfiguration(config, pki, self.handlers, certificate_changed, self.emit_event)
                              if pki is not None else None)
 
     def method_specs(self) -> list[MethodSpec]:
@@ -149,6 +149,7 @@ class ApplianceUaServer:
             anonymous=sec.anonymous, user_names=sec.user_names, x509_users=sec.x509_users,
             validate_user_certificate=lambda der: self.trust_list.validate_user_certificate(der).status,
             configured_role=sec.role_for_certificate, role_for_certificate=self.pki.role_for_certificate,
+            issuing_ca=lambda der: self.trust_list.issuing_ca(der),
             authenticate=self.user_store.authenticate if self.user_store is not None else (lambda *a: None))
         server = AppServer(user_manager=manager)
         await server.init()

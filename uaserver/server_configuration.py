@@ -1,5 +1,6 @@
 """Part 12 push certificate management behind namespace 0's ServerConfiguration object (i=12637): its properties,
-CreateSigningRequest, UpdateCertificate, ApplyChanges, CancelChanges, GetRejectedList, and the
+CreateSigningRequest, UpdateCertificate, ApplyChanges, CancelChanges, GetRejectedList, GetCertificates (1.05; added
+to the address space here, asyncua's namespace 0 predates it), and the
 DefaultApplicationGroup's TrustList (i=12642) as a file (trust_list_file.py).
 
 Every method runs through MethodHandlers.wrap (the `security_admin` right, rate limit, audit, status codes) and
@@ -62,7 +63,12 @@ for _prefix, _names in (("ServerConfiguration", CONFIGURATION_METHODS), ("Server
     for _name, _node in _method_ids(_prefix, _names):
         METHOD_NODES.setdefault(_name, []).append(_node)
 # (name, input count) of each method
-ARGUMENT_COUNTS = {"CreateSigningRequest": 5, "UpdateCertificate": 6, "ApplyChanges": 0, "CancelChanges": 0,
+# GetCertificates (Part 12 1.05) is not in asyncua's namespace 0: start() adds it, on the instance and the type
+GET_CERTIFICATES_NODES = (ua.NodeId(O.ServerConfiguration_GetCertificates),
+                          ua.NodeId(O.ServerConfigurationType_GetCertificates))
+METHOD_NODES["GetCertificates"] = list(GET_CERTIFICATES_NODES)
+ARGUMENT_COUNTS = {"GetCertificates": 1,
+                   "CreateSigningRequest": 5, "UpdateCertificate": 6, "ApplyChanges": 0, "CancelChanges": 0,
                    "GetRejectedList": 0, "Open": 1, "Close": 1, "Read": 2, "Write": 2, "GetPosition": 1,
                    "SetPosition": 2, "OpenWithMasks": 1, "CloseAndUpdate": 1, "AddCertificate": 2,
                    "RemoveCertificate": 2}
@@ -80,16 +86,19 @@ def server_identity(config) -> ServerIdentity:
 
 class ServerConfiguration:
     def __init__(self, config, pki: PKI, handlers: MethodHandlers,
-                 certificate_changed: Callable[[], None] = lambda: None):
+                 certificate_changed: Callable[[], None] = lambda: None,
+                 emit_event: Callable[[str, int], None] = lambda message, severity: None):
         self.config = config
         self.identity = server_identity(config)
         self.store = ServerCertificateStore(pki.layout.pki_dir)
         self.rejected_dir = pki.layout.rejected
         self.handlers = handlers
         self.certificate_changed = certificate_changed  # the expiry metric and alarm follow the new certificate
+        self.emit_event = emit_event  # a server event (message, severity) for what a GDS should be told
         self.server: Server | None = None
         self.trust_list = TrustListFile(TrustListFolders(pki.layout.pki_dir), self._live_sessions)
         self._lock = asyncio.Lock()  # one change of the certificate files at a time
+        self._last_refusal = ""
 
     def _live_sessions(self) -> set[str]:
         return {s.key for s in external_sessions(self.server)} if self.server is not None else set()
@@ -118,7 +127,9 @@ class ServerConfiguration:
         for node, value, vtype in values:
             await server.get_node(ua.NodeId(node)).write_value(ua.Variant(value, vtype) if vtype else value)
         await self._trust_list_variables()
+        await _add_get_certificates(server)
         bodies = {
+            "GetCertificates": self._get_certificates,
             "CreateSigningRequest": self._create_signing_request, "UpdateCertificate": self._update_certificate,
             "ApplyChanges": self._apply_changes, "CancelChanges": self._cancel_changes,
             "GetRejectedList": self._get_rejected_list, "Open": self._open, "Close": self._close, "Read": self._read,
@@ -127,7 +138,7 @@ class ServerConfiguration:
             "AddCertificate": self._add_certificate, "RemoveCertificate": self._remove_certificate,
         }
         for name, body in bodies.items():
-            target = SERVER_CONFIGURATION if name in CONFIGURATION_METHODS else TRUST_LIST
+            target = SERVER_CONFIGURATION if name in (*CONFIGURATION_METHODS, "GetCertificates") else TRUST_LIST
             label = name if target == SERVER_CONFIGURATION else f"TrustList.{name}"
             callback = self.handlers.wrap(label, "", RIGHT, ARGUMENT_COUNTS[name], self._guarded(target, body))
             for node in METHOD_NODES[name]:
@@ -161,8 +172,12 @@ class ServerConfiguration:
         before = self._thumbprint()
         ctx.detail = f"server certificate {before}; offered {_thumbprint_of(cert)}"
         async with self._lock:
-            staged = await asyncio.to_thread(self._refusing, self.store.stage, self.identity, cert, issuers,
-                                             key_format, key)
+            try:
+                staged = await asyncio.to_thread(self._refusing, self.store.stage, self.identity, cert, issuers,
+                                                 key_format, key)
+            except MethodStatus:
+                ctx.detail += f"; refused: {self._last_refusal}"  # the reason, for the GDS's operator
+                raise
         ctx.detail = (f"server certificate {before}; staged {staged.thumbprint} (issuers "
                       f"{', '.join(thumbprint(to_der(c)) for c in staged.issuers) or 'none'}"
                       f"{', new private key' if staged.new_key else ''}) until ApplyChanges")
@@ -191,9 +206,18 @@ class ServerConfiguration:
     async def _cancel_changes(self, ctx: CallContext, args: tuple):
         async with self._lock:
             had = await asyncio.to_thread(self.store.discard)
-        outcome = "staged certificate discarded" if had else "nothing staged"
+        outcome = "staged certificate and requested key discarded" if had else "nothing staged"
         ctx.detail = f"server certificate {self._thumbprint()}; {outcome}"
         return []
+
+    async def _get_certificates(self, ctx: CallContext, args: tuple):
+        """Part 12 1.05: the certificate types and certificates of a group; here one group, one RSA-SHA256
+        certificate (the one the channels present, leaf only)."""
+        _certificate_group(args[0], 0)
+        der = await asyncio.to_thread(lambda: to_der(self.store.certificate()))
+        ctx.detail = f"server certificate {thumbprint(der)}"
+        return [ua.Variant([CERTIFICATE_TYPE], ua.VariantType.NodeId, is_array=True),
+                ua.Variant([der], ua.VariantType.ByteString, is_array=True)]
 
     async def _get_rejected_list(self, ctx: CallContext, args: tuple):
         found = []
@@ -208,7 +232,8 @@ class ServerConfiguration:
     # -- the TrustList file -------------------------------------------------------------------------------------
     async def _open(self, ctx: CallContext, args: tuple):
         mode = _integer(args[0], 0, 0, 255)
-        handle = self.trust_list.open(ctx.session.key, mode)
+        async with self._lock:  # not while an update switches the folders: the list read is the old or the new
+            handle = self.trust_list.open(ctx.session.key, mode)
         ctx.detail = f"handle {handle} mode {mode}"
         await self._trust_list_variables()
         return [ua.Variant(handle, ua.VariantType.UInt32)]
@@ -217,7 +242,8 @@ class ServerConfiguration:
         masks = _integer(args[0], 0, 0, 0xFFFFFFFF)
         if masks & ~ALL:
             raise MethodStatus("BadInvalidArgument")
-        handle = self.trust_list.open(ctx.session.key, READ, masks)
+        async with self._lock:
+            handle = self.trust_list.open(ctx.session.key, READ, masks)
         ctx.detail = f"handle {handle} masks {masks}"
         await self._trust_list_variables()
         return [ua.Variant(handle, ua.VariantType.UInt32)]
@@ -243,23 +269,31 @@ class ServerConfiguration:
         return []
 
     async def _close_and_update(self, ctx: CallContext, args: tuple):
-        before = self.trust_list.folders.thumbprints()
-        try:
-            async with self._lock:
-                content = self.trust_list.close_and_update(ctx.session.key, _handle(args[0]))
-        finally:
-            await self._trust_list_variables()
-        after = self.trust_list.folders.thumbprints()
+        async with self._lock:
+            try:
+                before = await asyncio.to_thread(self.trust_list.folders.thumbprints)
+                content = await self.trust_list.close_and_update(ctx.session.key, _handle(args[0]))
+                after = await asyncio.to_thread(self.trust_list.folders.thumbprints)
+                missing = await asyncio.to_thread(self.trust_list.folders.cas_without_crl)
+            finally:
+                await self._trust_list_variables()
         ctx.detail = (f"lists {content.specified}; trusted {_listed(before['trusted'])} -> "
                       f"{_listed(after['trusted'])}; issuers {_listed(before['issuers'])} -> "
                       f"{_listed(after['issuers'])}")
+        if missing and self.config.security.require_crl:
+            # Good all the same (the list is what the GDS wrote), but the GDS and the plant are told
+            warning = (f"CAs without a CRL: {', '.join(missing)}: the certificates they issued are refused "
+                       "(BadCertificateRevocationUnknown) until their CRLs are added (security.require_crl)")
+            ctx.detail += f"; {warning}"
+            log.warning("trust list updated through CloseAndUpdate: %s", warning)
+            self.emit_event(f"Trust list updated: {warning}", 700)
         return [ua.Variant(False, ua.VariantType.Boolean)]  # in effect at once: the next CreateSession sees it
 
     async def _add_certificate(self, ctx: CallContext, args: tuple):
         der, trusted = _bytes(args[0], 0), _boolean(args[1], 1)
         ctx.detail = f"add {_thumbprint_of(der)} to {'trusted' if trusted else 'issuers'}"
         async with self._lock:
-            self.trust_list.add_certificate(der, trusted)
+            await self.trust_list.add_certificate(der, trusted)
         await self._trust_list_variables()
         return []
 
@@ -267,17 +301,17 @@ class ServerConfiguration:
         thumb, trusted = _string(args[0], 0), _boolean(args[1], 1)
         ctx.detail = f"remove {thumb[:64]} from {'trusted' if trusted else 'issuers'}"
         async with self._lock:
-            self.trust_list.remove_certificate(thumb, trusted)
+            await self.trust_list.remove_certificate(thumb, trusted)
         await self._trust_list_variables()
         return []
 
     # -- helpers ------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _refusing(fn, *args):
+    def _refusing(self, fn, *args):
         try:
             return fn(*args)
         except CertificateRefused as refused:
             log.warning("certificate management refused: %s", refused.reason)
+            self._last_refusal = refused.reason  # read right after, under self._lock
             raise MethodStatus(refused.status) from None
 
     def _thumbprint(self) -> str:
@@ -290,11 +324,29 @@ class ServerConfiguration:
         node = self.server.get_node
         prefix = "ServerConfiguration_CertificateGroups_DefaultApplicationGroup_TrustList_"
         await node(ua.NodeId(getattr(O, prefix + "Size"))).write_value(
-            ua.Variant(self.trust_list.size(), ua.VariantType.UInt64))
+            ua.Variant(await asyncio.to_thread(self.trust_list.size), ua.VariantType.UInt64))
         await node(ua.NodeId(getattr(O, prefix + "OpenCount"))).write_value(
             ua.Variant(len(self.trust_list.handles), ua.VariantType.UInt16))
         await node(ua.NodeId(getattr(O, prefix + "LastUpdateTime"))).write_value(
             ua.Variant(self.trust_list.last_update, ua.VariantType.DateTime))
+
+
+async def _add_get_certificates(server: Server) -> None:
+    """ServerConfiguration.GetCertificates and ServerConfigurationType's, with their argument descriptions."""
+    def argument(name: str, data_type: int, array: bool, text: str) -> ua.Argument:
+        return ua.Argument(Name=name, DataType=ua.NodeId(data_type), ValueRank=1 if array else -1,
+                           ArrayDimensions=[0] if array else [], Description=ua.LocalizedText(text))
+    inputs = [argument("CertificateGroupId", O.NodeId, False, "the certificate group (null: the default group)")]
+    outputs = [argument("CertificateTypeIds", O.NodeId, True, "the type of each certificate"),
+               argument("Certificates", O.ByteString, True, "the group's certificates, DER")]
+    for parent, node in zip((SERVER_CONFIGURATION, ua.NodeId(O.ServerConfigurationType)), GET_CERTIFICATES_NODES):
+        try:
+            await server.get_node(node).read_browse_name()
+            continue  # a newer namespace 0 has it already
+        except ua.UaStatusCodeError:
+            pass
+        await server.get_node(parent).add_method(node, ua.QualifiedName("GetCertificates", 0),
+                                                 lambda parent, *args: [], inputs, outputs)
 
 
 def _listed(thumbs: list[str]) -> str:

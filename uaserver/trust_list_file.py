@@ -7,6 +7,7 @@ writes. The method bodies raise MethodStatus with the standard status codes; ser
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import Callable
@@ -129,33 +130,35 @@ class TrustListFile:
         self._file(session_key, handle)
         del self.handles[handle]
 
-    def close_and_update(self, session_key: str, handle: int) -> TrustListContent:
-        """Apply what was written: all of it or nothing. The handle is closed either way."""
+    async def close_and_update(self, session_key: str, handle: int) -> TrustListContent:
+        """Apply what was written: all of it or nothing. The handle is closed either way. The parsing, writing and
+        fsyncs run in a thread (a 1,000-entry list takes seconds on a slow disk): every session is answered
+        meanwhile; the caller holds the lock that keeps other changes of the folders out."""
         f = self._file(session_key, handle)
         if not f.writing:
             raise MethodStatus("BadInvalidState")
         del self.handles[handle]
         content = decode(f.data)
         try:
-            self.folders.replace(content)
+            await asyncio.to_thread(self.folders.replace, content)
         except TrustListRefused as refused:
             log.warning("trust list update refused: %s", refused.reason)
             raise MethodStatus(refused.status) from None
         self.last_update = datetime.now(timezone.utc)
         return content
 
-    def add_certificate(self, der: bytes, trusted: bool) -> None:
+    async def add_certificate(self, der: bytes, trusted: bool) -> None:
         self._refuse_while_open()
         try:
-            self.folders.add_certificate(der, trusted)
+            await asyncio.to_thread(self.folders.add_certificate, der, trusted)
         except TrustListRefused as refused:
             raise MethodStatus(refused.status) from None
         self.last_update = datetime.now(timezone.utc)
 
-    def remove_certificate(self, thumb: str, trusted: bool) -> None:
+    async def remove_certificate(self, thumb: str, trusted: bool) -> None:
         self._refuse_while_open()
         try:
-            self.folders.remove_certificate(thumb, trusted)
+            await asyncio.to_thread(self.folders.remove_certificate, thumb, trusted)
         except TrustListRefused as refused:
             raise MethodStatus(refused.status) from None
         self.last_update = datetime.now(timezone.utc)

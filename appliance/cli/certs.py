@@ -44,7 +44,7 @@ def register(sub) -> None:
     x.add_argument("file")
     x = csub.add_parser("revoke", help="revoke an issued certificate (takes effect at once)")
     x.add_argument("name")
-    x = csub.add_parser("export-server", help="the server certificate and CA as DER and PEM")
+    x = csub.add_parser("export-server", help="the server certificate and CA as DER and PEM, and the CA's CRL")
     x.add_argument("--out")
     certs_push.register(csub)  # csr, install-server
     for action_parser in csub.choices.values():
@@ -114,7 +114,10 @@ def cmd_init(state_dir: Path, application_uri: str, hostnames, ips, force: bool,
     print(f"server key          {pki.layout.own_key_pem}")
     print(f"appliance CA        {pki.layout.ca_cert_der}  {pki.layout.ca_cert_pem}")
     print(f"CA key              {pki.layout.ca_key_pem}  (keep it secret; only `certs issue` and `revoke` need it)")
-    print("Import the CA certificate (ca.der) into each PLC's or client's trust list.")
+    print(f"CA's CRL            {pki.layout.ca_crl_der}  (next update {_date(pki.crl_next_update())}; "
+          "re-signed by `appliance serve` 30 days before)")
+    print("Import the CA certificate (ca.der) and its CRL into each PLC's or client's trust list "
+          "(`appliance certs export-server` writes both).")
     return OK
 
 
@@ -134,6 +137,8 @@ def cmd_issue(state_dir: Path, name: str, role: str, out_dir: Path | None, hostn
     print(f"  thumbprint      {issued.thumbprint}")
     for path in issued.files:
         print(f"  {path}")
+    print(f"Hand out {issued.ca_der_path.name} and {issued.ca_crl_path.name} (the CA's CRL, next update "
+          f"{_date(issued.crl_next_update)}) with it: a client that checks revocation needs both to trust the server.")
     if password is None:
         print("note: the private key and the .p12 are not encrypted; protect these files or use --password")
     return OK
@@ -152,6 +157,7 @@ def cmd_list(state_dir: Path) -> int:
             continue
         flags = " [CA]" if e.is_ca else ""
         flags += " [REVOKED]" if e.revoked else ""
+        flags += " [NO CRL]" if e.no_crl else ""  # its certificates are refused while security.require_crl is on
         print(f"{e.location:9} {e.file:32} {e.role or '-':9} {_date(e.not_after):10} {e.thumbprint}  {e.subject}{flags}")
     return OK
 
@@ -186,6 +192,9 @@ def cmd_revoke(state_dir: Path, name: str) -> int:
     label = revoked.name or revoked.thumbprint
     if revoked.on_crl:
         print(f"revoked {label} (serial {revoked.serial:x}): on the CA's CRL, out of trusted/ and the role map")
+        print(f"Hand out the new CRL to every client that checks revocation: {revoked.crl_path} (next update "
+              f"{_date(revoked.crl_next_update)}), or appliance-ca.crl from `appliance certs export-server`; "
+              "it replaces each NAME.ca.crl given out before.")
     else:
         print(f"removed {label} from trusted/ and the role map (not issued by this appliance's CA, so not on its CRL)")
     return OK
@@ -195,5 +204,7 @@ def cmd_revoke(state_dir: Path, name: str) -> int:
 def cmd_export_server(state_dir: Path, out_dir: Path) -> int:
     for path in PKI(state_dir).export_server(Path(out_dir)):
         print(path)
-    print("Import appliance-server.der (TIA Portal) or appliance-ca.der into the PLC's certificate manager.")
+    next_update = _date(PKI(state_dir).crl_next_update())
+    print("Import appliance-server.der (TIA Portal) or appliance-ca.der into the PLC's certificate manager, with "
+          f"appliance-ca.crl (the CA's CRL, next update {next_update}) where it checks revocation.")
     return OK

@@ -42,4 +42,7 @@ def check_config_main(path: str) -> int:
     names = ", ".join(cfg.models)
     count = len(cfg.models)
     print(f"OK: {path} ({count} model{'s' if count != 1 else ''}: {names})")
+    from ..config.checks import trust_list_notes
+    for note in trust_list_notes(cfg):
+        print(note, file=sys.stderr)
     return 0

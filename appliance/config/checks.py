@@ -1,4 +1,5 @@
-"""Checks that relate settings to each other, to the model files and to the security limits.
+"""Checks that relate settings to each other, to the model files, to the security limits and to the trust list in
+the state directory (certificate_roles by subject).
 
 Run by the loader after the walk: each records its problems in the walk's `Context` and skips settings that were
 already rejected (ctx.bad), so one mistake is reported once.
@@ -15,7 +16,7 @@ from yaml.nodes import Node, SequenceNode
 
 from ..alarm_names import DAEMON_ALARMS
 from .builtin import BUILTIN_MODELS, resolve_builtin
-from .rules import resolve_path
+from .rules import normalize_thumbprint, resolve_path
 from .schema import GENERATIVE_ONLY, TENSOR_ONLY, UA_CHUNK_BODY, ApplianceConfig
 from .yaml_walk import Context, Fields, did_you_mean, key_path, shown
 
@@ -334,3 +335,45 @@ def check_alarm_names(cfg: ApplianceConfig, ctx: Context) -> None:
                           f" which is already {taken[source]}: give the source another name")
             else:
                 taken[source] = f"an alarm source of model '{name}'"
+
+
+def check_certificate_roles(cfg: ApplianceConfig, ctx: Context) -> None:
+    """A role mapped by subject alone grants nothing once more than one CA is trusted (any of them can issue that
+    subject): with more than one CA in the state directory's pki/trusted and pki/issuers, such a mapping must name
+    its issuing CA ({role: ROLE, issuer: CA_THUMBPRINT})."""
+    unbound = [key for key, grant in cfg.security.certificate_roles.items()
+               if normalize_thumbprint(key) is None and grant.issuer is None]
+    if not unbound or "security.certificate_roles" in ctx.bad:
+        return
+    from certs.layout import PkiLayout
+    from certs.store import is_ca, load_snapshot
+    try:
+        snap = load_snapshot(PkiLayout(Path(cfg.server.state_dir) / "pki"))
+    except OSError:  # a state directory this user cannot read: serve checks again at start (it can read it)
+        return
+    cas = [c for c in snap.trusted + snap.issuers if is_ca(c.cert)]
+    if len(cas) <= 1:
+        return
+    names = ", ".join(f"{c.cert.subject.rfc4514_string()} ({c.thumbprint})" for c in cas)
+    for key in unbound:
+        path = key_path("security.certificate_roles", key)
+        ctx.error(ctx.nodes.get(path) or ctx.nodes.get("security.certificate_roles"), path,
+                  f"{len(cas)} CAs are trusted ({names}): any of them can issue this subject; map it as "
+                  "{role: ROLE, issuer: THUMBPRINT of its CA}, or map the certificate's thumbprint")
+
+
+def trust_list_notes(cfg: ApplianceConfig) -> list[str]:
+    """What `appliance check-config` tells about the state directory's trust list (not errors: the configuration
+    is valid, but clients will be refused): each stored CA without a CRL while security.require_crl is on."""
+    if not cfg.security.require_crl:
+        return []
+    from certs.layout import PkiLayout
+    from certs.store import load_snapshot
+    try:
+        snap = load_snapshot(PkiLayout(Path(cfg.server.state_dir) / "pki"))
+    except OSError as exc:
+        return [f"note: the trust list in {cfg.server.state_dir}/pki was not checked: {exc.strerror}"]
+    return [f"warning: security.require_crl: the trusted CA {c.cert.subject.rfc4514_string()} ({c.thumbprint}) has "
+            "no CRL in pki/crl: the certificates it issued are refused (BadCertificateRevocationUnknown) until "
+            "its CRL is added (or set security.require_crl: false)" for c in snap.cas_without_crl()]
+

@@ -10,8 +10,8 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .checks import (check_alarm_names, check_alarm_sources, check_fallbacks, check_mailboxes, check_max_samples,
-                     check_model, cross_check)
+from .checks import (check_alarm_names, check_alarm_sources, check_certificate_roles, check_fallbacks, check_mailboxes,
+                     check_max_samples, check_model, cross_check)
 from .schema import MODEL_NAME, SECTIONS, TOP_KEYS, ApplianceConfig, MailboxConfig, ModelConfig, UserConfig
 from .yaml_walk import (
     ConfigError, Context, as_mapping, did_you_mean, key_path, mapping_items, parse_fields, shown,
@@ -114,6 +114,7 @@ def _build(root: Node | None, ctx: Context) -> ApplianceConfig:
     check_alarm_sources(cfg, ctx)
     check_alarm_names(cfg, ctx)
     check_max_samples(cfg, ctx)
+    check_certificate_roles(cfg, ctx)
     return cfg
 
 

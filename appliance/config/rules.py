@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from yaml.nodes import Node, ScalarNode, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from certs.x509io import normalize_thumbprint
 
@@ -322,9 +322,20 @@ class LabelsRule:
 
 
 @dataclass(frozen=True)
+class RoleGrant:
+    """A role given to a certificate by `security.certificate_roles`; a subject mapping may name the thumbprint of
+    the CA that must have issued the certificate (`issuer`)."""
+
+    role: str
+    issuer: str | None = None
+
+
+@dataclass(frozen=True)
 class CertificateRoles:
-    """`certificate_roles`: certificate thumbprint (40 hex digits, colons allowed) or subject -> one of `roles`;
-    one certificate written two ways is an error."""
+    """`certificate_roles`: certificate thumbprint (40 hex digits, colons allowed) -> one of `roles`, or subject ->
+    a role, or subject -> {role: ROLE, issuer: THUMBPRINT of the issuing CA}; one certificate written two ways is
+    an error. Parsed to key -> RoleGrant; a subject mapping's key node is kept in ctx.nodes for the check against
+    the trust list (checks.check_certificate_roles)."""
 
     roles: tuple[str, ...]
     expect: str = "a mapping of certificate thumbprint or subject to role"
@@ -348,7 +359,39 @@ class CertificateRoles:
                           f"{first_line[identity]})")
                 continue
             first_line[identity] = key_node.start_mark.line + 1
-            role = choice(*self.roles).parse(value_node, ctx, entry_path)
-            if role is not INVALID:
-                roles[normal] = role
+            ctx.nodes[entry_path] = key_node
+            if isinstance(value_node, MappingNode):
+                grant = self._bound(value_node, ctx, entry_path, subject=normalize_thumbprint(key) is None)
+            else:
+                role = choice(*self.roles).parse(value_node, ctx, entry_path)
+                grant = INVALID if role is INVALID else RoleGrant(role)
+            if grant is not INVALID:
+                roles[normal] = grant
         return roles
+
+    def _bound(self, node: MappingNode, ctx: Context, path: str, subject: bool) -> Any:
+        """{role: ROLE, issuer: THUMBPRINT}: a subject bound to the CA that issued the certificate."""
+        if not subject:
+            ctx.error(node, path, "a thumbprint names one certificate already: map it to a role, without issuer")
+            return INVALID
+        role, issuer = INVALID, None
+        seen = set()
+        for key, key_node, value_node in mapping_items(node, ctx, path, "key"):
+            sub = key_path(path, key)
+            seen.add(key)
+            if key == "role":
+                role = choice(*self.roles).parse(value_node, ctx, sub)
+            elif key == "issuer":
+                text_ = ctx.scalar(value_node) if isinstance(value_node, ScalarNode) else None
+                issuer = normalize_thumbprint(str(text_)) if text_ is not None else None
+                if issuer is None:
+                    ctx.error(value_node, sub, "expected the SHA-1 thumbprint (40 hex digits, colons allowed) of the "
+                              f"CA that issues this subject's certificate, got {shown(text_)}")
+                    return INVALID
+            else:
+                ctx.error(key_node, sub, f"unknown key '{key}'; valid keys: role, issuer")
+                return INVALID
+        if "role" not in seen:
+            ctx.error(node, path, "a role is required ({role: ROLE, issuer: CA_THUMBPRINT})")
+            return INVALID
+        return INVALID if role is INVALID else RoleGrant(role, issuer)

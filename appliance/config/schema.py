@@ -19,7 +19,8 @@ from yaml.nodes import Node, ScalarNode
 
 from .builtin import BUILTIN_MODELS
 from .rules import (
-    DNS_NAME, CertificateRoles, LabelsRule, ListOf, NestedSection, Scalar, Section, boolean, choice, class_check,
+    DNS_NAME, CertificateRoles, LabelsRule, ListOf, NestedSection, RoleGrant, Scalar, Section, boolean, choice,
+    class_check,
     endpoint_check, integer, ip_check, is_host, listen_check, normalize_thumbprint, number, optional,
     password_hash_check, path_rule, required, resolve_path, setting, split_listen, subject_key, text, uri_check,
 )
@@ -123,6 +124,8 @@ class RateLimitsConfig:
     monitor: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
     operator: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
     engineer: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
+    # Part 12 certificate management calls (ServerConfiguration, its TrustList) of security_admin clients
+    security_admin: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
     per_client: RateLimit | None = setting(None, Section(RateLimit, nullable=True))
 
 
@@ -136,11 +139,16 @@ class SecurityConfig:
     anonymous: bool = setting(False, boolean())  # when true, anonymous sessions get the monitor role
     user_names: bool = setting(True, boolean())
     x509_users: bool = setting(True, boolean())
-    # normalized: thumbprints as 40 lowercase hex digits, subjects as written ("CN=...")
-    certificate_roles: dict[str, str] = setting({}, CertificateRoles(ROLES))
+    # thumbprint -> role, subject -> role or {role, issuer: CA thumbprint}; normalized: thumbprints as 40 lowercase
+    # hex digits, subjects as written ("CN=..."); a subject without issuer only while one CA is trusted
+    certificate_roles: dict[str, RoleGrant] = setting({}, CertificateRoles(ROLES))
     login_backoff_s: float = setting(1.0, number(0, 3600))
     login_backoff_max_s: float = setting(30.0, number(0, 86400))
     cert_expiry_warning_days: int = setting(30, integer(0, 3650))
+    # a CA in the trust list or issuers list without a CRL: its certificates refused (Part 4 revocation unknown)
+    require_crl: bool = setting(True, boolean())
+    # how often serve checks that the appliance CA's CRL is re-signed in time (30 days before its nextUpdate)
+    crl_check_interval_s: float = setting(3600.0, number(1, 86400))
     # Part 12 certificate management (ServerConfiguration, its TrustList): security_admin, and engineers when true
     engineers_manage_certificates: bool = setting(False, boolean())
     limits: LimitsConfig = setting(None, NestedSection(LimitsConfig))
@@ -152,15 +160,20 @@ class SecurityConfig:
         if self.rate_limits is None:
             self.rate_limits = RateLimitsConfig()
 
-    def role_for_certificate(self, thumbprint: str, subject: str = "") -> str | None:
-        """The role mapped to a user certificate by its SHA-1 thumbprint (hex) or its subject, if any."""
+    def role_for_certificate(self, thumbprint: str, subject: str = "", issuer: str | None = None,
+                             trusted_cas: int = 1) -> str | None:
+        """The role mapped to a user certificate by its SHA-1 thumbprint (hex), or by its subject together with the
+        thumbprint of the CA that issued it (`issuer`). A subject mapping that names no CA grants its role only
+        while the trust list holds one CA (`trusted_cas`): any other CA could issue the same subject."""
         by_thumb = self.certificate_roles.get(normalize_thumbprint(thumbprint) or "")
         if by_thumb:
-            return by_thumb
+            return by_thumb.role
         wanted = subject_key(subject) if subject else None
-        for key, role in self.certificate_roles.items():
+        for key, grant in self.certificate_roles.items():
             if wanted and normalize_thumbprint(key) is None and subject_key(key) == wanted:
-                return role
+                if grant.issuer is not None:
+                    return grant.role if grant.issuer == issuer else None
+                return grant.role if trusted_cas <= 1 else None
         return None
 
 

@@ -7,6 +7,10 @@
 //   update CERT.der ISSUER.der        UpdateCertificate, then ApplyChanges
 //   remove-trusted THUMBPRINT         read the TrustList, drop that certificate, write it back, CloseAndUpdate
 //   connect                           connect with PKI_DIR as the only trust (no unknown certificate accepted)
+//   get-certificates                  GetCertificates (Part 12 1.05) for the DefaultApplicationGroup: the
+//                                     certificate types and the SHA-1 thumbprints of the certificates (called by
+//                                     NodeId through session.call: node-opcua-server-configuration's push client,
+//                                     2.157.0 the only one on the registry, has no getCertificates)
 "use strict";
 const fs = require("fs");
 const crypto = require("crypto");
@@ -23,7 +27,7 @@ const TRUST_LIST = "ns=0;i=12642";
 const M = {
   CreateSigningRequest: "ns=0;i=12737", UpdateCertificate: "ns=0;i=13737", ApplyChanges: "ns=0;i=12740",
   Open: "ns=0;i=12647", Close: "ns=0;i=12650", Read: "ns=0;i=12652", Write: "ns=0;i=12655",
-  CloseAndUpdate: "ns=0;i=12666",
+  CloseAndUpdate: "ns=0;i=12666", GetCertificates: "ns=0;i=32333",
 };
 const GROUP = resolveNodeId("ns=0;i=14156");
 const CERT_TYPE = resolveNodeId("ns=0;i=12560");
@@ -116,6 +120,14 @@ async function main() {
         out.status = r.status || JSON.stringify(r);
         out.applyChangesRequired = r.outputs ? r.outputs[0] : null;
         out.after = (await readTrustList(session)).trustedCertificates.map(thumb);
+      } else if (step === "get-certificates") {
+        const r = await call(session, SERVER_CONFIGURATION, M.GetCertificates, [
+          { dataType: DataType.NodeId, value: GROUP }]);
+        out.status = r.status;
+        if (r.status === "Good") {
+          out.certificateTypes = r.outputs[0].map((n) => n.toString());
+          out.certificates = r.outputs[1].map(thumb);
+        }
       } else if (step === "connect") {
         out.status = "Good";
       }
