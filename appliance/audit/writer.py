@@ -196,9 +196,12 @@ class AuditLog:
         with self._lock:
             try:
                 self._open_locked()
+                error = self._drain_locked()  # a tear's audit_resume, now
             except OSError as exc:  # no directory, no room, no permission: failing until a later record opens it
                 self._close_fd_locked()
                 self._fail(f"cannot open audit log: {exc}")
+                return
+        self._after_drain(error)
 
     # ---- opening and resuming ---------------------------------------------------------------------------------
 
