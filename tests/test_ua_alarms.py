@@ -352,3 +352,37 @@ def test_condition_refresh2_answers_only_the_monitored_item_it_names(app):
             await call(op, "cls", "Classify", [samples(A, A, A)])
             await seen.next(is_condition(name, False, True))
     run(go())
+
+
+def test_a_node_opcua_scada_refreshes_one_monitored_item_and_acknowledges_what_it_showed(app):
+    """node-opcua as the SCADA: ConditionRefresh2 for one of its two event monitored items; only that item gets
+    RefreshStart, the retained condition and RefreshEnd; Acknowledge with the refreshed EventId is Good."""
+    name = "cls.default.d"
+
+    async def raise_it():
+        async with session(app, *app.operator) as op:
+            await call(op, "cls", "Classify", [samples(D, D, D)])
+            ns = await op.get_namespace_index("urn:opcua-inference-appliance")
+            return f"ns={ns};s=Appliance/Conditions/cls/default/d"
+    condition = run(raise_it())
+    root = Path(__file__).resolve().parent
+    cert_der, key = app.engineer
+    uri = f"urn:{socket.gethostname()}:appliance:client:eng1"
+    try:
+        proc = subprocess.run(["node", str(root / "node" / "condition_refresh2.js"), app.endpoint,
+                               str(cert_der.with_suffix(".pem")), str(key), uri, str(app.state_dir / "node-pki"),
+                               name, condition], capture_output=True, text=True, timeout=120)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-2000:])
+        out = json.loads(lines[-1])
+        assert out["refresh2"] == "Good", out
+        assert [e["type"] for e in out["first"]] == ["RefreshStart", "OffNormalAlarm", "RefreshEnd"], out
+        shown = out["first"][1]
+        assert shown["conditionName"] == name and shown["active"] is True and shown["acked"] is False, out
+        assert [e for e in out["second"] if e["type"] != "OffNormalAlarm"] == [], out  # no refresh reached it
+        assert out["ack"] == "Good", out
+    finally:
+        async def clear():
+            async with session(app, *app.operator) as op:
+                await call(op, "cls", "Classify", [samples(A, A, A)])
+        run(clear())
