@@ -33,8 +33,9 @@ time.sleep(120)
 pytestmark = pytest.mark.skipif(cpu_quant.compiler(True) is None, reason="no C++ compiler (c++/g++) on PATH")
 
 
-def group_members(pgid: int) -> dict[int, str]:
-    """pid -> command name of every live process in the process group (zombies left out)."""
+def group_members(sid: int) -> dict[int, str]:
+    """pid -> command name of every live process of the session the worker leads (zombies left out): the
+    worker, what it started, and what those started, orphaned or not, in whatever process group."""
     members = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -45,7 +46,7 @@ def group_members(pgid: int) -> dict[int, str]:
             continue
         name = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        if int(fields[3]) == sid and fields[0] != "Z":
             members[int(entry.name)] = name
     return members
 
@@ -66,24 +67,26 @@ def wait_until(predicate, timeout: float):
 
 @pytest.fixture
 def building_worker(tmp_path):
-    """A worker-like process in a process group of its own, with the compiler running."""
+    """A worker-like process in a session (and process group) of its own, with the compiler running."""
     worker = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "build")], cwd=ROOT,
                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        running = wait_until(lambda: compilers(worker.pid, worker.pid), 120)
-        assert running, "the compiler never started"
+        # the compiler proper (cc1plus, started by the c++ driver): the build is under way
+        running = wait_until(lambda: "cc1plus" in compilers(worker.pid, worker.pid).values(), 120)
+        assert running, f"the compiler never started: {compilers(worker.pid, worker.pid)}"
         yield worker
     finally:
-        try:
-            os.killpg(worker.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in group_members(worker.pid):  # whatever is left of the session
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         worker.wait(30)
 
 
 def test_a_group_sigterm_during_a_kernel_build_leaves_no_compiler(building_worker):
     before = compilers(building_worker.pid, building_worker.pid)
-    os.killpg(building_worker.pid, signal.SIGTERM)  # the planned stop: every process of the unit
+    os.killpg(building_worker.pid, signal.SIGTERM)  # the planned stop: the worker's process group
     left = wait_until(lambda: not compilers(building_worker.pid, building_worker.pid), 5) or \
         compilers(building_worker.pid, building_worker.pid)
     assert left is True, f"still running 5 s after SIGTERM: {left} (were {before})"
@@ -97,8 +100,8 @@ def test_a_killed_worker_takes_its_compiler_with_it(building_worker):
     assert driver, "no compiler started by the worker itself"
     os.kill(building_worker.pid, signal.SIGKILL)
     building_worker.wait(30)
-    alive = wait_until(lambda: not [pid for pid in driver if pid in group_members(building_worker.pid)], 5)
-    assert alive is True, f"the compiler the worker started outlived it: {driver}"
+    gone = wait_until(lambda: not group_members(building_worker.pid), 5)  # the driver, and what it started
+    assert gone is True, f"the compiler the worker started outlived it: {group_members(building_worker.pid)}"
 
 
 def test_a_tied_build_still_builds(tmp_path):
