@@ -182,6 +182,7 @@ class AuditLog:
         self.max_held = int(max_held)
         self._metrics = metrics
         self._lock = threading.Lock()
+        self._state_lock = threading.RLock()  # failing's transitions and their hook, in order
         self._fd: int | None = None
         self._size = 0  # bytes in the current file
         self._seq = 0
@@ -400,14 +401,17 @@ class AuditLog:
             self._metrics.audit_errors.inc(n)
 
     def _set_failing(self, failing: bool, reason: str) -> None:
-        if failing == self.failing:
-            return
-        self.failing, self.failure_reason = failing, reason
-        if failing:
-            log.error("the audit log cannot be written: %s", reason)
-        else:
-            log.warning("the audit log is written again")
-        _call_hook("state", self._on_state, failing, reason)
+        # Its own lock: the writer thread and the retry timer may both get here, and a hook may record (the log's
+        # lock is not held here).
+        with self._state_lock:
+            if failing == self.failing:
+                return
+            self.failing, self.failure_reason = failing, reason
+            if failing:
+                log.error("the audit log cannot be written: %s", reason)
+            else:
+                log.warning("the audit log is written again")
+            _call_hook("state", self._on_state, failing, reason)
 
     def _maybe_fsync_locked(self) -> None:
         now = time.monotonic()
