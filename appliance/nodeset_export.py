@@ -16,7 +16,8 @@ asyncua's exporter does not write, is added here:
 - RequiredModel: the oldest standard namespace version that holds every namespace-0 node the file uses: 1.04 when
   they are all in STANDARD_1_04_NODES, dated as the 1.04 revision they were checked against (1.04.9, 2021-01-21:
   importers such as asyncua require a date; every 1.05 is later), else the version asyncua carries.
-Values only the running box knows (State, counters, heartbeats, health, alarms, the last results) are left out, and
+Values only the running box knows (State, counters, heartbeats, health, alarms, drift, mailbox handshakes, the last
+results) are left out, and
 so is every value the configuration does not determine (an empty Version, InputShape or Framework): a file never
 describes a box that is loading.
 """
@@ -61,8 +62,9 @@ STANDARD_1_04_NODES = frozenset(range(_O.Boolean, _O.DiagnosticInfo + 1)) | froz
     _O.DefaultBinary, _O.DefaultXml, _O.Duration, _O.UtcTime, _O.LocaleId, _O.EnumValueType})
 # The variables whose values only a running box has: left out of the file (their nodes, types and data types stay).
 RUNTIME_VALUES = re.compile(r"Appliance/(State|Heartbeat|Engine/(QueueDepth|SlotsTotal|SlotsInUse)|Health/.+|"
-                            r"Alarms/.+|Models/[^/]+/(State|Backend|RequestCount|ErrorCount|LastLatencyMs|Heartbeat|"
-                            r"WorkerRestarts|QueueDepth|FailureReason|Last(/.+)?))$")
+                            r"Alarms/.+|AlarmSources/.+|Mailboxes/.+|Models/[^/]+/(State|Backend|RequestCount|"
+                            r"ErrorCount|LastLatencyMs|Heartbeat|WorkerRestarts|QueueDepth|FailureReason|Last/.+|"
+                            r"Drift/.+))$")
 
 
 class DeclaredModel:
