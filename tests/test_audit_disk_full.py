@@ -85,8 +85,9 @@ def verify_cli(path: Path) -> subprocess.CompletedProcess:
 
 async def plc_through_a_full_disk(app, audit_dir: Path, calls_while_full: int) -> tuple[dict, list[bool]]:
     """A PLC calling Infer every 50 ms: some calls Good, the disk filled, calls until `calls_while_full` were
-    refused, space back, calls until Good again and a few more. Returns the count of each answer and the
-    AuditLogFailed alarm as read by the client at each phase."""
+    refused, space back, calls until Good again and a few more. Returns the count of each answer (and of the Good
+    ones after the disk filled, before the first refusal) and the AuditLogFailed alarm as read by the client at each
+    phase."""
     client = await connect(app.endpoint, *app.operator)
     answers: dict[str, int] = {}
     alarms = []
@@ -101,11 +102,13 @@ async def plc_through_a_full_disk(app, audit_dir: Path, calls_while_full: int) -
         for _ in range(10):
             assert await infer() == "Good"
         filler = fill(audit_dir)
+        answers["Good while full"] = -answers["Good"]
         refused = 0
         deadline = time.monotonic() + 60
         while refused < calls_while_full and time.monotonic() < deadline:
             refused += await infer() == "BadResourceUnavailable"
         assert refused == calls_while_full, f"the full disk never refused a call: {answers}"
+        answers["Good while full"] += answers["Good"]  # answered before the failed write was seen: held, not lost
         await app.app.ua.publish_values()
         alarms.append(await read(client, "Alarms", "AuditLogFailed"))
         filler.unlink()  # space is back
@@ -133,6 +136,7 @@ def test_a_full_disk_under_a_plcs_calls_leaves_a_chain_that_verifies_with_every_
         app.stop()
     assert alarms == [True, False]
     p = verify_cli(audit_dir / "audit.jsonl")
+    print(f"answers: {answers}; verify: {p.stdout.strip()}")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "GAP" not in p.stdout and "TORN" not in p.stdout, p.stdout  # nothing was lost: nothing to report
     recs = records(audit_dir)
@@ -156,6 +160,7 @@ def test_records_beyond_what_memory_holds_stand_as_a_marked_gap(small_fs, tmp_pa
     assert alarms == [True, False]
     p = verify_cli(audit_dir / "audit.jsonl")
     assert p.returncode == 0, p.stdout + p.stderr
+    print(f"answers: {answers}; verify: {p.stdout.strip()}")
     gaps = [line for line in p.stdout.splitlines() if line.startswith("GAP: ")]
     assert len(gaps) == 1, p.stdout
     problems, _tears, reported = verify_report(audit_dir / "audit.jsonl")
