@@ -173,7 +173,7 @@ class Appliance:
         if cfg.audit.enabled:
             audit_path = Path(cfg.audit.path) if cfg.audit.path else state_dir / "audit" / "audit.jsonl"
             self.audit = AuditLog(audit_path, max_bytes=cfg.audit.max_bytes, keep_files=cfg.audit.keep_files,
-                                  metrics=self.metrics, on_state=self._audit_state)
+                                  metrics=self.metrics, on_state=self._audit_state, max_held=cfg.audit.queue_size)
         users = UserStore(state_dir, [(u.name, u.role, u.password_hash) for u in cfg.users],
                           backoff_s=cfg.security.login_backoff_s, backoff_max_s=cfg.security.login_backoff_max_s)
         wd = cfg.watchdog

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_layout
+from kernels.child_process import popen_tied
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,9 @@ def build_many(directory: Path, stems: list[str]) -> list[Path]:
                                         else "no C compiler (cc/gcc) on PATH")
             target = directory / library_name(source, flags)
             out = Path(tmp) / target.name
-            procs.append((subprocess.Popen([cc, str(SOURCE_DIR / source), "-o", str(out), *flags],
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE), out, target))
+            # tied: the compiler ends with a planned stop and with the worker that started it (child_process.py)
+            procs.append((popen_tied([cc, str(SOURCE_DIR / source), "-o", str(out), *flags],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE), out, target))
         failure = None
         for proc, out, target in procs:
             try:

@@ -1,15 +1,18 @@
 """The hash-chained audit log: records, tamper detection with file and line, rotation, resume, torn lines."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 import stat
 import threading
+import time
 
 import numpy as np
 
-from appliance.audit import GENESIS, AuditLog, DigestOf, digest, verify
+from appliance.audit import GENESIS, AuditLog, DigestOf, digest, verify, verify_report, writer
 from appliance.cli.audit import cmd_audit_verify
 from appliance.metrics import Metrics
 
@@ -191,34 +194,100 @@ def test_an_unacknowledged_torn_tail_fails_verification(tmp_path):
 
 
 class _FullDisk:
-    """A file object whose writes fail as on a full disk."""
+    """The disk fills in the middle of a write: half of what is written reaches the file, then ENOSPC (as a real
+    full file system does it: tests/test_audit_disk_full.py). `room()` gives the space back."""
 
-    def __init__(self, real):
-        self.real = real
+    def __init__(self, monkeypatch):
+        self._monkeypatch = monkeypatch
+        monkeypatch.setattr(writer, "_write_all", self._torn_write)
 
-    def write(self, data):
-        raise OSError(28, "No space left on device")
+    @staticmethod
+    def _torn_write(fd, data):
+        os.write(fd, data[:len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    def flush(self):
-        raise OSError(28, "No space left on device")
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
+    def room(self):
+        self._monkeypatch.undo()
 
 
-def test_a_failing_write_reports_the_state_and_recovers(tmp_path):
+def test_a_failing_write_reports_the_state_and_recovers(tmp_path, monkeypatch):
+    """The record whose write failed is cut back (no torn line), held and written later, in order."""
     path = tmp_path / "audit.jsonl"
     states = []
     log = AuditLog(path, on_state=lambda failing, reason: states.append((failing, reason)))
-    assert log.record(action="Infer", status="Good")
-    log._fh = _FullDisk(log._fh)
-    assert not log.record(action="Infer", status="Good")
+    assert log.record(action="Infer", status="Good", detail="1")
+    disk = _FullDisk(monkeypatch)
+    assert not log.record(action="Infer", status="Good", detail="2")
     assert log.failing and states[-1][0] is True and "No space left" in states[-1][1]
-    assert log.record(action="Infer", status="Good")  # the handle is reopened: the disk has room again
-    assert not log.failing and states[-1] == (False, "")
+    assert path.read_bytes().endswith(b"}\n") and len(lines_of(path)) == 1  # cut back to the last whole line
+    assert log.held == 1
+    disk.room()
+    assert log.record(action="Infer", status="Good", detail="3")  # the held record first, then this one
+    assert not log.failing and states[-1] == (False, "") and log.held == 0
     log.close()
     assert verify(path) == (True, [])
-    assert [json.loads(line)["seq"] for line in lines_of(path)] == [1, 2]
+    assert [(json.loads(line)["seq"], json.loads(line)["detail"]) for line in lines_of(path)] == \
+        [(1, "1"), (2, "2"), (3, "3")]
+
+
+def test_held_records_are_written_when_space_returns_without_a_new_record(tmp_path, monkeypatch):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    disk = _FullDisk(monkeypatch)
+    assert not log.record(action="Infer", status="Good")
+    assert log.failing
+    disk.room()
+    deadline = time.monotonic() + 10
+    while log.failing and time.monotonic() < deadline:  # retried every RETRY_S
+        time.sleep(0.05)
+    assert not log.failing and len(lines_of(path)) == 1
+    log.close()
+
+
+def test_records_beyond_max_held_are_one_marked_gap(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path, max_held=3)
+    write(log, 2)
+    disk = _FullDisk(monkeypatch)
+    write(log, 7, start=2)  # 3 held, 4 lost
+    disk.room()
+    write(log, 1, start=9)
+    log.close()
+    recs = [json.loads(line) for line in lines_of(path)]
+    assert [r["seq"] for r in recs] == list(range(1, 8))
+    assert [r["latency_ms"] for r in recs if r["event"] == "call"] == [1.25 + i for i in (0, 1, 2, 3, 4, 9)]
+    marker = recs[5]
+    assert marker["event"] == "audit_lost" and marker["detail"].startswith("4 records lost between seq 5 and 6 ")
+    assert marker["detail"].endswith(": disk full")
+    assert verify(path) == (True, [])
+    assert cmd_audit_verify(path) == 0
+    out = capsys.readouterr().out
+    assert "GAP: audit.jsonl:6: 4 records lost between seq 5 and 6" in out and "1 gap(s) marked" in out
+
+
+def test_a_torn_line_left_by_a_failed_acknowledgement_is_acknowledged_later(tmp_path, monkeypatch):
+    """A torn last line found at start while the disk is full: the audit_resume that acknowledges it is held and
+    written first once there is room; the tear never stands unacknowledged before a later record."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    write(log, 3)
+    log.close()
+    with open(path, "ab") as fh:
+        fh.write(b'{"seq":4,"ti')
+    disk = _FullDisk(monkeypatch)
+    log = AuditLog(path)
+    assert log.torn and not log.record(action="Infer", status="Good")
+    log.close()  # stopped while still full: the held records are lost, the tear is still unacknowledged
+    log = AuditLog(path)  # started again, still full
+    assert not log.record(action="Infer", status="Good", detail="after")
+    disk.room()
+    assert log.record(action="Infer", status="Good", detail="later")
+    log.close()
+    recs = [json.loads(line) for line in lines_of(path)]
+    assert [r["event"] for r in recs] == ["audit_resume", "call", "call"] and recs[0]["seq"] == 4
+    assert "audit.jsonl.1:4" in recs[0]["detail"]
+    problems, tears, gaps = verify_report(path)
+    assert problems == [] and len(tears) == 1 and gaps == []
 
 
 def test_a_failing_hook_is_logged_and_the_log_goes_on(tmp_path, caplog):
@@ -349,7 +418,7 @@ def test_verify_names_a_file_of_the_chain_it_cannot_read(tmp_path, capsys):
     assert "audit.jsonl.1" in out and "Traceback" not in out
 
 
-def test_a_batch_is_written_in_order_across_rotations_and_a_failed_one_counts_each_record(tmp_path):
+def test_a_batch_is_written_in_order_across_rotations_and_a_failed_one_counts_each_record(tmp_path, monkeypatch):
     """The audit writer thread hands over the records of up to 20 ms at once (record_many: one flush)."""
     path = tmp_path / "audit.jsonl"
     metrics = Metrics()
@@ -359,12 +428,52 @@ def test_a_batch_is_written_in_order_across_rotations_and_a_failed_one_counts_ea
     assert log.record_many(batch)
     assert len(list(tmp_path.iterdir())) > 3  # the batch crossed several rotations
     assert verify(path) == (True, [])
-    log._fh = _FullDisk(log._fh)
+    disk = _FullDisk(monkeypatch)
     assert not log.record_many(batch[:5])
     assert errors_total(metrics) == 5 and log.failing
-    assert log.record_many(batch[:2])  # reopened: the chain resumes from what reached the disk
+    disk.room()
+    assert log.record_many(batch[:2])  # the 5 held ones first, then these
     log.close()
     assert verify(path) == (True, [])
     oldest_first = sorted(tmp_path.iterdir(), key=lambda p: -int(p.suffix[1:]) if p.suffix[1:].isdigit() else 0)
     users = [json.loads(line)["user"] for p in oldest_first for line in lines_of(p)]
-    assert users[:25] == [f"user:{i}" for i in range(25)] and users[-2:] == ["user:0", "user:1"]
+    assert users == [f"user:{i}" for i in range(25)] + [f"user:{i}" for i in range(5)] + ["user:0", "user:1"]
+
+
+_KILLED_MID_WRITE = """
+import os, sys, time
+from appliance.audit import AuditLog, writer
+log = AuditLog(sys.argv[1])
+for i in range(3):
+    log.record(action="Infer", status="Good", detail=str(i))
+def stalls(fd, data):  # the process is killed while its write is half done
+    os.write(fd, data[:len(data) // 2])
+    print("mid-write", flush=True)
+    time.sleep(60)
+writer._write_all = stalls
+log.record(action="Infer", status="Good", detail="torn")
+"""
+
+
+def test_a_process_killed_mid_write_leaves_a_tear_the_next_start_acknowledges(tmp_path):
+    """kill -9 in the middle of a record's write: the next start keeps the torn file, acknowledges the tear with an
+    audit_resume record, and verify reports it (TORN) and passes: a marked gap, never taken for tampering."""
+    import signal
+    import subprocess
+    import sys
+    path = tmp_path / "audit.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "mid-write"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    assert not path.read_bytes().endswith(b"\n")  # torn
+    assert not verify(path)[0]  # not yet acknowledged: the appliance has not started since
+    log = AuditLog(path)
+    assert log.record(action="Infer", status="Good", detail="after")
+    log.close()
+    problems, tears, gaps = verify_report(path)
+    assert problems == [] and len(tears) == 1 and tears[0].startswith("audit.jsonl.1:4: torn last line")
+    recs = [json.loads(line) for line in lines_of(path)]
+    assert [(r["seq"], r["event"]) for r in recs] == [(4, "audit_resume"), (5, "call")]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from asyncua import ua
 
-from appliance.audit import AuditLog, verify_report
+from appliance.audit import AuditLog, verify_report, writer
 from appliance.client import connect
 from attack_tools import SAMPLE, close, refusal, start_appliance, status_of
 from certificates import make_test_certificate
@@ -196,7 +196,7 @@ async def acknowledge_a_raised_alarm(engineer) -> str:
 def test_an_unwritable_audit_log_refuses_calls_and_raises_the_alarm(app, monkeypatch):
     log = app.app.audit
 
-    def disk_full(fields):
+    def disk_full(fd, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     async def go(expect_alarm: bool):
@@ -212,7 +212,7 @@ def test_an_unwritable_audit_log_refuses_calls_and_raises_the_alarm(app, monkeyp
         finally:
             await close(client)
 
-    monkeypatch.setattr(log, "_write_locked", disk_full)
+    monkeypatch.setattr(writer, "_write_all", disk_full)  # a real full file system: tests/test_audit_disk_full.py
     statuses, alarm = run(go(True))
     assert log.failing and alarm is True
     assert statuses[-1] == "BadResourceUnavailable", statuses  # refused: it could not be audited
@@ -249,7 +249,7 @@ def test_a_torn_last_line_at_start_is_kept_chained_and_alarmed(tmp_path):
     assert (audit_dir / "audit.jsonl.1").read_bytes() == torn_bytes  # kept as it was
     first = records(audit_dir / "audit.jsonl")[0]
     assert first["event"] == "audit_resume" and first["seq"] == 4 and "audit.jsonl.1:4" in first["detail"]
-    problems, tears = verify_report(audit_dir / "audit.jsonl")
+    problems, tears, _gaps = verify_report(audit_dir / "audit.jsonl")
     assert problems == [] and len(tears) == 1 and tears[0].startswith("audit.jsonl.1:4: torn last line")
     p = subprocess.run([sys.executable, "-m", "appliance", "audit", "verify", str(audit_dir / "audit.jsonl")],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -255,3 +255,136 @@ async def refresh(client, subscription_id: int) -> ua.CallMethodResult:
     request.MethodId = REFRESH
     request.InputArguments = [ua.Variant(subscription_id, V.UInt32)]
     return (await client.uaclient.call([request]))[0]
+
+
+REFRESH2 = ua.NodeId(ua.ObjectIds.ConditionType_ConditionRefresh2)
+REFRESH_TYPES = [ua.ObjectIds.OffNormalAlarmType, ua.ObjectIds.RefreshStartEventType,
+                 ua.ObjectIds.RefreshEndEventType]
+
+
+def is_type(object_id: int):
+    return lambda e: field(e, "EventType") == ua.NodeId(object_id)
+
+
+async def refresh2(client, subscription_id: int, monitored_item_id: int) -> ua.CallMethodResult:
+    request = ua.CallMethodRequest()
+    request.ObjectId = ua.NodeId(ua.ObjectIds.ConditionType)
+    request.MethodId = REFRESH2
+    request.InputArguments = [ua.Variant(subscription_id, V.UInt32), ua.Variant(monitored_item_id, V.UInt32)]
+    return (await client.uaclient.call([request]))[0]
+
+
+async def refreshed_event(seen: Events, name: str):
+    """The condition's event between RefreshStart and RefreshEnd."""
+    await seen.next(is_type(ua.ObjectIds.RefreshStartEventType))
+    event = await seen.next(lambda e: field(e, "ConditionName") == name)
+    await seen.next(is_type(ua.ObjectIds.RefreshEndEventType))
+    return event
+
+
+def test_an_event_id_acknowledges_only_the_occurrence_it_belongs_to(app):
+    """A SCADA's alarm list keeps the first occurrence's entry (and the refresh of it); the alarm is acknowledged,
+    clears, and is raised again: acknowledging with the old entry's EventId must not acknowledge the new
+    occurrence the operator has not seen (BadEventIdUnknown); the new occurrence's own EventId does."""
+    name = "cls.default.d"
+
+    async def go():
+        async with session(app, *app.operator) as op, session(app, *app.engineer) as scada:
+            seen = Events()
+            sub = await scada.create_subscription(20, seen)
+            await sub.subscribe_events(scada.nodes.server, REFRESH_TYPES)
+            await call(op, "cls", "Classify", [samples(D, D, D)])
+            first = await seen.next(is_condition(name, True, False))
+            condition, first_id = field(first, "NodeId"), field(first, "EventId")
+            assert status_name(await refresh(scada, sub.subscription_id)) == "Good"
+            first_refreshed_id = field(await refreshed_event(seen, name), "EventId")
+            assert status_name(await acknowledge(scada, condition, first_id, "first seen")) == "Good"
+            await seen.next(is_condition(name, True, True))
+            await call(op, "cls", "Classify", [samples(A, A, A)])
+            await seen.next(is_condition(name, False, True))
+
+            await call(op, "cls", "Classify", [samples(D, D, D)])  # the second occurrence
+            second = await seen.next(is_condition(name, True, False))
+            for old in (first_id, first_refreshed_id):
+                r = await acknowledge(scada, condition, old, "an old list entry")
+                assert status_name(r) == "BadEventIdUnknown", "an earlier occurrence's EventId acknowledged a new one"
+            assert (await condition_state(scada, condition))["AckedState.Id"] is False
+            assert status_name(await acknowledge(scada, condition, field(second, "EventId"), "second seen")) == "Good"
+            await seen.next(is_condition(name, True, True))
+            await call(op, "cls", "Classify", [samples(A, A, A)])
+            await seen.next(is_condition(name, False, True))
+    run(go())
+
+
+def test_condition_refresh2_answers_only_the_monitored_item_it_names(app):
+    """ConditionRefresh2 (Part 9, i=12912): a SCADA with two event monitored items in one subscription refreshes
+    one; only that item gets RefreshStart, the retained condition and RefreshEnd, and the refreshed EventId
+    acknowledges the condition."""
+    name = "cls.default.d"
+
+    async def go():
+        async with session(app, *app.operator) as op, session(app, *app.engineer) as scada, \
+                session(app, *app.engineer) as other:
+            seen = Events()
+            sub = await scada.create_subscription(20, seen)
+            item = await sub.subscribe_events(scada.nodes.server, REFRESH_TYPES)
+            also = await sub.subscribe_events(scada.nodes.server, REFRESH_TYPES)
+            other_sub = await other.create_subscription(20, Events())
+            await call(op, "cls", "Classify", [samples(D, D, D)])
+            raised = await seen.next(lambda e: is_condition(name, True, False)(e) and e.server_handle == item)
+            await seen.next(lambda e: is_condition(name, True, False)(e) and e.server_handle == also)
+            seen.events.clear()
+            condition = field(raised, "NodeId")
+
+            assert status_name(await refresh2(scada, sub.subscription_id, 999999)) == "BadMonitoredItemIdInvalid"
+            r = await refresh2(scada, other_sub.subscription_id, item)  # another session's subscription
+            assert status_name(r) == "BadSubscriptionIdInvalid"
+            assert status_name(await refresh2(scada, sub.subscription_id, item)) == "Good"
+            refreshed = await refreshed_event(seen, name)
+            assert refreshed.server_handle == item
+            assert field(refreshed, "ActiveState/Id") is True and field(refreshed, "AckedState/Id") is False
+            await asyncio.sleep(0.5)
+            assert [e for e in seen.events if e.server_handle == also] == [], \
+                "ConditionRefresh2 reached a monitored item it did not name"
+            r = await acknowledge(scada, condition, field(refreshed, "EventId"), "seen after refresh2")
+            assert status_name(r) == "Good"
+            await seen.next(is_condition(name, True, True))
+            await call(op, "cls", "Classify", [samples(A, A, A)])
+            await seen.next(is_condition(name, False, True))
+    run(go())
+
+
+def test_a_node_opcua_scada_refreshes_one_monitored_item_and_acknowledges_what_it_showed(app):
+    """node-opcua as the SCADA: ConditionRefresh2 for one of its two event monitored items; only that item gets
+    RefreshStart, the retained condition and RefreshEnd; Acknowledge with the refreshed EventId is Good."""
+    name = "cls.default.d"
+
+    async def raise_it():
+        async with session(app, *app.operator) as op:
+            await call(op, "cls", "Classify", [samples(D, D, D)])
+            ns = await op.get_namespace_index("urn:opcua-inference-appliance")
+            return f"ns={ns};s=Appliance/Conditions/cls/default/d"
+    condition = run(raise_it())
+    root = Path(__file__).resolve().parent
+    cert_der, key = app.engineer
+    uri = f"urn:{socket.gethostname()}:appliance:client:eng1"
+    try:
+        proc = subprocess.run(["node", str(root / "node" / "condition_refresh2.js"), app.endpoint,
+                               str(cert_der.with_suffix(".pem")), str(key), uri, str(app.state_dir / "node-pki"),
+                               name, condition], capture_output=True, text=True, timeout=120)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert proc.returncode == 0 and lines, (proc.stdout[-2000:], proc.stderr[-2000:])
+        out = json.loads(lines[-1])
+        assert out["refresh2"] == "Good", out
+        types = [e["type"] for e in out["first"]]
+        assert types[0] == "RefreshStart" and types[-1] == "RefreshEnd", out  # every retained condition between
+        assert set(types[1:-1]) == {"OffNormalAlarm"}, out
+        shown = [e for e in out["first"] if e["conditionName"] == name]
+        assert len(shown) == 1 and shown[0]["active"] is True and shown[0]["acked"] is False, out
+        assert [e for e in out["second"] if e["type"] != "OffNormalAlarm"] == [], out  # no refresh reached it
+        assert out["ack"] == "Good", out
+    finally:
+        async def clear():
+            async with session(app, *app.operator) as op:
+                await call(op, "cls", "Classify", [samples(A, A, A)])
+        run(clear())

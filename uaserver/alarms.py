@@ -1,6 +1,6 @@
 """The alarms: `Alarms/...` Booleans and their Part 9 conditions changed in one place (set_alarm), the class alarms
 that classifier results drive (per source, debounced: appliance/classify.py), and the condition methods
-(Acknowledge, AddComment, Enable, Disable, ConditionRefresh) that SCADA calls.
+(Acknowledge, AddComment, Enable, Disable, ConditionRefresh, ConditionRefresh2) that SCADA calls.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from asyncua import Server, ua
 from appliance.classify import Classified, ClassifierState
 
 from .address_space import ApplianceNodes, write
-from .conditions import CONDITION_REFRESH, METHODS, AlarmConditions, ConditionError, ConditionSpec
+from .conditions import (CONDITION_REFRESH, CONDITION_REFRESH2, METHODS, AlarmConditions, ConditionError,
+                         ConditionSpec)
 from .methods import CallContext, MethodHandlers, MethodStatus, require_type
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Alarms:
             server.link_method(server.get_node(nodeid), wrapped[name])
         server.link_method(server.get_node(CONDITION_REFRESH),
                            handlers.wrap("ConditionRefresh", "", "monitor", 1, self._condition_refresh))
+        server.link_method(server.get_node(CONDITION_REFRESH2),
+                           handlers.wrap("ConditionRefresh2", "", "monitor", 2, self._condition_refresh2))
 
     def _condition_specs(self) -> list[ConditionSpec]:
         """The appliance's alarms, drift, and each source's class alarms (the debounced state a control room acts
@@ -150,4 +153,15 @@ class Alarms:
         except ConditionError as e:
             raise MethodStatus(e.status) from None
         await self.conditions.refresh(subscription_id)  # that subscription only
+        return []
+
+    async def _condition_refresh2(self, ctx: CallContext, args):
+        """ConditionRefresh2 (Part 9): SubscriptionId, MonitoredItemId; that monitored item only."""
+        subscription_id = require_type(args[0], 0, (V.UInt32,), array=False)
+        monitored_item_id = require_type(args[1], 1, (V.UInt32,), array=False)
+        try:
+            self.conditions.check_refresh2(ctx.session.session_id, subscription_id, monitored_item_id)
+        except ConditionError as e:
+            raise MethodStatus(e.status) from None
+        await self.conditions.refresh(subscription_id, monitored_item_id)
         return []

@@ -13,7 +13,8 @@ class AuditWriter:
     every HAND_OVER_S: a hand-over wakes the thread, which then fights the event loop for the GIL; once per record
     that was a fifth of the serve process's CPU at 16 clients, and once per loop turn still 7 % of it (py-spy), most
     of it at one client, where every call is a loop turn of its own. At most `max_pending` records wait: beyond, a
-    record is dropped and counted as a write failure (`full` is true until the thread catches up)."""
+    record is dropped, counted as a write failure and marked in the log by an audit_lost record (`full` is true until
+    the thread catches up)."""
 
     def __init__(self, audit, max_pending: int = 10000, metrics=None):
         self._audit = audit
@@ -32,18 +33,26 @@ class AuditWriter:
         return self._pending >= self.max_pending
 
     def put(self, fields: dict) -> bool:
-        """On the event loop. False when the queue is full (the record is dropped)."""
+        """On the event loop. False when the queue is full: the record is dropped, and a note of it takes its place
+        in the batch (consecutive drops share one), which the log writes as an audit_lost record, in order."""
         with self._lock:
-            if self._pending >= self.max_pending:
+            full = self._pending >= self.max_pending
+            if full:
                 self.dropped += 1
-                if self._metrics is not None:
-                    self._metrics.audit_errors.inc()
+            else:
+                self._pending += 1
+        if full:
+            if self._metrics is not None:
+                self._metrics.audit_errors.inc()
+            last = self._batch[-1] if self._batch else None
+            if last is not None and "lost" in last:
+                last["lost"] += 1
                 return False
-            self._pending += 1
+            fields = {"lost": 1, "cause": "the audit queue was full"}
         if not self._batch:
             asyncio.get_running_loop().call_later(HAND_OVER_S, self._hand_over)
         self._batch.append(fields)
-        return True
+        return not full
 
     def _hand_over(self) -> None:
         batch, self._batch = self._batch, []
@@ -63,4 +72,4 @@ class AuditWriter:
                 return
             self._audit.record_many(batch)
             with self._lock:
-                self._pending -= len(batch)
+                self._pending -= sum(1 for fields in batch if "lost" not in fields)

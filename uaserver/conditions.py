@@ -8,8 +8,14 @@ with NodeId `Appliance/Conditions/<alarm>` and a BrowseName without '/' (`Drift.
 Acknowledge and AddComment (EventId of one of the condition's events, a Comment), Enable and Disable, for
 engineers. A disabled condition sends no events and keeps its state; Enable sends it as it is. ConditionRefresh
 (i=3875) sends every retained condition again between RefreshStart and RefreshEnd events, to the subscription it
-names only, as SCADA clients ask after (re)connecting; Acknowledge and AddComment accept the EventId of a refreshed
-event as well as the original's (the SCADA knows only what the refresh showed it).
+names only, as SCADA clients ask after (re)connecting; ConditionRefresh2 (i=12912) does the same for one monitored
+item of it.
+
+An EventId acknowledges (or comments) only the occurrence it belongs to: an occurrence begins when the condition
+is raised and lasts until it is raised again; its own events (the raise, the clear, acknowledgements, comments,
+enable/disable) and the events a refresh sent of it carry its EventIds. The EventId of an earlier occurrence
+answers BadEventIdUnknown: an HMI acknowledging an old list entry never acknowledges a re-raise the operator has not
+seen. (asyncua gives every event, refreshed ones too, an EventId of its own.)
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from datetime import datetime, timezone
 
 from asyncua import Server, ua
 
-from .asyncua_internals import instantiate_many, subscription_of, write_together
+from .asyncua_internals import (instantiate_many, monitored_item_of, subscription_of, trigger_for_monitored_item,
+                                write_together)
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -32,9 +39,10 @@ METHODS = (("Acknowledge", ua.ObjectIds.AcknowledgeableConditionType_Acknowledge
            ("AddComment", ua.ObjectIds.ConditionType_AddComment, 2),
            ("Enable", ua.ObjectIds.ConditionType_Enable, 0),
            ("Disable", ua.ObjectIds.ConditionType_Disable, 0))
-# asyncua gives every event a new EventId, refreshed ones too: the last this many a refresh sent are acknowledgeable
-# (several SCADA clients refreshing after a restart), beside the condition's own last 8 events.
-REFRESHED_IDS_KEPT = 64
+CONDITION_REFRESH2 = ua.NodeId(ua.ObjectIds.ConditionType_ConditionRefresh2)
+# The EventIds of the current occurrence that are kept (its own events and refreshed ones, oldest dropped first):
+# several SCADA clients refreshing again and again after a restart, while the alarm stays unacknowledged.
+OCCURRENCE_IDS_KEPT = 256
 
 
 class ConditionError(Exception):
@@ -66,13 +74,13 @@ class Condition:
     active: bool = False
     acked: bool = True
     enabled: bool = True
-    event_id: bytes | None = None  # the latest event's EventId (Acknowledge names it)
+    event_id: bytes | None = None  # the latest event's EventId (the EventId variable shows it)
     comment: str = ""
     user: str = ""
     message: str = ""
-    history: list[bytes] = field(default_factory=list)
-    # EventIds ConditionRefresh sent for it: a SCADA that (re)connected knows the condition only by one of these
-    refreshed: deque[bytes] = field(default_factory=lambda: deque(maxlen=REFRESHED_IDS_KEPT))
+    occurrence: int = 0  # how many times it was raised
+    # The EventIds of the current occurrence (its own events and refreshes of it): Acknowledge names one of these
+    occurrence_ids: deque[bytes] = field(default_factory=lambda: deque(maxlen=OCCURRENCE_IDS_KEPT))
 
     @property
     def name(self) -> str:
@@ -130,8 +138,10 @@ class AlarmConditions:
         if c is None or c.active == active:
             return
         c.active = active
-        if active:
+        if active:  # a new occurrence: the EventIds of the earlier ones acknowledge nothing from now on
             c.acked, c.comment, c.user = False, "", ""
+            c.occurrence += 1
+            c.occurrence_ids.clear()
         c.message = message or f"{c.name} {'active' if active else 'cleared'}"
         await self._changed(c)
 
@@ -164,7 +174,7 @@ class AlarmConditions:
         c = self.condition_of(nodeid)
         if not c.enabled:
             raise ConditionError("BadConditionDisabled")
-        if not event_id or (event_id not in c.history and event_id not in c.refreshed):
+        if not event_id or event_id not in c.occurrence_ids:  # unknown, or of an earlier occurrence
             raise ConditionError("BadEventIdUnknown")
         return c
 
@@ -173,15 +183,32 @@ class AlarmConditions:
         if not subscription_of(self.server, session_id, subscription_id):
             raise ConditionError("BadSubscriptionIdInvalid")
 
-    async def refresh(self, subscription_id: int) -> None:
-        """Every retained condition's state again, between RefreshStart and RefreshEnd, to that subscription."""
+    def check_refresh2(self, session_id: ua.NodeId, subscription_id: int, monitored_item_id: int) -> None:
+        """ConditionRefresh2 names one of the calling session's subscriptions and one monitored item of it."""
+        self.check_refresh(session_id, subscription_id)
+        if not monitored_item_of(self.server, subscription_id, monitored_item_id):
+            raise ConditionError("BadMonitoredItemIdInvalid")
+
+    async def refresh(self, subscription_id: int, monitored_item_id: int | None = None) -> None:
+        """Every retained condition's state again, between RefreshStart and RefreshEnd, to that subscription (or
+        only to that monitored item of it: ConditionRefresh2)."""
         if not self._refresh:
             return
-        await self._refresh["start"].trigger(message="ConditionRefresh start", subscription_id=subscription_id)
+        to = (subscription_id, monitored_item_id)
+        await self._send(self._refresh["start"], "ConditionRefresh start", to)
         for c in self.conditions.values():
             if c.retain:
-                await self._trigger(c, remember=False, subscription_id=subscription_id)
-        await self._refresh["end"].trigger(message="ConditionRefresh end", subscription_id=subscription_id)
+                await self._trigger(c, refresh_to=to)
+        await self._send(self._refresh["end"], "ConditionRefresh end", to)
+
+    async def _send(self, generator, message: str, to: tuple[int, int | None] | None) -> None:
+        """Trigger generator's event: to every subscriber, to one subscription, or to one monitored item."""
+        if to is None:
+            await generator.trigger(message=message)
+        elif to[1] is None:
+            await generator.trigger(message=message, subscription_id=to[0])
+        else:
+            await trigger_for_monitored_item(self.server, generator, to[0], to[1], message)
 
     async def _changed(self, c: Condition, force: bool = False) -> None:
         """The condition's variables take its new state, and (while enabled) an event tells subscribers."""
@@ -223,7 +250,9 @@ class AlarmConditions:
             values.append(("EventId", ua.Variant(c.event_id, V.ByteString)))
         await write_together(self.server, [(c.child(path), value) for path, value in values])
 
-    async def _trigger(self, c: Condition, remember: bool = True, subscription_id: int | None = None) -> None:
+    async def _trigger(self, c: Condition, refresh_to: tuple[int, int | None] | None = None) -> None:
+        """An event of the condition's state: a change, to every subscriber, or a refresh (a subscription, or a
+        monitored item of it); either way its EventId belongs to the current occurrence."""
         if self._gen is None:
             return
         async with self._lock:  # one event object: fill it and send it without another condition in between
@@ -244,13 +273,11 @@ class AlarmConditions:
             _two_state(e, "AckedState", c.acked, "Acknowledged", "Unacknowledged")
             e.Comment = ua.LocalizedText(c.comment)
             e.ClientUserId = c.user
-            await self._gen.trigger(message=c.message, subscription_id=subscription_id)
+            await self._send(self._gen, c.message, refresh_to)
             event_id = e.EventId.Value if isinstance(e.EventId, ua.Variant) else e.EventId
-            if remember:
+            c.occurrence_ids.append(event_id)
+            if refresh_to is None:
                 c.event_id = event_id
-                c.history = (c.history + [c.event_id])[-8:]
-            else:  # a refreshed event: the condition's state as it is, under an EventId of its own
-                c.refreshed.append(event_id)
 
 
 def _two_state(event, name: str, value: bool, true_text: str, false_text: str) -> None:

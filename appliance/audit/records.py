@@ -16,7 +16,7 @@ FIELDS = ("event", "action", "correlation_id", "audit_entry_id", "session", "cli
 # What a record is about (its "event" field); docs/security.md lists them for auditors.
 EVENTS = ("call", "role_denied", "rate_limited", "audit_refused", "login", "login_failed", "certificate_refused",
           "session_open", "session_close", "alarm_acknowledged", "deploy", "rollback", "promote", "reload",
-          "commissioning_certificate", "model_event", "admin", "audit_resume")
+          "commissioning_certificate", "model_event", "admin", "audit_resume", "audit_lost")
 
 
 def canonical(obj: dict) -> bytes:

@@ -11,17 +11,20 @@ def verify(path: Path) -> tuple[bool, list[str]]:
     """Check the chain across the rotated files, oldest to newest. Returns (ok, problems), each problem naming its
     file and 1-based line. The first record of the oldest file anchors the chain (older files may be rotated away).
     A torn last line (power cut) acknowledged by the audit_resume record that follows it is not a problem: see
-    `verify_report` for the tears."""
-    problems, _ = verify_report(path)
+    `verify_report` for the tears and the gaps."""
+    problems, _, _ = verify_report(path)
     return not problems, problems
 
 
-def verify_report(path: Path) -> tuple[list[str], list[str]]:
-    """(problems, tears): tears are torn last lines of a file that the appliance found at start and acknowledged
-    with an audit_resume record chained to the last complete record before them."""
+def verify_report(path: Path) -> tuple[list[str], list[str], list[str]]:
+    """(problems, tears, gaps): tears are torn last lines of a file that the appliance found at start and
+    acknowledged with an audit_resume record chained to the last complete record before them; gaps are the
+    audit_lost records the writer put where records it could not write would have stood (a full disk outlasting
+    what it could hold), each "FILE:LINE: N records lost between seq A and B at TIME: CAUSE"."""
     path = Path(path)
     problems: list[str] = []
     tears: list[str] = []
+    gaps: list[str] = []
     prev_line_hash: str | None = None
     prev_seq: int | None = None
     last_edited = ""  # the previous line, when its own hash failed: explains the next line's broken link
@@ -66,12 +69,14 @@ def verify_report(path: Path) -> tuple[list[str], list[str]]:
                 problems.append(f"{where}: previous-hash link broken ({cause})")
             elif prev_seq is not None and rec.get("seq") != prev_seq + 1:
                 problems.append(f"{where}: sequence number {rec.get('seq')} does not follow {prev_seq}")
+            elif rec.get("event") == "audit_lost":
+                gaps.append(f"{where}: {rec.get('detail', '')}")
             prev_line_hash = sha256_hex(line)
             prev_seq = rec.get("seq") if isinstance(rec.get("seq"), int) else None
     if pending_tear:
         problems.append(f"{pending_tear}: torn last line, not yet acknowledged (the appliance has not started since "
                         "the power or the process stopped mid-write)")
-    return problems, tears
+    return problems, tears, gaps
 
 
 def count_records(path: Path) -> tuple[int, int]:

@@ -16,12 +16,14 @@ What the chain does and does not prove (honestly):
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import threading
 import time
+from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -117,68 +119,136 @@ def _fields(*, action: str, session: str = "", client: str = "", user: str = "",
     return fields
 
 
+RETRY_S = 0.25  # while records wait for the file (a full disk), the write is retried this often, and with each record
+# Why a write failed, as the audit_lost record and the alarm's event say it.
+_CAUSES = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only file system"}
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno in _CAUSES:
+        return _CAUSES[exc.errno]
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until all of data is in the file: a write may take only part of it (the last free block of a full
+    disk) before the next one fails."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class _Lost:
+    """A run of records that could not be held (beyond max_held, or dropped by the owner's full queue): written as
+    one audit_lost record where they would have stood."""
+    __slots__ = ("count", "first", "last", "cause")
+
+    def __init__(self, count: int, cause: str):
+        self.count, self.cause = count, cause
+        self.first = self.last = _utc_now()
+
+    def fields(self, after_seq: int, seq: int) -> dict:
+        when = f"at {self.first}" if self.first == self.last else f"from {self.first} to {self.last}"
+        noun = "record" if self.count == 1 else "records"
+        return {**dict.fromkeys(FIELDS, ""), "event": "audit_lost", "action": "audit_lost", "user": "system",
+                "status": "RecordsLost", "latency_ms": 0.0, "time": self.first,
+                "detail": f"{self.count} {noun} lost between seq {after_seq} and {seq} {when}: {self.cause}"}
+
+
 class AuditLog:
-    """Thread-safe writer. `record()` never raises into its caller: an I/O error is logged and counted in
-    `metrics.audit_errors`, and the next record reopens the file and resumes the chain from what is on disk."""
+    """Thread-safe writer. `record()` never raises into its caller.
+
+    A record is written whole or not at all: when a write fails (disk full, read-only file system) the file is cut
+    back to the end of its last complete line and the records are held in memory, in order, and written before any
+    later record as soon as the file takes them again (retried every RETRY_S, and with each new record); they keep
+    the time they were recorded and get their sequence numbers when written, so no number is used twice. Beyond
+    `max_held` held records the later ones are lost, and one `audit_lost` record stands where they would have been
+    ("N records lost between seq A and B at TIME: disk full"), which `appliance audit verify` reports and accepts.
+    Records still held when the process stops are lost with no record saying so (the log's error line counts them).
+    Every failure is logged and counted in `metrics.audit_errors`; `failing` is true while records are held."""
 
     def __init__(self, path: Path, max_bytes: int = 10 * 1024 * 1024, keep_files: int = 10, metrics=None,
-                 on_state=None, on_torn=None):
+                 on_state=None, on_torn=None, max_held: int = 10000):
         """on_state(failing: bool, reason: str): called (from the writing thread) when writing starts failing or
         works again; on_torn(note): called once when a torn last line was found at start."""
         self.path = Path(path)
         self._on_state, self._on_torn = on_state, on_torn
-        self.failing = False  # the last write failed (disk full, read-only, ...): see audit.on_failure
+        self.failing = False  # records are held: the last write failed (disk full, ...): see audit.on_failure
         self.failure_reason = ""
         self.torn = ""  # the note of a torn last line found at start, else ""
         self.max_bytes, self.keep_files = int(max_bytes), int(keep_files)
+        self.max_held = int(max_held)
         self._metrics = metrics
         self._lock = threading.Lock()
-        self._fh = None
+        self._state_lock = threading.RLock()  # failing's transitions and their hook, in order
+        self._fd: int | None = None
+        self._size = 0  # bytes in the current file
         self._seq = 0
         self._prev = GENESIS
+        self._held: deque = deque()  # field dicts (with their "time") and _Lost runs, waiting for the file
+        self._n_held = 0  # field dicts in _held
+        self._cause = ""  # why the last write failed ("disk full", ...)
         self._last_fsync = 0.0
         self._fsync_timer: threading.Timer | None = None
+        self._retry_timer: threading.Timer | None = None
         self._closed = False
         with self._lock:
-            self._open_locked()
+            try:
+                self._open_locked()
+                error = self._drain_locked()  # a tear's audit_resume, now
+            except OSError as exc:  # no directory, no room, no permission: failing until a later record opens it
+                self._close_fd_locked()
+                self._fail(f"cannot open audit log: {exc}")
+                return
+        self._after_drain(error)
 
     # ---- opening and resuming ---------------------------------------------------------------------------------
 
-    def _open_locked(self) -> bool:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            torn_note = self._resume_locked()
-            if torn_note:
-                # Keep the torn file exactly as it is (evidence); continue in a new file, chained to the last
-                # complete record, the way a rotation does.
-                self._shift_files_locked()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            self._fh = os.fdopen(fd, "ab")
-            if torn_note:
+    def _open_locked(self) -> None:
+        """Open the current file, the chain resumed from what is on disk; raises OSError."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        torn_note, shift = self._resume_locked()
+        if shift:
+            # Keep the torn file exactly as it is (evidence); continue in a new file, chained to the last complete
+            # record, the way a rotation does.
+            self._shift_files_locked()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._size = os.fstat(self._fd).st_size
+        if torn_note:
+            # Acknowledged by an audit_resume record right after the last complete one: held first, so that a
+            # write that fails now (a full disk at start) writes it later, before anything else.
+            resume = {**dict.fromkeys(FIELDS, ""), "event": "audit_resume", "action": "audit_resume",
+                      "user": "system", "status": "TornLine", "latency_ms": 0.0, "detail": torn_note,
+                      "time": _utc_now()}
+            if self._held and isinstance(self._held[0], dict) and self._held[0]["event"] == "audit_resume":
+                self._held[0] = resume  # found again after a failed write of it: the same tear
+            else:
+                self._held.appendleft(resume)
+                self._n_held += 1
+            if not self.torn:
                 self.torn = torn_note
-                self._write_locked({**dict.fromkeys(FIELDS, ""), "event": "audit_resume", "action": "audit_resume",
-                                    "user": "system", "status": "TornLine", "latency_ms": 0.0, "detail": torn_note})
-                self._fh.flush()
+                log.error("audit log %s", torn_note)
+                self._count(1)
                 _call_hook("torn-line", self._on_torn, torn_note)
-            return True
-        except OSError as exc:  # no directory, no room, no permission: failing until a later record reopens it
-            self._fail(f"cannot open audit log: {exc}")
-            self._fh = None
-            return False
 
-    def _resume_locked(self) -> str:
-        """Continue the chain from the newest complete line on disk; returns a note when the current file ends in
-        a torn (newline-less) line, which is then reported, closed and acknowledged by an audit_resume record."""
-        note = ""
+    def _resume_locked(self) -> tuple[str, bool]:
+        """Continue the chain from the newest complete line on disk. When the newest non-empty file ends in a torn
+        (newline-less) line, not yet acknowledged: (a note naming it, whether it is the current file, which is then
+        shifted away); else ("", False)."""
+        note, shift, newest = "", False, True
+        self._seq, self._prev = 0, GENESIS
         for p in reversed(chain_files(self.path)):
-            if p == self.path and p.stat().st_size == 0:
+            if p.stat().st_size == 0:
                 continue
             last, fragment, torn_line = _tail(p)
-            if fragment and p == self.path:
-                note = (f"{rotated(p, 1).name}:{torn_line}: incomplete last line found at start (the process stopped "
-                        "mid-write); the file is kept as it is and the chain continues in a new file from the "
-                        "complete line before it")
-                self._fail(f"audit log {note}")
+            if fragment and newest:
+                shift = p == self.path
+                note = (f"{rotated(p, 1).name if shift else p.name}:{torn_line}: incomplete last line found at start "
+                        "(the process stopped mid-write); the file is kept as it is and the chain continues in a new "
+                        "file from the complete line before it")
+            newest = False
             if last is None:
                 continue
             self._prev = sha256_hex(last)
@@ -187,7 +257,7 @@ class AuditLog:
             except (ValueError, KeyError, TypeError):
                 log.error("audit log %s: last record unreadable; numbering continues from 0", p.name)
             break
-        return note
+        return note, shift
 
     # ---- writing ------------------------------------------------------------------------------------------------
 
@@ -196,72 +266,157 @@ class AuditLog:
                output_digest: str | DigestOf = "", status: str,
                latency_ms: float = 0.0, detail: str = "", event: str = "", correlation_id: str = "",
                audit_entry_id: str = "") -> bool:
-        """True when the record reached the file (flushed to the OS). The digests may be DigestOf: computed here."""
+        """True when the record reached the file (written to the OS). The digests may be DigestOf: computed here."""
         return self.record_many([dict(
             action=action, session=session, client=client, user=user, role=role, model=model, version=version,
             input_digest=input_digest, output_digest=output_digest, status=status, latency_ms=latency_ms,
             detail=detail, event=event, correlation_id=correlation_id, audit_entry_id=audit_entry_id)])
 
     def record_many(self, records: list[dict]) -> bool:
-        """Write records (each of record()'s keyword arguments) in order, flushed to the OS together: one write and
-        one flush for the audit writer's batch instead of one per record. True when all reached the file; on a
-        failure every record of the batch counts as failed (some may have reached it)."""
+        """Write records (each of record()'s keyword arguments, or {"lost": N, "cause": TEXT} for N records its
+        owner could not hand over: an audit_lost record in their place) in order, with one write for the audit
+        writer's batch. True when they (and every record held before them) reached the file; else they are held
+        (see the class) and each counts as a write failure."""
+        actions = ", ".join(sorted({str(r.get("action", "")) for r in records if "lost" not in r}))
         try:
-            cleaned = [_fields(**fields) for fields in records]
-            with self._lock:
-                if self._closed:
-                    raise AuditLogClosed("audit log closed")
-                if self._fh is None and not self._open_locked():
-                    self._count_failures(len(records) - 1)  # the open's failure counted one
-                    return False
-                for fields in cleaned:
-                    self._write_locked(fields)
-                # Flushed to the OS (survives a crash of this process) with each batch (the audit writer hands one
-                # over every 20 ms at most); fsync (survives power loss) at most once a second: on the SD/eMMC
-                # storage of edge boxes an fsync per call costs milliseconds and wears the flash, while a power
-                # cut loses at most the last second, and a timer makes sure that second gets synced.
-                self._fh.flush()
-                self._maybe_fsync_locked()
-        except Exception as exc:  # noqa: BLE001 - never into the caller (the audit writer thread must go on)
-            # A full disk or a closed log is expected; anything else is a bug here, logged with its traceback.
-            actions = ", ".join(sorted({str(r.get("action", "")) for r in records}))
-            self._fail(f"cannot write audit record ({actions}): {exc}",
-                       traceback=not isinstance(exc, (OSError, AuditLogClosed)))
-            self._count_failures(len(records) - 1)
-            with self._lock:
-                self._drop_handle_locked()
+            cleaned = [r if "lost" in r else _fields(**r) for r in records]
+        except Exception:  # noqa: BLE001 - a bug here must not reach the audit writer thread: logged, counted
+            log.exception("cannot write audit record (%s)", actions)
+            self._count(len(records))
             return False
-        self._set_failing(False, "")
-        return True
+        now = _utc_now()
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                if self._held and self._n_held + len(cleaned) > self.max_held:
+                    self._drain_locked()  # room again? then these are held behind the others, not lost
+                for fields in cleaned:
+                    if "lost" in fields:
+                        self._lose_locked(int(fields["lost"]), str(fields["cause"]))
+                    else:
+                        fields["time"] = now
+                        self._hold_locked(fields)
+                error = self._drain_locked()
+        if closed:
+            self._fail(f"cannot write audit record ({actions}): audit log closed")
+            self._count(len(records) - 1)
+            return False
+        if error is not None:
+            self._count(sum(1 for r in records if "lost" not in r))
+        self._after_drain(error)
+        return error is None
 
-    def _count_failures(self, n: int) -> None:
+    def _hold_locked(self, fields: dict) -> None:
+        if self._n_held < self.max_held:
+            self._held.append(fields)
+            self._n_held += 1
+        else:
+            self._lose_locked(1, self._cause or "the audit log could not be written")
+
+    def _lose_locked(self, count: int, cause: str) -> None:
+        last = self._held[-1] if self._held else None
+        if isinstance(last, _Lost) and last.cause == cause:
+            last.count += count
+            last.last = _utc_now()
+        else:
+            self._held.append(_Lost(count, cause))
+
+    def _drain_locked(self) -> OSError | None:
+        """Write the held records in order, each whole; None when all reached the file, else the error (the file
+        cut back, the records still held, a retry scheduled)."""
+        if not self._held:
+            return None
+        try:
+            if self._fd is None:
+                self._open_locked()
+            self._write_held_locked()
+            self._maybe_fsync_locked()
+        except OSError as exc:
+            self._close_fd_locked()  # reopened at the next try: the chain resumes from what is on disk
+            self._cause = _cause(exc)
+            self._schedule_retry_locked()
+            return exc
+        return None
+
+    def _write_held_locked(self) -> None:
+        items = list(self._held)
+        buf, staged, seq, prev = bytearray(), 0, self._seq, self._prev
+        for item in items:
+            fields = item.fields(seq, seq + 1) if isinstance(item, _Lost) else item
+            unhashed = _record_json({**fields, "seq": seq + 1, "prev": prev})
+            line = _with_hash(unhashed, sha256_hex(unhashed))
+            if self._size + len(buf) > 0 and self._size + len(buf) + len(line) + 1 > self.max_bytes:
+                self._commit_locked(buf, staged, seq, prev)
+                buf, staged = bytearray(), 0
+                self._rotate_locked()
+            buf += line
+            buf += b"\n"
+            staged, seq, prev = staged + 1, seq + 1, sha256_hex(line)
+        self._commit_locked(buf, staged, seq, prev)
+
+    def _commit_locked(self, buf: bytearray, staged: int, seq: int, prev: str) -> None:
+        """Write the lines of the first `staged` held items in one go; on a failure cut the file back to where it
+        was, so that no torn line stays (raises the failure)."""
+        if not buf:
+            return
+        start = self._size
+        try:
+            _write_all(self._fd, bytes(buf))
+        except OSError:
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError as exc:  # the torn end stays: the next open finds it and acknowledges it (audit_resume)
+                log.error("cannot cut the audit log back after a failed write: %s", exc)
+            raise
+        self._size = start + len(buf)
+        for _ in range(staged):
+            if not isinstance(self._held.popleft(), _Lost):
+                self._n_held -= 1
+        self._seq, self._prev = seq, prev
+
+    def _schedule_retry_locked(self) -> None:
+        if self._retry_timer is None and not self._closed:
+            self._retry_timer = threading.Timer(RETRY_S, self._retry)
+            self._retry_timer.daemon = True
+            self._retry_timer.start()
+
+    def _retry(self) -> None:
+        with self._lock:
+            self._retry_timer = None
+            if self._closed or not self._held:
+                return
+            error = self._drain_locked()
+        self._after_drain(error)
+
+    def _after_drain(self, error: OSError | None) -> None:
+        """Outside the lock (the hooks may log, emit events, record)."""
+        if error is None:
+            self._set_failing(False, "")
+        elif not self.failing:
+            held = self._n_held
+            self._set_failing(True, f"cannot write audit records: {error}; {held} held until they can be written")
+
+    def _count(self, n: int) -> None:
         if n > 0 and self._metrics is not None:
             self._metrics.audit_errors.inc(n)
 
     def _set_failing(self, failing: bool, reason: str) -> None:
-        if failing == self.failing:
-            return
-        self.failing, self.failure_reason = failing, reason
-        if failing:
-            log.error("the audit log cannot be written: %s", reason)
-        else:
-            log.warning("the audit log is written again")
-        _call_hook("state", self._on_state, failing, reason)
-
-    def _write_locked(self, fields: dict) -> None:
-        """One record into the file's buffer; the caller flushes."""
-        rec = {**fields, "seq": self._seq + 1, "time": _utc_now(), "prev": self._prev}
-        unhashed = _record_json(rec)
-        line = _with_hash(unhashed, sha256_hex(unhashed))
-        if self._fh.tell() > 0 and self._fh.tell() + len(line) + 1 > self.max_bytes:
-            self._rotate_locked()
-        self._fh.write(line + b"\n")
-        self._seq, self._prev = rec["seq"], sha256_hex(line)
+        # Its own lock: the writer thread and the retry timer may both get here, and a hook may record (the log's
+        # lock is not held here).
+        with self._state_lock:
+            if failing == self.failing:
+                return
+            self.failing, self.failure_reason = failing, reason
+            if failing:
+                log.error("the audit log cannot be written: %s", reason)
+            else:
+                log.warning("the audit log is written again")
+            _call_hook("state", self._on_state, failing, reason)
 
     def _maybe_fsync_locked(self) -> None:
         now = time.monotonic()
         if now - self._last_fsync >= FSYNC_INTERVAL_S:
-            os.fsync(self._fh.fileno())
+            os.fsync(self._fd)
             self._last_fsync = now
         elif self._fsync_timer is None:
             self._fsync_timer = threading.Timer(FSYNC_INTERVAL_S - (now - self._last_fsync), self._deferred_fsync)
@@ -272,20 +427,18 @@ class AuditLog:
         try:
             with self._lock:
                 self._fsync_timer = None
-                if self._fh is not None:
-                    os.fsync(self._fh.fileno())
+                if self._fd is not None:
+                    os.fsync(self._fd)
                     self._last_fsync = time.monotonic()
         except OSError as exc:  # the next record's write or fsync reports it again if it lasts
             self._fail(f"cannot sync audit log: {exc}")
 
     def _rotate_locked(self) -> None:
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
-        self._fh = None
+        os.fsync(self._fd)
+        self._close_fd_locked()
         self._shift_files_locked()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._fh = os.fdopen(fd, "ab")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._size = 0
         log.info("audit log rotated at seq %d", self._seq)
 
     def _shift_files_locked(self) -> None:
@@ -301,20 +454,18 @@ class AuditLog:
         else:
             self.path.unlink()
 
-    def _drop_handle_locked(self) -> None:
-        if self._fh is not None:
+    def _close_fd_locked(self) -> None:
+        if self._fd is not None:
             try:
-                self._fh.close()
-            except OSError as exc:  # the handle is dropped either way; the next record opens a new one
+                os.close(self._fd)
+            except OSError as exc:  # the descriptor is gone either way; the next record opens a new one
                 log.warning("closing the audit log file failed: %s", exc)
-            self._fh = None
+            self._fd = None
 
     def _fail(self, message: str, traceback: bool = False) -> None:
         log.error("%s", message, exc_info=traceback)
-        if self._metrics is not None:
-            self._metrics.audit_errors.inc()
-        if "incomplete last line" not in message:
-            self._set_failing(True, message)
+        self._count(1)
+        self._set_failing(True, message)
 
     # ---- reading back -------------------------------------------------------------------------------------------
 
@@ -328,19 +479,31 @@ class AuditLog:
         with self._lock:
             return self._seq
 
+    @property
+    def held(self) -> int:
+        """Records waiting for the file (a full disk)."""
+        with self._lock:
+            return self._n_held
+
     def close(self) -> None:
+        """Write what is held (one last try), sync and close."""
         with self._lock:
             self._closed = True
-            if self._fsync_timer is not None:
-                self._fsync_timer.cancel()
-                self._fsync_timer = None
-            if self._fh is not None:
+            for timer in (self._fsync_timer, self._retry_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._fsync_timer = self._retry_timer = None
+            error = self._drain_locked()
+            if error is not None:
+                log.error("%d audit record(s) could not be written before the stop (%s): they are lost, and no "
+                          "record in the log says so", self._n_held, self._cause)
+            if self._fd is not None:
                 try:
-                    self._fh.flush()
-                    os.fsync(self._fh.fileno())
+                    os.fsync(self._fd)
                 except OSError as exc:
-                    self._fail(f"cannot sync audit log on close: {exc}")
-                self._drop_handle_locked()
+                    log.error("cannot sync audit log on close: %s", exc)
+                    self._count(1)
+                self._close_fd_locked()
 
 
 def _call_hook(what: str, hook, *args) -> None:

@@ -28,7 +28,8 @@ def run_audit(args) -> int:
 
 
 def cmd_audit_verify(path: Path) -> int:
-    """"OK: N records in K files", or every problem; exit 0 or 2."""
+    """"OK: N records in K files" (after each acknowledged tear and each gap a failed write left, which are no
+    tampering), or every problem; exit 0 or 2."""
     from ..audit import count_records, verify_report
     path = Path(path)
     try:
@@ -36,15 +37,18 @@ def cmd_audit_verify(path: Path) -> int:
         if not files:
             print(f"error: no audit log at {path}")
             return 2
-        problems, tears = verify_report(path)
+        problems, tears, gaps = verify_report(path)
     except OSError as e:  # a file of the chain that cannot be read (a folder, no permission)
         print(f"error: {e.filename or path}: {e.strerror or e}")
         return 2
     for tear in tears:
         print(f"TORN: {tear}")
+    for gap in gaps:
+        print(f"GAP: {gap}")
     if not problems:
-        print(f"OK: {records} records in {files} files" + (f", {len(tears)} torn line(s) acknowledged"
-                                                           if tears else ""))
+        notes = ([f"{len(tears)} torn line(s) acknowledged"] if tears else []) + \
+            ([f"{len(gaps)} gap(s) marked"] if gaps else [])
+        print(f"OK: {records} records in {files} files" + "".join(f", {n}" for n in notes))
         return 0
     for problem in problems:
         print(problem)

@@ -521,7 +521,7 @@ class AuditConfig:
     # refuse: while the audit log cannot be written (disk full, read-only), calls answer BadResourceUnavailable and
     # Alarms/AuditLogFailed is true; continue: calls go on unaudited (the alarm is raised all the same)
     on_failure: str = setting("refuse", choice("refuse", "continue"))
-    queue_size: int = setting(10000, integer(16, 1000000))  # records waiting for the writer thread, at most
+    queue_size: int = setting(10000, integer(16, 1000000))  # records waiting for the writer thread, at most; also the records held in memory while the disk is full (beyond: an `audit_lost` record, docs/security.md)
 
 
 @dataclass

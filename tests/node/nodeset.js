@@ -1,7 +1,8 @@
 // node-opcua's side of the information model, given only the exported NodeSet2 file (and, to call, an endpoint).
-//   node nodeset.js load FILE
-//       loads the standard nodeset and FILE into a node-opcua address space; prints one JSON line describing every
-//       node of the appliance namespace (NodeId, BrowseName, class, type definition, data type, method arguments)
+//   node nodeset.js load FILE [STANDARD]
+//       loads the standard nodeset (node-opcua's, or the file STANDARD: an older one, e.g. 1.04) and FILE into a
+//       node-opcua address space; prints one JSON line describing every node of the appliance namespace (NodeId,
+//       BrowseName, class, type definition, data type, method arguments)
 //   node nodeset.js call FILE ENDPOINT CERT.pem KEY.pem APPLICATION_URI PKI_DIR
 //       finds the model types and their methods in FILE, then connects (SignAndEncrypt, the certificate as X509
 //       user), finds every model on the server by its type definition and calls Infer, Classify and Generate
@@ -16,9 +17,9 @@ const { nodesets } = require("node-opcua-nodesets");
 const URI = "urn:opcua-inference-appliance";
 const ID = (nodeId) => nodeId.toString().replace(/^ns=\d+;/, "");  // namespace-free: indexes differ per stack
 
-async function loadFile(file) {
+async function loadFile(file, standard) {
   const addressSpace = AddressSpace.create();
-  await generateAddressSpace(addressSpace, [nodesets.standard, file]);
+  await generateAddressSpace(addressSpace, [standard || nodesets.standard, file]);
   return addressSpace;
 }
 
@@ -30,8 +31,8 @@ function args(list) {
   }));
 }
 
-async function load(file) {
-  const addressSpace = await loadFile(file);
+async function load(file, standard) {
+  const addressSpace = await loadFile(file, standard);
   const namespace = addressSpace.getNamespace(URI);
   const nodes = [];
   for (const node of namespace.nodeIterator()) {
@@ -139,4 +140,4 @@ async function call(file, endpoint, certFile, keyFile, applicationUri, pkiDir) {
 }
 
 const [mode, ...rest] = process.argv.slice(2);
-(mode === "load" ? load(rest[0]) : call(...rest)).catch((e) => { console.error(e); process.exit(1); });
+(mode === "load" ? load(rest[0], rest[1]) : call(...rest)).catch((e) => { console.error(e); process.exit(1); });

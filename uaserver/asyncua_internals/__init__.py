@@ -23,7 +23,9 @@ What is here, module by module, and which asyncua internals each relies on:
 6. nodes: write_together sets several Value attributes in the address space (AddressSpace._nodes, AttributeValue)
    before any data-change callback runs, so the changes land in one publish of every subscription;
    external_sessions reads the server's registry of client sessions (InternalServer._external_sessions);
-   subscription_of the subscription service's (SubscriptionService.subscriptions, .session_id); instantiate_many
+   subscription_of the subscription service's (SubscriptionService.subscriptions, .session_id); monitored_item_of
+   and trigger_for_monitored_item (ConditionRefresh2) a subscription's MonitoredItemService (_monitored_items,
+   trigger_event with a monitored item id); instantiate_many
    copies an instantiated object from its NodeData (AddressSpace._nodes) through the InternalServer's own session
    (AddNodes). A session outlives its connection until its timeout (UaProcessor._should_close_session_on_transport_loss,
    close).
@@ -72,7 +74,8 @@ from .decoding import (  # noqa: E402
 from .listening import (  # noqa: E402
     AppServer, HardenedBinaryServer, HardenedProtocol, advertise_host, configure_limits, install_session_factory,
     listening_port)
-from .nodes import external_sessions, instantiate_many, subscription_of, write_together  # noqa: E402
+from .nodes import (  # noqa: E402
+    external_sessions, instantiate_many, monitored_item_of, subscription_of, trigger_for_monitored_item, write_together)
 from .processor import HardenedProcessor  # noqa: E402
 from .certificates import (  # noqa: E402
     channel_security_mode, close_channels_later, open_channels, present_certificate, trust_list_from_binary,
@@ -86,7 +89,8 @@ __all__ = [
     "max_nesting_depth", "request_header_from_binary", "response_to_binary",
     "AppServer", "HardenedBinaryServer", "HardenedProtocol", "advertise_host", "configure_limits",
     "install_session_factory", "listening_port",
-    "external_sessions", "instantiate_many", "subscription_of", "write_together",
+    "external_sessions", "instantiate_many", "monitored_item_of", "subscription_of", "trigger_for_monitored_item",
+    "write_together",
     "HardenedProcessor", "MIN_PUBLISHING_INTERVAL_MS", "ApplianceSession",
     "channel_security_mode", "close_channels_later", "open_channels", "present_certificate",
     "trust_list_from_binary", "trust_list_to_binary",

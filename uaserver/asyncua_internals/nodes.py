@@ -3,6 +3,7 @@ an instantiated object (items 5 and 6)."""
 from __future__ import annotations
 
 import logging
+import uuid
 from datetime import datetime, timezone
 
 from asyncua import Server, ua
@@ -43,6 +44,26 @@ def subscription_of(server: Server, session_id: ua.NodeId, subscription_id: int)
     """True when the subscription exists and belongs to that session."""
     sub = server.iserver.subscription_service.subscriptions.get(subscription_id)
     return sub is not None and sub.session_id == session_id
+
+
+def monitored_item_of(server: Server, subscription_id: int, monitored_item_id: int) -> bool:
+    """True when the subscription has that monitored item (MonitoredItemService._monitored_items)."""
+    sub = server.iserver.subscription_service.subscriptions.get(subscription_id)
+    return sub is not None and monitored_item_id in sub.monitored_item_srv._monitored_items
+
+
+async def trigger_for_monitored_item(server: Server, generator, subscription_id: int, monitored_item_id: int,
+                                     message: str) -> None:
+    """EventGenerator.trigger for one monitored item only (ConditionRefresh2): the event gets a new EventId and
+    the time as trigger gives them, and goes to MonitoredItemService.trigger_event(event, mid) of that subscription,
+    not through SubscriptionService.trigger_event (whose record of retained conditions a refresh must not change)."""
+    event = generator.event
+    event.EventId = ua.Variant(uuid.uuid4().hex.encode("utf-8"), ua.VariantType.ByteString)
+    event.Time = event.ReceiveTime = datetime.now(timezone.utc)
+    event.Message = ua.LocalizedText(message)
+    sub = server.iserver.subscription_service.subscriptions.get(subscription_id)
+    if sub is not None:
+        await sub.monitored_item_srv.trigger_event(event, monitored_item_id)
 
 
 _CHILD_REFERENCES = (ua.ObjectIds.HasComponent, ua.ObjectIds.HasProperty)
