@@ -144,7 +144,18 @@ def test_address_space(app):
             beat = await read(c, "Heartbeat")
             await asyncio.sleep(2.2)
             assert await read(c, "Heartbeat") >= beat + 1
-            assert await read(c, "Models", "affine", "RequestCount") >= 0
+            # three calls from another session are counted, and the count is published within a few heartbeats
+            before = await read(c, "Models", "affine", "RequestCount")
+            async with session(app, *app.operator) as plc:
+                for _ in range(3):
+                    assert status_name(await call(plc, "affine", "Infer", [floats([1, 2, 3, 4])])) == "Good"
+            count = before
+            for _ in range(50):
+                count = await read(c, "Models", "affine", "RequestCount")
+                if count >= before + 3:
+                    break
+                await asyncio.sleep(0.2)
+            assert count == before + 3, (before, count)
     run(go())
 
 
