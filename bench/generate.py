@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 # --isa: the instruction set every part of the run is limited to, set before torch loads (torch reads
 # ATEN_CPU_CAPABILITY once, at its first dispatch; Inductor reads TORCHINDUCTOR_CPP_MARCH at import).
@@ -100,6 +101,7 @@ from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 from cpu_kernels import read_bandwidth  # noqa: E402  (bench/cpu_kernels.py)
+from hf_oracle import left_padded  # noqa: E402  (tests/hf_oracle.py)
 
 QUESTIONS = ["What is a centrifugal pump?", "Why does a valve chatter?", "Explain PID control briefly.",
              "What causes cavitation?", "How does a heat exchanger work?", "What is an OPC UA method?",
@@ -160,13 +162,8 @@ def bench_ours(model: LlamaModel, cache: KVCache, prompts: list[list[int]], n: i
 
 
 def bench_hf(hf, prompts: list[list[int]], n: int, new: int):
-    batch = [prompts[i % len(prompts)] for i in range(n)]
-    width = max(map(len, batch))
-    ids = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(batch):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+    ids, mask = left_padded([prompts[i % len(prompts)] for i in range(n)], 0)
+    width = ids.shape[1]
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         t0 = time.perf_counter()

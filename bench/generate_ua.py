@@ -28,6 +28,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/ports.py
 
 PROMPTS = ["What is a centrifugal pump?", "Explain cavitation in one paragraph.", "What does a PLC do?",
            "Why do bearings overheat?", "Describe a heat exchanger.", "What is a control valve?",
@@ -160,7 +161,7 @@ def main() -> int:
     args = ap.parse_args()
     from appliance.config import resolve_builtin
     from certs.pki import PKI
-    from ua_overhead import free_ports, wait_port
+    from ports import free_ports, wait_port
 
     work = Path(tempfile.mkdtemp(prefix="gen-bench-"))
     gguf = resolve_builtin("smollm2")

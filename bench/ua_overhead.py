@@ -40,36 +40,12 @@ from asyncua.crypto import security_policies
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # tests/ports.py
 
 from appliance.client import call_method, connect, model_node  # noqa: E402
 from certs.pki import PKI  # noqa: E402
 from models.te_classifier import INPUT_SHAPE, load_te_test_windows  # noqa: E402
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free loopback ports. Every socket stays bound until all are chosen: the kernel may hand out
-    the same port to two binds in a row once the first is closed (measured here: 16 in 200,000 pairs), and an
-    appliance given that port twice fails to start its second listener."""
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    end = time.time() + timeout
-    while time.time() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError("server did not start")
+from ports import free_ports, wait_port  # noqa: E402
 
 
 async def drive(make_call, clients: int, seconds: float) -> tuple[float, list[float], float]:

@@ -14,7 +14,7 @@ import pytest
 from asyncua import ua
 
 from harness import RunningAppliance
-from uaclient import read, run, session
+from uaclient import Events, field, read, run, session
 
 te = pytest.importorskip("models.te_classifier")
 V = ua.VariantType
@@ -52,16 +52,20 @@ def windows(fault: int) -> np.ndarray:
     return te.sliding_windows(te.load_te_rows(fault, test=True)).astype(np.float32)
 
 
-class Raises:
-    def __init__(self):
-        self.raised: list[str] = []  # ConditionName of every raise (active, unacknowledged)
-        self.cleared: list[str] = []
+class Raises(Events):
+    """The recorded condition events as the ConditionNames that were raised (active) and cleared."""
 
-    def event_notification(self, event):
-        name = getattr(event, "ConditionName", None)
-        if name is None:
-            return
-        (self.raised if getattr(event, "ActiveState/Id", None) else self.cleared).append(name)
+    def _names(self, active: bool) -> list[str]:
+        return [field(e, "ConditionName") for e in self.events
+                if field(e, "ConditionName") is not None and bool(field(e, "ActiveState/Id")) is active]
+
+    @property
+    def raised(self) -> list[str]:
+        return self._names(True)
+
+    @property
+    def cleared(self) -> list[str]:
+        return self._names(False)
 
 
 async def box_nodes(client, box: str) -> dict:

@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 from arch_models import (PHI3_ORIGINAL, VARIANTS, architecture, byte_level_vocab, hf_model,  # noqa: E402
                          sentencepiece_vocab, write_gguf)
 from appliance.engine.runner import ModelRunner  # noqa: E402
+from hf_oracle import hf_greedy  # noqa: E402
 from appliance.engine.scheduler import Scheduler  # noqa: E402
 from appliance.engine.sequence import Sequence  # noqa: E402
 from appliance.engine.slots import SlotManager  # noqa: E402
@@ -65,20 +66,6 @@ def prompt(length: int, seed: int, vocab: int) -> list[int]:
     return [1] + torch.randint(3, vocab, (length - 1,), generator=g).tolist()
 
 
-def hf_greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """HF generate() on a left-padded batch with its attention mask."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                          pad_token_id=PAD)
-    return [row[width:].tolist() for row in out]
-
-
 def engine_greedy(model: LlamaModel, prompts: list[list[int]], new_tokens: int, compiled=None,
                   cache: KVCache | None = None) -> list[list[int]]:
     """Our scheduler and runner: chunked prefill interleaved with decode, several sequences in their slots."""
@@ -113,7 +100,7 @@ def test_gguf_model_gives_transformers_logits_and_greedy_tokens(written, variant
             ref = hf(torch.tensor([p])).logits[0]
         err = (logits[i, :len(p)] - ref).abs().max().item()
         assert err < LOGIT_TOLERANCE, (variant, err)
-    assert engine_greedy(model, prompts, 10) == hf_greedy(hf, prompts, 10)
+    assert engine_greedy(model, prompts, 10) == hf_greedy(hf, prompts, 10, PAD)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -187,7 +174,7 @@ def test_longrope_takes_the_long_factors_for_a_context_past_the_original(written
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_triton_kernels_give_the_eager_tokens(written, variant):
     """Decode steps through the fused kernels (Triton interpreter), padded CUDA-graph buckets included."""
-    pytest.importorskip("triton")
+    import triton  # noqa: F401 - a test dependency (pyproject [test]): missing, this fails instead of skipping
     _, path = written[variant]
     w = load_weights(path, torch.float32)
     prompts = [prompt(n, seed=n, vocab=w.config.vocab_size) for n in (5, 8, 3)]
@@ -335,7 +322,7 @@ def test_phi3_gguf_served_end_to_end_gives_transformers_reply(written, tmp_path)
 
     first, second = asyncio.run(serve())
     ids = tok.turn_tokens([], "What is a pump?", None)
-    want = hf_greedy(hf, [ids], 8)[0]
+    want = hf_greedy(hf, [ids], 8, PAD)[0]
     cut = next((i for i, t in enumerate(want) if t in stops), len(want))
     assert first.text == tok.decode(want[:cut])
     assert second.token_count >= 1 and not second.context_lost

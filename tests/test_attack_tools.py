@@ -4,18 +4,12 @@ server that still answers a legitimate client, are refusals. Real sockets on loo
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 from asyncua import ua
 
 from attack_tools import refusal, status_of
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_ports
 
 
 async def read_from(port: int) -> bytes:
@@ -27,7 +21,7 @@ async def read_from(port: int) -> bytes:
 
 
 def test_a_refused_connect_is_a_dead_server_not_a_refusal():
-    port = free_port()  # nothing listens there: what a crashed server leaves
+    port, = free_ports(1)  # nothing listens there: what a crashed server leaves
     with pytest.raises(AssertionError, match="no server listens"):
         asyncio.run(refusal(asyncio.open_connection("127.0.0.1", port)))
 

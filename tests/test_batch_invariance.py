@@ -1,8 +1,9 @@
-"""Batch invariance, reported: 16 prompts of different lengths decoded greedily alone and all together through the
-scheduler and runner; how many outputs are identical, per weight format. Asserted for fp32 (the same numbers must
-not depend on batch partners) and for our AVX2 kernels (int4+avx2, int8+avx2: a row's sums keep their order in any
-tile); printed for bfloat16, int8 and int4 through torch's ops, whose matmul kernels may block differently by batch
-size."""
+"""Batch invariance: 16 prompts of different lengths decoded greedily alone and all together through the scheduler
+and runner give the same tokens, per weight format. For fp32 the same numbers must not depend on batch partners; for
+our kernels (int4+avx2, int8+avx2) a row's sums keep their order in any tile. bfloat16, int8 and int4 go through
+torch's ops, whose matmul kernels may block differently by batch size: their logits may differ in the last bits, but
+measured on the AVX-512 EPYC (torch 2.x, 12 new tokens) all 16 greedy outputs are identical, so that is asserted
+too; the message names the prompts that differ."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ from appliance.engine.slots import SlotManager  # noqa: E402
 from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.weights import load_weights  # noqa: E402
+from kernels_here import best_kernels  # noqa: E402
 from tiny_llm import make_model_dir  # noqa: E402
 
 PROMPTS = 16
@@ -45,10 +47,7 @@ def model_dir(tmp_path_factory):
 def test_batch_invariance(model_dir, fmt):
     g = torch.Generator().manual_seed(5)
     if fmt.endswith("+avx2"):
-        from kernels import cpu_quant
-        kernels = cpu_quant.library()
-        if kernels is None:
-            pytest.skip("our AVX2 kernels are not available here (no AVX2 or no C compiler)")
+        kernels = best_kernels("float32")  # a skip only where the CPU lacks AVX2; a failed build fails
         w = load_weights(model_dir, torch.float32, fmt.removesuffix("+avx2"))
         model, kv_dtype = LlamaModel(w.config, w.tensors, cpu_kernels=kernels), torch.bfloat16
     elif fmt in ("float32", "bfloat16"):
@@ -63,7 +62,6 @@ def test_batch_invariance(model_dir, fmt):
     for i in range(PROMPTS):
         alone.update(decode(model, kv_dtype, prompts, [i]))
     together = decode(model, kv_dtype, prompts, list(range(PROMPTS)))
-    same = sum(alone[i] == together[i] for i in range(PROMPTS))
-    print(f"batch invariance {fmt}: {same}/{PROMPTS} greedy outputs identical alone and together")
-    if fmt in ("float32", "int8+avx2", "int4+avx2"):
-        assert same == PROMPTS
+    differ = [i for i in range(PROMPTS) if alone[i] != together[i]]
+    print(f"batch invariance {fmt}: {PROMPTS - len(differ)}/{PROMPTS} greedy outputs identical alone and together")
+    assert not differ, {i: (alone[i], together[i]) for i in differ}

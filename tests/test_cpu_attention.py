@@ -7,25 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_quant
+from kernels_here import runnable_kernels
 from models.forward_ops import TorchOps, attention_length
 
 
 @pytest.fixture(scope="module")
 def isas():
     """Every ISA's library this CPU runs, from the user's cache as the engine finds them (tests/test_cpu_quant.py
-    covers building them)."""
-    if not cpu_quant.torch_ops():
-        pytest.skip("our kernels' torch operators cannot be built here")
-    out = {}
-    for isa in cpu_quant.ISAS:
-        try:
-            out[isa] = cpu_quant.kernels(isa, "int8")
-        except cpu_quant.KernelsUnavailable:
-            continue
-    if not out:
-        pytest.skip("our CPU kernels cannot run here")
-    return out
+    covers building them), with their torch operators."""
+    return runnable_kernels("int8", torch_ops=True)
 
 
 def eager(q, k_cache, v_cache, slot_ids, positions):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_quant
+from kernels_here import best_kernels
 from models.forward_ops import TorchOps
 from test_cpu_attention import isas  # noqa: F401 - every ISA's kernels this CPU runs (a fixture)
 
@@ -96,12 +96,7 @@ def test_a_ragged_prefill_packed_gives_every_row_what_the_padded_one_gives(tmp_p
     from models.llama import KVCache, LlamaModel
     from models.weights import load_weights
     from test_quantized import write_kquant_gguf
-    try:
-        kernels = cpu_quant.best("int8")
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(f"our CPU kernels cannot run here: {exc}")
-    if not kernels.op:
-        pytest.skip("our kernels' torch operators cannot be built here")
+    kernels = best_kernels("int8", torch_ops=True)
     path = tmp_path / "k.gguf"
     write_kquant_gguf(path)
     w = load_weights(path, torch.float32, "blocks")

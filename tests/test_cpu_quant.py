@@ -14,6 +14,7 @@ import torch
 
 from kernels import cpu_layout, cpu_quant
 from kernels.cpu_layout import random_blocks
+from kernels_here import best_kernels, cpu_here, runnable_isas, runnable_kernels
 from models import quant
 
 TYPES = list(cpu_layout.FORMATS)
@@ -25,20 +26,8 @@ def gguf_dequantized(raw: np.ndarray, name: str, n: int, k: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def isas(tmp_path_factory):
-    """Every ISA's kernels this CPU runs (int8 mode), or a skip saying why none can."""
-    build = tmp_path_factory.mktemp("kernels")
-    out = {}
-    for isa in cpu_quant.ISAS:
-        try:
-            out[isa] = cpu_quant.kernels(isa, "int8", build)
-        except cpu_quant.KernelsUnavailable:
-            continue
-    if not out:
-        try:
-            cpu_quant.best("int8", build)
-        except cpu_quant.KernelsUnavailable as exc:
-            pytest.skip(f"our CPU kernels cannot run here: {exc}")
-    return out
+    """Every ISA's kernels this CPU runs (int8 mode); a skip only where it runs none (kernels_here)."""
+    return runnable_kernels("int8", tmp_path_factory.mktemp("kernels"))
 
 
 # ---- the layout ----------------------------------------------------------------------------------------------------
@@ -267,10 +256,7 @@ def test_q8_0_weights_at_the_int8_extremes(isas):
 
 def test_features_come_from_cpuid_and_agree_with_the_kernel_s_view():
     """cpuid, not /proc/cpuinfo (a hardened unit may hide it); here both are visible, so they must agree."""
-    try:
-        info = cpu_quant.cpu_info()
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(str(exc))
+    info = cpu_here()
     with open("/proc/cpuinfo") as f:
         flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
     names = {"avx2": "avx2", "fma": "fma", "f16c": "f16c", "avx512f": "avx512f", "avx512bw": "avx512bw",
@@ -281,10 +267,7 @@ def test_features_come_from_cpuid_and_agree_with_the_kernel_s_view():
 
 
 def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
-    try:
-        real = cpu_quant.cpu_info()
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(str(exc))
+    real = cpu_here()
     monkeypatch.setattr(cpu_quant, "_cpu", [cpu_quant.CpuInfo(real.brand, frozenset({"avx2", "fma", "f16c",
                                                                                        "os_avx"}))])
     with pytest.raises(cpu_quant.KernelsUnavailable, match="avx512vnni"):
@@ -328,16 +311,11 @@ def test_libraries_shipped_beside_the_sources_need_no_compiler(tmp_path, monkeyp
         if f.suffix in (".c", ".h", ".cpp"):
             (shipped / f.name).write_bytes(f.read_bytes())
     monkeypatch.setattr(cpu_quant, "SOURCE_DIR", shipped)
-    try:
-        built = cpu_quant.build_all(shipped)
-    except (OSError, subprocess.SubprocessError):
-        pytest.skip("no C compiler here to make the package's libraries")
+    runnable_isas()  # a skip only where this CPU runs none of them; a library that does not compile fails below
+    built = cpu_quant.build_all(shipped)
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler from here on
     monkeypatch.setattr(cpu_quant, "_cpu", [])
-    try:
-        kern = cpu_quant.best("int8", tmp_path / "state-cache")
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(str(exc))
+    kern = best_kernels("int8", tmp_path / "state-cache")
     assert kern.path in {str(p) for p in built} and not (tmp_path / "state-cache").exists()
 
 
@@ -345,10 +323,7 @@ def uncapped_cpu(monkeypatch) -> cpu_quant.CpuInfo:
     """This CPU as cpuid reports it (no APPLIANCE_CPU_ISA cap), read afresh; a skip where our kernels cannot run."""
     monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
     monkeypatch.setattr(cpu_quant, "_cpu", [])
-    try:
-        return cpu_quant.cpu_info()
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(str(exc))
+    return cpu_here()
 
 
 @pytest.mark.parametrize("cap", ["none", "avx2", "avxvnni", "avx512vnni"])

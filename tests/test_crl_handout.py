@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from certs.crl import RevocationLedger, sign_crl
 from harness import RunningAppliance
 from onnx_models import affine_model
-from uaclient import run, session
+from uaclient import Events, run, session
 
 ROOT = Path(__file__).resolve().parent.parent
 GDS_PUSH = ROOT / "tests" / "node" / "gds_push.js"
@@ -144,13 +144,6 @@ def test_a_crl_that_cannot_be_re_signed_is_flagged(tmp_path):
         hmi = app.issue("hmi", "monitor")
         assert metric(app, "appliance_ca_crl_expiring") == 0
 
-        class Events:
-            def __init__(self):
-                self.messages: list[str] = []
-
-            def event_notification(self, event):
-                self.messages.append(event.Message.Text)
-
         async def go():
             events = Events()
             async with session(app, *hmi) as client:
@@ -158,9 +151,9 @@ def test_a_crl_that_cannot_be_re_signed_is_flagged(tmp_path):
                 app.pki.layout.ca_key_pem.rename(tmp_path / "ca.key.pem")
                 _stale_crl(app, days_left=5, key_file=tmp_path / "ca.key.pem")
                 end = time.monotonic() + 30
-                while time.monotonic() < end and not any("CRL expires" in m for m in events.messages):
+                while time.monotonic() < end and not any("CRL expires" in m for m in events.messages()):
                     await asyncio.sleep(0.2)
-            return events.messages
+            return events.messages()
         messages = run(go(), 60)
         assert any("CRL expires in 5 days" in m and "CA key" in m for m in messages), messages
         left = metric(app, "appliance_ca_crl_expiry_seconds")

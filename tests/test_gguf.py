@@ -323,6 +323,8 @@ def test_smollm2_greedy_answer_from_our_weights_and_tokens(smollm2_ours):
     measured with llama.cpp on this file (FIELD-NOTES)."""
     import transformers
 
+    from hf_oracle import hf_greedy
+
     c = smollm2_ours.config
     hf_config = transformers.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -340,8 +342,5 @@ def test_smollm2_greedy_answer_from_our_weights_and_tokens(smollm2_ours):
     # the prompt as measured: no system turn (turn_tokens would add the template's default one)
     ids = tok.encode("<|im_start|>user\nWhat is a centrifugal pump?<|im_end|>\n<|im_start|>assistant\n")
     assert ids[:3] == [1, 4093, 198] and ids[-4:] == tok.encode("<|im_start|>assistant\n")
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=20, do_sample=False, pad_token_id=2)
-    assert tok.decode(out[0, len(ids):].tolist()).startswith(
+    assert tok.decode(hf_greedy(model, [ids], 20, pad=2)[0]).startswith(
         "A centrifugal pump is a type of mechanical pump that uses centrifugal force to remove air from a gas or")

@@ -6,6 +6,7 @@ import torch
 
 from models.llama import KVCache, LlamaModel
 from models.weights import load_weights
+from hf_oracle import hf_greedy
 from tiny_llm import make_model_dir
 
 PROMPTS = [[5, 17, 42, 99, 7, 250], [11, 3, 200]]
@@ -17,15 +18,6 @@ def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama")
     make_model_dir(directory, seed=3)
     return directory
-
-
-def hf_greedy(model_dir, prompt):
-    import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                      pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
 
 
 def greedy_one_token_per_step(model: LlamaModel, prompts, new_tokens: int, slots: list[int],
@@ -50,7 +42,9 @@ def greedy_one_token_per_step(model: LlamaModel, prompts, new_tokens: int, slots
 
 
 def test_triton_path_gives_hf_greedy_tokens_for_ragged_rows(model_dir):
-    want = [hf_greedy(model_dir, p) for p in PROMPTS]
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    want = [hf_greedy(hf, [p], NEW, stop_at_eos=False)[0] for p in PROMPTS]
     w = load_weights(model_dir, torch.float32)
     model = LlamaModel(w.config, w.tensors, kernels="triton")
     assert model.use_kernels()

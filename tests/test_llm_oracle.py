@@ -10,6 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from appliance.engine.runner import ModelRunner  # noqa: E402
+from hf_oracle import hf_greedy  # noqa: E402
 from appliance.engine.scheduler import Scheduler  # noqa: E402
 from appliance.engine.sequence import FinishReason, Sequence  # noqa: E402
 from appliance.engine.slots import SlotManager  # noqa: E402
@@ -42,20 +43,6 @@ def ours(hf_model):
 def prompt(length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return [BOS] + torch.randint(3, 300, (length - 1,), generator=g).tolist()
-
-
-def hf_greedy(hf_model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """HF generate() on a left-padded batch with its attention mask."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    with torch.no_grad():
-        out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                pad_token_id=PAD)
-    return [row[width:].tolist() for row in out]
 
 
 def test_prefill_logits_match_hf_for_ragged_rows(hf_model, ours):
@@ -103,7 +90,7 @@ def test_greedy_batch_and_follow_up_turn_match_hf_generate(hf_model, ours):
         seqs.append(Sequence(session_key=f"s{i}", prompt=f"p{i}", max_tokens=12))
         scheduler.add(seqs[-1])
     run_to_end(scheduler, runner)
-    expected = hf_greedy(hf_model, prompts, 12)
+    expected = hf_greedy(hf_model, prompts, 12, PAD)
     for seq, exp in zip(seqs, expected):
         assert seq.finish_reason is FinishReason.LENGTH
         assert seq.generated == exp
@@ -124,7 +111,7 @@ def test_greedy_batch_and_follow_up_turn_match_hf_generate(hf_model, ours):
     scheduler.commit(first_plan, runner.run(first_plan))
     run_to_end(scheduler, runner)
     full = [prompts[1] + seqs[1].generated + follow, prompts[2] + seqs[2].generated + follow[:3]]
-    expected = hf_greedy(hf_model, full, 9)
+    expected = hf_greedy(hf_model, full, 9, PAD)
     assert [s.generated for s in second] == expected
 
 

@@ -19,6 +19,7 @@ from appliance.engine.llm_loading import load_engine
 from appliance.engine.llm_settings import GenerativeSettings
 from appliance.metrics import weight_format_of
 from kernels import cpu_quant
+from kernels_here import cpu_here, runnable_isas
 from models import path_choice, quant
 from models.path_choice import PathName
 from test_quantized import write_kquant_gguf
@@ -85,7 +86,9 @@ def candidates_here(path: Path, tmp: Path) -> list[str]:
     types = gguf_tensor_types(path, tmp / "weights")
     try:
         isas = cpu_quant.cpu_info(tmp / "kernels").isas
-    except cpu_quant.KernelsUnavailable:
+    except cpu_quant.KernelsUnavailable as exc:
+        if "x86-64" not in str(exc):
+            raise  # a cpuid probe that does not build is a broken build, not a CPU without our kernels
         isas = []
     layers = {t for n, t in types.items() if n not in ("token_embd.weight", "output.weight")}
     return [str(p) for p in path_choice.candidates("auto", "auto", "auto", isas, layers, quant.FOUR_BIT)]
@@ -126,7 +129,8 @@ def test_every_path_is_chosen_when_its_timings_are_fastest_and_then_served(q4_fi
 def test_an_approximate_path_over_the_bar_is_passed_over(q4_file, tmp_path):
     isa = (candidates_here(q4_file, tmp_path)[0].split("/") + ["", ""])[2]
     if not isa or isa == "torch":
-        pytest.skip("our kernels do not run here")
+        runnable_isas(tmp_path / "kernels")  # a skip naming what the CPU lacks
+        pytest.fail(f"this CPU runs our kernels, yet the first candidate is {candidates_here(q4_file, tmp_path)[0]}")
     fast = f"blocks/int8/{isa}"
     timings = {p: (5.0, 10.0) for p in candidates_here(q4_file, tmp_path)}
     timings[fast] = (1.0, 1.0)
@@ -181,10 +185,7 @@ def test_without_our_kernels_backend_says_why(q4_file, tmp_path, monkeypatch):
 def test_avxvnni_named_on_a_cpu_with_avx512_vnni_only_runs_the_evex_stand_in(q4_file, tmp_path):
     """`quant_kernels: avxvnni` on a CPU with AVX-512 VNNI but no AVX-VNNI (this EPYC): served by the avxvnni
     kernels with vpdpbusd EVEX-encoded, and Backend says so; `auto` keeps to the CPU's own kernels."""
-    try:
-        info = cpu_quant.cpu_info(tmp_path / "kernels")
-    except cpu_quant.KernelsUnavailable as exc:
-        pytest.skip(str(exc))
+    info = cpu_here(tmp_path / "kernels")
     if not info.stands_in("avxvnni"):
         pytest.skip("this CPU has AVX-VNNI itself, or no AVX-512 VNNI: no stand-in to serve")
     assert not any(p.endswith("/avxvnni") for p in candidates_here(q4_file, tmp_path))

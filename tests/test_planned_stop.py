@@ -20,8 +20,8 @@ from asyncua import ua
 
 from onnx_models import heavy_model
 from serve_process import ROOT, Serve, children, command_line, group_members, wait_for_gone, worker_pids
-from uaclient import call, floats, session, status_name
-from worker_probes import DataChanges, Events, field
+from uaclient import Events, call, field, floats, session, status_name
+from worker_probes import DataChanges
 
 V = ua.VariantType
 

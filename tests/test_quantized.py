@@ -20,8 +20,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from kernels import cpu_quant
 from kernels.cpu_layout import random_blocks
+from kernels_here import best_kernels
 from models import gguf_loader, path_choice, quant, weight_cache
 from models.llama import KVCache, LlamaModel
 from models.llama_config import LlamaConfig
@@ -55,10 +55,7 @@ def fp32_logits(fp32, text_ids):
 
 @pytest.fixture(scope="module")
 def kernels():
-    k = cpu_quant.library()
-    if k is None:
-        pytest.skip("our CPU kernels are not available here (see the log for why)")
-    return k
+    return best_kernels("float32")  # a skip only where the CPU lacks AVX2; a failed build fails
 
 
 def teacher_forced(model: LlamaModel, ids: list[int], kv_dtype: torch.dtype) -> torch.Tensor:

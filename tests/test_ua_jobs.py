@@ -11,7 +11,7 @@ from asyncua import ua
 
 from harness import RunningAppliance
 from onnx_models import affine_model
-from uaclient import call, floats, read, run, session, status_name
+from uaclient import Events, call, floats, read, run, session, status_name
 
 pytest.importorskip("transformers")
 from tiny_llm import make_model_dir  # noqa: E402
@@ -80,18 +80,15 @@ def test_bound_per_identity_and_expiry(app):
 
 
 def test_generate_job_text_grows_and_the_event_arrives(app):
-    events = []
-
-    class Handler:
-        def event_notification(self, event):
-            events.append(event)
+    recorder = Events()
+    events = recorder.events
 
     async def go():
         async with session(app, *app.plc1) as c:
             ns = await c.get_namespace_index("urn:opcua-inference-appliance")
             model = await c.nodes.objects.get_child([f"{ns}:Appliance", f"{ns}:Models", f"{ns}:chat"])
             etype = await c.nodes.base_event_type.get_child(f"{ns}:JobResultReadyEventType")
-            sub = await c.create_subscription(50, Handler())
+            sub = await c.create_subscription(50, recorder)
             await sub.subscribe_events(model, etype)
             r = await call(c, "chat", "StartGenerate", [ua.Variant("", V.String), *gen_args("Tell me")])
             job = r.OutputArguments[0].Value

@@ -156,29 +156,23 @@ def test_readyz_503_names_the_model_that_is_not_ready(tmp_path):
 
 
 def test_default_security_refuses_anonymous_user_names_and_untrusted_certificates(app, tmp_path):
+    from attack_tools import refusal, status_of
     from certificates import make_test_certificate
 
-    async def refused(**kw):
-        try:
-            async with session(app, *app.operator, **kw):
-                return None
-        except Exception as e:  # noqa: BLE001 - the point is that it fails
-            return e
+    def refused(cert, key, **kw) -> str:
+        """The status code the server refused this session with ("" if it was accepted)."""
+        async def attempt():
+            async with session(app, cert, key, **kw):
+                pass
+        return status_of(run(refusal(attempt(), 60)))
 
-    assert run(refused(anonymous=True)) is not None
-    assert run(refused(username="admin", password="admin")) is not None
-    assert run(refused(username="plc1", password="whatever")) is not None
+    assert refused(*app.operator, anonymous=True) == "BadIdentityTokenRejected"  # anonymous is off by default
+    assert refused(*app.operator, username="admin", password="admin") == "BadUserAccessDenied"
+    assert refused(*app.operator, username="plc1", password="whatever") == "BadUserAccessDenied"
     # an untrusted (self-signed) client certificate: refused, and copied to pki/rejected for an engineer to trust
     cert, key = make_test_certificate("rogue", application_uri="urn:rogue:client").write(tmp_path, "rogue")
     before = set(os.listdir(app.state_dir / "pki" / "rejected"))
-
-    async def rogue():
-        try:
-            async with session(app, cert, key):
-                return None
-        except Exception as e:  # noqa: BLE001
-            return e
-    assert run(rogue()) is not None
+    assert refused(cert, key) == "BadCertificateUntrusted"
     after = set(os.listdir(app.state_dir / "pki" / "rejected"))
     assert after - before, "the rejected certificate was not copied to pki/rejected"
 

@@ -18,8 +18,8 @@ import pytest
 from asyncua import ua
 
 from harness import RunningAppliance
-from uaclient import call, read, run, session, status_name
-from worker_probes import DataChanges, Events, HttpSampler, field, wall
+from uaclient import Events, call, field, read, run, session, status_name
+from worker_probes import DataChanges, HttpSampler, wall
 
 V = ua.VariantType
 TOLERANCE_S = 0.25

@@ -19,6 +19,7 @@ from appliance.workers.worker import WORKER_NICE
 from harness import RunningAppliance
 from onnx_models import affine_model, hang_model, memory_hog_model
 from uaclient import call, floats, read, run, session, status_name
+from worker_probes import process_gone, wait_for
 
 TIMEOUT_S = 2.0  # engine.worker_timeout_s in these tests
 
@@ -31,31 +32,9 @@ def state(app, model: str) -> str:
     return app.app.services[model].status().state
 
 
-def wait_for(predicate, timeout: float, what: str):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-
-
 def audit_records(app) -> list[dict]:
     path = app.state_dir / "audit" / "audit.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:  # a zombie child of this process counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] == "Z"
-    except OSError:
-        return True
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
-"""Client-side helpers for the tests: a connected asyncua client per call, raw method results."""
+"""Client-side helpers for the tests: a connected asyncua client per call, raw method results, an event recorder."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from asyncua import ua
 
@@ -51,3 +52,36 @@ def arg_statuses(result: ua.CallMethodResult) -> list[str]:
 
 def run(coro, timeout: float = 120):
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class Events:
+    """asyncua subscription handler that records every event (each stamped `arrived_at`, time.time() on arrival);
+    `next` waits for one matching a predicate and takes it off the list; `messages` are their Message texts."""
+
+    def __init__(self):
+        self.events: list = []
+        self.arrived = asyncio.Event()
+
+    def event_notification(self, event) -> None:
+        event.arrived_at = time.time()
+        self.events.append(event)
+        self.arrived.set()
+
+    def messages(self) -> list[str]:
+        return [str(e.Message.Text) for e in self.events]
+
+    async def next(self, predicate, timeout: float = 10.0):
+        async def wait():
+            while True:
+                for e in self.events:
+                    if predicate(e):
+                        self.events.remove(e)
+                        return e
+                self.arrived.clear()
+                await self.arrived.wait()
+        return await asyncio.wait_for(wait(), timeout)
+
+
+def field(event, name: str):
+    """An event's field by its select-clause name ("ActiveState/Id"), None where the event has none."""
+    return getattr(event, name, None)

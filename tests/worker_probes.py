@@ -1,9 +1,8 @@
 """What a test watches beside a real appliance while its workers die, hang or stop: /readyz and /metrics scraped over
-HTTP on a thread, OPC UA data changes and events as a SCADA client receives them, each stamped with the time
-(time.time(), the wall clock the server's event times use too) its request left or its notification arrived."""
+HTTP on a thread, OPC UA data changes as a SCADA client receives them (events: uaclient.Events), each stamped with the
+time (time.time(), the wall clock the server's event times use too) its request left or its notification arrived."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -75,34 +74,6 @@ class DataChanges:
 
     def of(self, name: str, since: float = 0.0) -> list[tuple[float, object]]:
         return [(t, v) for t, n, v in self.changes if n == name and t >= since]
-
-
-class Events:
-    """asyncua subscription handler for events; `next` waits for one matching a predicate."""
-
-    def __init__(self):
-        self.events: list = []
-        self.arrived = asyncio.Event()
-
-    def event_notification(self, event) -> None:
-        event.arrived_at = time.time()
-        self.events.append(event)
-        self.arrived.set()
-
-    async def next(self, predicate, timeout: float = 10.0):
-        async def wait():
-            while True:
-                for e in self.events:
-                    if predicate(e):
-                        self.events.remove(e)
-                        return e
-                self.arrived.clear()
-                await self.arrived.wait()
-        return await asyncio.wait_for(wait(), timeout)
-
-
-def field(event, name: str):
-    return getattr(event, name, None)
 
 
 def wall(when: datetime) -> float:

@@ -3,62 +3,32 @@
 // index looked up in the NamespaceArray) and calls Infer. Prints one JSON line with the outcome.
 // usage: node infer.js ENDPOINT CERT.pem KEY.pem APPLICATION_URI PKI_DIR MODEL '[floats]'
 "use strict";
-const fs = require("fs");
-const {
-  OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType,
-  DataType, VariantArrayType, makeBrowsePath,
-} = require("node-opcua-client");
-const { OPCUACertificateManager } = require("node-opcua-certificate-manager");
+const { MessageSecurityMode, DataType, VariantArrayType, makeBrowsePath } = require("node-opcua-client");
+const { withSession, printResult } = require("./common");
 
 async function main() {
   const [endpoint, certFile, keyFile, applicationUri, pkiDir, model, input] = process.argv.slice(2);
-  const certificateManager = new OPCUACertificateManager({ rootFolder: pkiDir, automaticallyAcceptUnknownCertificate: true });
-  await certificateManager.initialize();
-  const client = OPCUAClient.create({
-    applicationName: "node-opcua test client",
-    applicationUri,
-    securityMode: MessageSecurityMode.SignAndEncrypt,
-    securityPolicy: SecurityPolicy.Basic256Sha256,
-    certificateFile: certFile,
-    privateKeyFile: keyFile,
-    clientCertificateManager: certificateManager,
-    endpointMustExist: false,
-    connectionStrategy: { maxRetry: 0, initialDelay: 100 },
-  });
-  const out = {};
-  await client.connect(endpoint);
-  try {
-    const pem = fs.readFileSync(certFile, "utf8");
-    const der = Buffer.from(pem.replace(/-----[^-]+-----/g, "").replace(/\s+/g, ""), "base64");
-    const session = await client.createSession({
-      type: UserTokenType.Certificate,
-      certificateData: der,
-      privateKey: fs.readFileSync(keyFile, "utf8"),
+  const settings = { endpoint, certFile, keyFile, applicationUri, pkiDir, applicationName: "node-opcua test client" };
+  return withSession(settings, async (session, client) => {
+    const out = {};
+    const nsArray = await session.readNamespaceArray();
+    const ns = nsArray.indexOf("urn:opcua-inference-appliance");
+    const path = `/${ns}:Appliance/${ns}:Models/${ns}:${model}`;
+    const objRes = await session.translateBrowsePath(makeBrowsePath("ObjectsFolder", path));
+    const methRes = await session.translateBrowsePath(makeBrowsePath("ObjectsFolder", `${path}/${ns}:Infer`));
+    const objectId = objRes.targets[0].targetId;
+    const methodId = methRes.targets[0].targetId;
+    const values = JSON.parse(input);
+    const res = await session.call({
+      objectId, methodId,
+      inputArguments: [{ dataType: DataType.Float, arrayType: VariantArrayType.Array, value: new Float32Array(values) }],
     });
-    try {
-      const nsArray = await session.readNamespaceArray();
-      const ns = nsArray.indexOf("urn:opcua-inference-appliance");
-      const path = `/${ns}:Appliance/${ns}:Models/${ns}:${model}`;
-      const objRes = await session.translateBrowsePath(makeBrowsePath("ObjectsFolder", path));
-      const methRes = await session.translateBrowsePath(makeBrowsePath("ObjectsFolder", `${path}/${ns}:Infer`));
-      const objectId = objRes.targets[0].targetId;
-      const methodId = methRes.targets[0].targetId;
-      const values = JSON.parse(input);
-      const res = await session.call({
-        objectId, methodId,
-        inputArguments: [{ dataType: DataType.Float, arrayType: VariantArrayType.Array, value: new Float32Array(values) }],
-      });
-      out.status = res.statusCode.name;
-      out.output = res.outputArguments.length ? Array.from(res.outputArguments[0].value) : null;
-      out.version = res.outputArguments.length > 1 ? res.outputArguments[1].value : null;
-      out.securityMode = MessageSecurityMode[client.securityMode];
-    } finally {
-      await session.close();
-    }
-  } finally {
-    await client.disconnect();
-  }
-  console.log(JSON.stringify(out));
+    out.status = res.statusCode.name;
+    out.output = res.outputArguments.length ? Array.from(res.outputArguments[0].value) : null;
+    out.version = res.outputArguments.length > 1 ? res.outputArguments[1].value : null;
+    out.securityMode = MessageSecurityMode[client.securityMode];
+    return out;
+  });
 }
 
-main().catch((err) => { console.log(JSON.stringify({ error: String(err && err.message || err) })); process.exit(1); });
+printResult(main);

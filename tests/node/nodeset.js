@@ -8,7 +8,6 @@
 //       user), finds every model on the server by its type definition and calls Infer, Classify and Generate
 //       through the TYPE's method NodeIds with the model as ObjectId; prints one JSON line with the outcomes
 "use strict";
-const fs = require("fs");
 const { AddressSpace } = require("node-opcua-address-space");
 const { NodeClass } = require("node-opcua-data-model");
 const { generateAddressSpace } = require("node-opcua-address-space/nodeJS");
@@ -79,63 +78,45 @@ async function call(file, endpoint, certFile, keyFile, applicationUri, pkiDir) {
   const foldersId = ID(modelsFolder.nodeId);
   addressSpace.dispose();
 
-  const { OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType, DataType, VariantArrayType, BrowseDirection,
-    NodeClassMask, makeBrowsePath } = require("node-opcua-client");
-  const { OPCUACertificateManager } = require("node-opcua-certificate-manager");
-  const certificateManager = new OPCUACertificateManager({ rootFolder: pkiDir, automaticallyAcceptUnknownCertificate: true });
-  await certificateManager.initialize();
-  const client = OPCUAClient.create({
-    applicationName: "node-opcua nodeset test client", applicationUri,
-    securityMode: MessageSecurityMode.SignAndEncrypt, securityPolicy: SecurityPolicy.Basic256Sha256,
-    certificateFile: certFile, privateKeyFile: keyFile, clientCertificateManager: certificateManager,
-    endpointMustExist: false, connectionStrategy: { maxRetry: 0, initialDelay: 100 },
-  });
+  const { DataType, VariantArrayType, BrowseDirection, NodeClassMask, makeBrowsePath } = require("node-opcua-client");
+  const { withSession } = require("./common");
   const out = { types: Object.values(types).map((t) => t.name), modelsFolder: foldersId, browsed: [], models: [] };
-  await client.connect(endpoint);
-  try {
-    const pem = fs.readFileSync(certFile, "utf8");
-    const der = Buffer.from(pem.replace(/-----[^-]+-----/g, "").replace(/\s+/g, ""), "base64");
-    const session = await client.createSession({ type: UserTokenType.Certificate, certificateData: der,
-      privateKey: fs.readFileSync(keyFile, "utf8") });
-    try {
-      const ns = (await session.readNamespaceArray()).indexOf(URI);
-      const full = (id) => `ns=${ns};${id}`;
-      const children = await session.browse({ nodeId: full(foldersId), browseDirection: BrowseDirection.Forward,
-        referenceTypeId: "HierarchicalReferences", includeSubtypes: true, nodeClassMask: NodeClassMask.Object,
-        resultMask: 63 });
-      for (const ref of children.references) {
-        out.browsed.push([ref.browseName.name, ref.typeDefinition.toString()]);
-        const type = types[ID(ref.typeDefinition)];
-        if (!type) continue;  // not a model
-        const model = { name: ref.browseName.name, type: type.name, calls: {} };
-        const objectId = ref.nodeId;
-        if (type.infer) {
-          const shape = await session.translateBrowsePath(makeBrowsePath(objectId, `/${ns}:InputShape`));
-          const dims = (await session.read({ nodeId: shape.targets[0].targetId, attributeId: 13 })).value.value;
-          const n = Array.from(dims).reduce((a, b) => a * b, 1);
-          const input = [{ dataType: DataType.Float, arrayType: VariantArrayType.Array, value: new Float32Array(n) }];
-          for (const [key, method] of [["Infer", type.infer], ["Classify", type.classify]]) {
-            if (!method) continue;
-            const res = await session.call({ objectId, methodId: full(method), inputArguments: input });
-            model.calls[key] = { methodId: method, status: res.statusCode.name,
-              outputs: res.outputArguments.map((v) => (v.arrayType ? Array.from(v.value).length : v.value)) };
-          }
+  const settings = { endpoint, certFile, keyFile, applicationUri, pkiDir,
+    applicationName: "node-opcua nodeset test client" };
+  await withSession(settings, async (session) => {
+    const ns = (await session.readNamespaceArray()).indexOf(URI);
+    const full = (id) => `ns=${ns};${id}`;
+    const children = await session.browse({ nodeId: full(foldersId), browseDirection: BrowseDirection.Forward,
+      referenceTypeId: "HierarchicalReferences", includeSubtypes: true, nodeClassMask: NodeClassMask.Object,
+      resultMask: 63 });
+    for (const ref of children.references) {
+      out.browsed.push([ref.browseName.name, ref.typeDefinition.toString()]);
+      const type = types[ID(ref.typeDefinition)];
+      if (!type) continue;  // not a model
+      const model = { name: ref.browseName.name, type: type.name, calls: {} };
+      const objectId = ref.nodeId;
+      if (type.infer) {
+        const shape = await session.translateBrowsePath(makeBrowsePath(objectId, `/${ns}:InputShape`));
+        const dims = (await session.read({ nodeId: shape.targets[0].targetId, attributeId: 13 })).value.value;
+        const n = Array.from(dims).reduce((a, b) => a * b, 1);
+        const input = [{ dataType: DataType.Float, arrayType: VariantArrayType.Array, value: new Float32Array(n) }];
+        for (const [key, method] of [["Infer", type.infer], ["Classify", type.classify]]) {
+          if (!method) continue;
+          const res = await session.call({ objectId, methodId: full(method), inputArguments: input });
+          model.calls[key] = { methodId: method, status: res.statusCode.name,
+            outputs: res.outputArguments.map((v) => (v.arrayType ? Array.from(v.value).length : v.value)) };
         }
-        if (type.generate) {
-          const res = await session.call({ objectId, methodId: full(type.generate), inputArguments: [
-            { dataType: DataType.String, value: "Hello" }, { dataType: DataType.UInt32, value: 4 },
-            { dataType: DataType.Float, value: 0 }] });
-          model.calls.Generate = { methodId: type.generate, status: res.statusCode.name,
-            outputs: res.outputArguments.map((v) => v.value) };
-        }
-        out.models.push(model);
       }
-    } finally {
-      await session.close();
+      if (type.generate) {
+        const res = await session.call({ objectId, methodId: full(type.generate), inputArguments: [
+          { dataType: DataType.String, value: "Hello" }, { dataType: DataType.UInt32, value: 4 },
+          { dataType: DataType.Float, value: 0 }] });
+        model.calls.Generate = { methodId: type.generate, status: res.statusCode.name,
+          outputs: res.outputArguments.map((v) => v.value) };
+      }
+      out.models.push(model);
     }
-  } finally {
-    await client.disconnect();
-  }
+  });
   console.log(JSON.stringify(out));
 }
 
