@@ -13,8 +13,8 @@ import pytest
 from asyncua import ua
 
 from harness import RunningAppliance
-from test_ua_alarms import Events, acknowledge, field, is_condition, refresh
-from uaclient import call, floats, run, session, status_name
+from test_ua_alarms import acknowledge, is_condition, refresh
+from uaclient import Events, call, field, floats, run, session, status_name
 
 te = pytest.importorskip("models.te_classifier")
 V = ua.VariantType

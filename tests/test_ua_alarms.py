@@ -17,7 +17,7 @@ from asyncua import ua
 from appliance.users import hash_password
 from harness import RunningAppliance
 from onnx_models import affine_model
-from uaclient import call, floats, read, run, session, status_name
+from uaclient import Events, call, field, floats, read, run, session, status_name
 
 V = ua.VariantType
 ACK = ua.NodeId(ua.ObjectIds.AcknowledgeableConditionType_Acknowledge)
@@ -46,31 +46,6 @@ A = [5, 0, 0, 0]  # ... as class a
 
 def samples(*rows) -> ua.Variant:
     return floats([v for row in rows for v in row])
-
-
-class Events:
-    def __init__(self):
-        self.events = []
-        self.arrived = asyncio.Event()
-
-    def event_notification(self, event):
-        self.events.append(event)
-        self.arrived.set()
-
-    async def next(self, predicate, timeout: float = 10.0):
-        async def wait():
-            while True:
-                for e in self.events:
-                    if predicate(e):
-                        self.events.remove(e)
-                        return e
-                self.arrived.clear()
-                await self.arrived.wait()
-        return await asyncio.wait_for(wait(), timeout)
-
-
-def field(event, name):
-    return getattr(event, name, None)
 
 
 async def acknowledge(client, condition: ua.NodeId, event_id: bytes, comment: str) -> ua.CallMethodResult:
