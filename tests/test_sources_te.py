@@ -1,0 +1,295 @@
+"""The appliance watches the line itself: a plant's OPC UA server (asyncua, its own process) replays the Tennessee
+Eastman held-out run of fault IDV2 (d02_te: normal for 160 rows, then the fault) over SignAndEncrypt with its own
+certificate, trusted through `appliance sources trust --yes`; the appliance subscribes, cuts 20-row windows
+(stride 1) and runs the demo TE classifier on them. A SCADA client subscribed to the appliance sees the class alarm
+and acknowledges it; the source is killed and restarted mid-run; a node goes Bad; the source presents another
+certificate. Beside it, in the same appliance: a source nobody listens for (unreachable from the start) and hostile
+ones (an oversized value, a message over the decode limit, a server that never answers).
+
+The alarm: offline, the classifier's third consecutive IDV2 window (the debounce) ends at row 181, 22 windows after
+the onset (row 160); the test allows 40 rows for the delay on a loaded machine and prints the figure it measured.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from asyncua import ua
+
+import test_alarm_sources_te as te_alarms
+import test_ua_alarms as alarm_helpers
+from harness import RunningAppliance, free_ports
+from source_servers import ROOT, PlantServer, server_certificate
+from uaclient import call, floats, read, run, session, status_name
+
+te = pytest.importorskip("models.te_classifier")
+V = ua.VariantType
+LABEL = te_alarms.LABEL  # IDV2 B composition step
+ONSET = te.FAULT_ONSET_ROW
+FIRST_ROW, INTERVAL = 100, 0.1
+NS_URI = "urn:te-plant"
+ALARM_WITHIN_ROWS = 40  # rows (= windows, stride 1) after the onset; offline 22
+
+
+def te_nodes() -> dict:
+    nodes = {name: f"nsu={NS_URI};s=TE.{name}" for name in te_alarms_names()}
+    nodes["XMV11"] = {"path": [f"nsu={NS_URI};Plant", f"nsu={NS_URI};XMV11"]}  # one by browse path
+    return nodes
+
+
+def te_alarms_names() -> list[str]:
+    from te_source_server import NAMES
+    return NAMES
+
+
+def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    import os
+    return subprocess.run([sys.executable, "-m", "appliance", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def thumbprint_of(der_path) -> str:
+    from certs.x509io import thumbprint
+    return thumbprint(der_path.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def plant(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sources-te")
+    ports = free_ports(4)
+    line1_port, hostile_port, silent_port, nowhere_port = ports
+    cert, key = server_certificate(d / "plant", "te-plant")
+    other_cert, other_key = server_certificate(d / "plant", "te-plant-2")  # the certificate it changes to
+    hostile_cert, hostile_key = server_certificate(d / "plant", "hostile")
+    common = {"sampling_interval_ms": 10, "publishing_interval_ms": 20, "queue_size": 200, "stale_after_s": 60,
+              "reconnect_min_s": 0.2, "reconnect_max_s": 2.0, "timeout_s": 2.0}
+    sources = {
+        "line1": {"endpoint": f"opc.tcp://127.0.0.1:{line1_port}", **common, "nodes": te_nodes(),
+                  "feeds": {"line1": {"model": "te", "window": 20, "stride": 1}}},
+        "nowhere": {"endpoint": f"opc.tcp://127.0.0.1:{nowhere_port}", **common,
+                    "nodes": {"x": f"nsu={NS_URI};s=TE.XMEAS1"}},
+        "oversized": {"endpoint": f"opc.tcp://127.0.0.1:{hostile_port}", **common, "max_array_length": 1000,
+                      "nodes": {"big": f"nsu={NS_URI};s=TE.Big"}},
+        "toolarge": {"endpoint": f"opc.tcp://127.0.0.1:{hostile_port}", **common, "max_message_size": 1048576,
+                     "max_array_length": 1_000_000, "nodes": {"big": f"nsu={NS_URI};s=TE.Big"}},
+        "silent": {"endpoint": f"opc.tcp://127.0.0.1:{silent_port}", **common,
+                   "nodes": {"x": f"nsu={NS_URI};s=TE.XMEAS1"}},
+    }
+    models = {"te": {"kind": "tensor", "path": "builtin:te-classifier", "labels": te_alarms._labels(),
+                     "alarm_classes": te_alarms.ALARM_CLASSES}}
+    state = d / "state"
+    config = d / "cli.yaml"  # the same sources and state directory as the appliance's YAML, for the CLI
+    import yaml
+    config.write_text(yaml.safe_dump({"server": {"state_dir": str(state)}, "models": models, "sources": sources}))
+    assert cli("certs", "init", "--config", str(config)).returncode == 0
+
+    line1 = PlantServer.asyncua(line1_port, cert, key, fault=2, start_row=FIRST_ROW, rows=120, interval=INTERVAL)
+    hostile = PlantServer.asyncua(hostile_port, hostile_cert, hostile_key, hostile="oversized")
+    silent = PlantServer.asyncua(silent_port, hostile_cert, hostile_key, hostile="silent")
+    for name, der in (("line1", cert), ("oversized", hostile_cert), ("toolarge", hostile_cert)):
+        r = cli("sources", "trust", name, "--yes", thumbprint_of(der), "--config", str(config))
+        assert r.returncode == 0, r.stderr
+        assert "ApplicationUri  urn:te-plant:server" in r.stdout and thumbprint_of(der) in r.stdout
+    app = RunningAppliance(state, models, {"sources": sources})
+    app.scada = app.issue("scada", "engineer")  # subscribes to alarms and acknowledges them
+    app.plc = app.issue("plc", "operator")
+    p = type("Plant", (), {})()
+    p.app, p.line1, p.hostile, p.silent, p.config, p.dir = app, line1, hostile, silent, config, d
+    p.cert, p.key, p.other_cert, p.other_key, p.port = cert, key, other_cert, other_key, line1_port
+    yield p
+    app.stop()
+    for server in (p.line1, hostile, silent):
+        server.kill()
+
+
+def _unix(when) -> float:
+    from datetime import timezone
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+async def source_value(client, source: str, name: str):
+    return await read(client, "Sources", source, name)
+
+
+async def wait_value(client, path: tuple, predicate, timeout: float = 60.0):
+    end = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < end:
+        value = await read(client, *path)
+        if predicate(value):
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{'/'.join(path)} stayed {value!r}")
+
+
+async def windows_handled(client) -> int:
+    """Windows of line1 cut and given to the model: run, or dropped for a newer one while the model was busy."""
+    return await source_value(client, "line1", "WindowsRun") + await source_value(client, "line1", "WindowsDropped")
+
+
+async def settled(read_value, quiet_s: float = 2.5, timeout: float = 30.0):
+    """A figure once it stopped changing for quiet_s (counters reach /metrics within about a second)."""
+    value, since, end = None, time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < end:
+        now = read_value()
+        if now != value:
+            value, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return value
+        await asyncio.sleep(0.25)
+    return value
+
+
+def metric(app, name: str, **labels) -> float:
+    text = urllib.request.urlopen(app.metrics_url + "/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_the_fault_alarm_rises_from_the_data_alone_and_the_source_restarts_without_a_window_across_the_gap(plant):
+    app = plant.app
+
+    async def go():
+        async with session(app, *app.scada) as scada:
+            events = await alarm_helpers.alarm_events(scada)
+            await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected")
+            plant.line1.go()
+            raised = await events.next(alarm_helpers.is_condition(f"te.line1.{LABEL}", True, False), timeout=90)
+            alarm_row = plant.line1.row_at(_unix(alarm_helpers.field(raised, "Time")))
+            print(f"IDV2 alarm raised {alarm_row - ONSET} rows (windows) after the onset at row {ONSET}")
+            assert ONSET < alarm_row <= ONSET + ALARM_WITHIN_ROWS
+            condition = alarm_helpers.field(raised, "NodeId")
+            assert condition.Identifier == f"Appliance/Conditions/te/line1/{LABEL}"
+            ack = await alarm_helpers.acknowledge(scada, condition, alarm_helpers.field(raised, "EventId"),
+                                                  "seen on the line")
+            assert ack.StatusCode.is_good(), ack.StatusCode
+            await events.next(alarm_helpers.is_condition(f"te.line1.{LABEL}", True, True))
+            assert await read(scada, "Models", "te", "Last", "line1", "Label") == LABEL
+            assert await read(scada, "Alarms", "line1", LABEL) is True
+
+            # the plant server dies mid-run and comes back: SourceFault, a reconnect, no window across the gap
+            plant.line1.wait_for("row 205")
+            run_before = await windows_handled(scada)
+            plant.line1.kill()
+            fault = await events.next(alarm_helpers.is_condition("SourceFault.line1", True, False), timeout=30)
+            assert alarm_helpers.field(fault, "SourceName") == "line1"
+            assert "Connecting" in alarm_helpers.field(fault, "Message").Text
+            assert await source_value(scada, "line1", "State") == "Connecting"
+            plant.line1 = PlantServer.asyncua(plant.port, plant.cert, plant.key, fault=2, start_row=230, rows=40,
+                                              interval=INTERVAL)
+            await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected")
+            await events.next(alarm_helpers.is_condition("SourceFault.line1", False, False), timeout=30)
+            assert await source_value(scada, "line1", "Reconnects") >= 1
+            run_at_reconnect = await windows_handled(scada)
+            plant.line1.go()
+            plant.line1.wait_for("done", 60)
+            await asyncio.sleep(1.0)
+            run_after = await windows_handled(scada)
+            # the new subscription's first values (the server's current ones) and the 40 rows written make 41 rows,
+            # 41 - 19 = 22 windows (run, or dropped for a newer one while the model was busy): none spans the gap
+            assert run_after - run_at_reconnect == 41 - 19, (run_before, run_at_reconnect, run_after)
+            assert metric(app, "appliance_source_windows_skipped_total", source="line1", reason="gap") >= 1
+            assert await read(scada, "Models", "te", "Last", "line1", "Label") == LABEL
+
+            # the last window watched (rows 250..269) gives what Infer / Classify give for it
+            window = te.load_te_rows(2, test=True)[250:270].reshape(-1)
+            async with session(app, *app.plc) as plc:
+                r = await call(plc, "te", "Classify", [floats(window)])
+                assert status_name(r) == "Good"
+            index, label, confidence = r.OutputArguments[0].Value, r.OutputArguments[1].Value, \
+                r.OutputArguments[2].Value
+            assert await read(scada, "Models", "te", "Last", "line1", "Label") == label[0]
+            assert await read(scada, "Models", "te", "Last", "line1", "ClassIndex") == index[0]
+            assert await read(scada, "Models", "te", "Last", "line1", "Confidence") == confidence[0]
+    run(go(), timeout=300)
+    delay = metric(app, "appliance_source_delay_seconds_count", feed="line1")
+    assert delay > 0
+
+
+def test_a_node_that_goes_bad_skips_windows_and_raises_source_fault_until_it_is_good_again(plant):
+    app = plant.app
+
+    async def go():
+        async with session(app, *app.scada) as scada:
+            events = await alarm_helpers.alarm_events(scada)
+            skipped = metric(app, "appliance_source_windows_skipped_total", source="line1", reason="bad")
+            plant.line1.kill()
+            plant.line1 = PlantServer.asyncua(plant.port, plant.cert, plant.key, fault=2, start_row=300, rows=60,
+                                              interval=INTERVAL, bad_rows="320:330")
+            await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected")
+            await asyncio.sleep(0.5)
+            events.events.clear()
+            plant.line1.go()
+            await events.next(alarm_helpers.is_condition("SourceFault.line1", True, False), timeout=30)
+            assert "BadSensorFailure" in await source_value(scada, "line1", "LastError")
+            await events.next(alarm_helpers.is_condition("SourceFault.line1", False, False), timeout=30)
+            plant.line1.wait_for("done", 60)
+            await asyncio.sleep(1.0)
+            assert await source_value(scada, "line1", "State") == "Connected"
+            # 10 bad rows, each a window not run; the 19 rows after them refill the window, skipped too
+            bad = await settled(lambda: metric(app, "appliance_source_windows_skipped_total", source="line1",
+                                               reason="bad") - skipped)
+            assert bad == 10 + 19
+    run(go(), timeout=180)
+
+
+def test_a_source_that_presents_another_certificate_is_refused_and_alarmed(plant):
+    app = plant.app
+
+    async def go():
+        async with session(app, *app.scada) as scada:
+            plant.line1.kill()
+            plant.line1 = PlantServer.asyncua(plant.port, plant.other_cert, plant.other_key, fault=0, rows=10)
+            await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Refused", timeout=30)
+            error = await source_value(scada, "line1", "LastError")
+            assert "another certificate" in error and thumbprint_of(plant.other_cert) in error
+            assert await read(scada, "Alarms", "SourceFault", "line1") is True
+            await asyncio.sleep(3)  # retried with back-off, never trusted on its own
+            assert await source_value(scada, "line1", "State") == "Refused"
+    run(go(), timeout=120)
+    from appliance.sources.identity import SourceFiles
+    assert SourceFiles.of(plant.app.state_dir, "line1").trusted.read_bytes() == plant.cert.read_bytes()
+
+
+def test_unreachable_and_hostile_sources_never_stop_the_methods_and_readyz_names_them(plant):
+    app = plant.app
+
+    async def go():
+        async with session(app, *app.plc) as plc:
+            for name, words in (("nowhere", "does not answer"), ("silent", "does not answer"),
+                                ("oversized", "max_array_length 1000"), ("toolarge", "")):
+                await wait_value(plc, ("Sources", name, "State"), lambda v: v == "Connecting")
+                error = await wait_value(plc, ("Sources", name, "LastError"), lambda v: bool(v), timeout=30)
+                assert words in error, (name, error)
+            assert await read(plc, "Alarms", "SourceFault", "silent") is True
+            window = te.load_te_rows(0, test=True)[:20].reshape(-1)
+            started = time.monotonic()
+            for _ in range(5):  # served at once while a source never answers and others are refused
+                r = await call(plc, "te", "Infer", [floats(window)])
+                assert status_name(r) == "Good"
+            assert time.monotonic() - started < 10
+    run(go(), timeout=120)
+    body = json.loads(urllib.request.urlopen(app.metrics_url + "/readyz", timeout=10).read())
+    assert body["ready"] is True
+    assert {"nowhere", "silent", "oversized", "toolarge"} <= set(body["sources_down"])
+    assert metric(app, "appliance_source_state", source="silent") == 1
+
+
+def test_sources_test_names_what_failed_and_list_shows_the_trust(plant):
+    r = cli("sources", "test", "silent", "--config", str(plant.config), timeout=60)
+    assert r.returncode == 2 and "does not answer" in r.stderr, r.stderr
+    r = cli("sources", "test", "oversized", "--config", str(plant.config), timeout=60)
+    assert r.returncode == 2 and "max_array_length" in r.stderr, r.stderr
+    r = cli("sources", "list", "--config", str(plant.config))
+    assert r.returncode == 0 and "server certificate not trusted yet" in r.stdout  # nowhere, silent
+    assert thumbprint_of(plant.cert) in r.stdout
