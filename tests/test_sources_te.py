@@ -243,6 +243,33 @@ def test_a_node_that_goes_bad_skips_windows_and_raises_source_fault_until_it_is_
     run(go(), timeout=180)
 
 
+def test_a_crash_of_the_sources_client_process_is_restarted_and_visible(plant):
+    import os
+    import signal
+
+    from serve_process import children, command_line
+    app = plant.app
+    pids = [pid for pid in children(os.getpid()) if "appliance.sources.process" in command_line(pid)]
+    assert len(pids) == 1, pids
+    restarts = metric(app, "appliance_source_process_restarts_total")
+
+    async def go():
+        async with session(app, *app.scada) as scada:
+            events = await alarm_helpers.alarm_events(scada)
+            await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected")
+            samples = await source_value(scada, "line1", "SamplesReceived")
+            os.kill(pids[0], signal.SIGKILL)
+            await events.next(alarm_helpers.is_condition("SourceFault.line1", True, False), timeout=30)
+            error = await source_value(scada, "line1", "LastError")
+            assert "sources client process stopped (killed by signal SIGKILL)" in error, error
+            await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected", timeout=60)
+            await events.next(alarm_helpers.is_condition("SourceFault.line1", False, False), timeout=30)
+            assert await source_value(scada, "line1", "SamplesReceived") >= samples  # kept across the restart
+    run(go(), timeout=120)
+    assert metric(app, "appliance_source_process_restarts_total") == restarts + 1
+    assert [pid for pid in children(os.getpid()) if "appliance.sources.process" in command_line(pid)] != pids
+
+
 def test_a_source_that_presents_another_certificate_is_refused_and_alarmed(plant):
     app = plant.app
 
