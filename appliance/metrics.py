@@ -129,7 +129,8 @@ class Metrics:
                                               registry=r)
         self.source_delay = Histogram("appliance_source_delay_seconds", "From a window's last SourceTimestamp to its "
                                       "result in the address space", ["feed"], registry=r,
-                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+                                      buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                                               1, 2.5, 5, 10))
         self.source_process_restarts = Counter("appliance_source_process_restarts", "Times the sources client process "
                                                "was replaced", registry=r)
         self.gpu_present = gpu_present

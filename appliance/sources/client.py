@@ -148,12 +148,11 @@ class SourceClient:
         self._violation = reason
 
     async def _monitor(self, client, sub, nodeids: list[ua.NodeId]) -> None:
-        """A monitored item per node (and trigger): its sampling interval, queue and deadband; every sampled value
-        reported (DataChangeTrigger StatusValueTimestamp) unless a deadband filters it."""
+        """A monitored item per configured node (its quality shows in State even when no feed uses it): its sampling
+        interval, queue and deadband; every sampled value reported (DataChangeTrigger StatusValueTimestamp) unless a
+        deadband filters it."""
         requests = []
         for i, (node, nodeid) in enumerate(zip(self.spec.nodes, nodeids)):
-            if i not in self._columns and i not in self._triggers:
-                continue
             flt = ua.DataChangeFilter()
             if node.deadband >= 0:
                 flt.Trigger = ua.DataChangeTrigger.StatusValue
@@ -163,8 +162,7 @@ class SourceClient:
                 flt.Trigger = ua.DataChangeTrigger.StatusValueTimestamp
             requests.append(_item_request(i + 1, nodeid, node, flt))
         results = await sub.create_monitored_items(requests)
-        for node_spec, result in zip([n for i, n in enumerate(self.spec.nodes)
-                                      if i in self._columns or i in self._triggers], results):
+        for node_spec, result in zip(self.spec.nodes, results):
             if isinstance(result, ua.StatusCode) and not result.is_good():
                 raise SourceProblem(f"node {node_spec.name}: the server refused to monitor it ({result.name})")
 
