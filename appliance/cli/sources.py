@@ -131,7 +131,8 @@ def _trust(src, state_dir: Path, yes: str | None) -> int:
         print(f"it replaces the certificate trusted until now ({thumbprint(before)})")
     if yes is not None:
         if normalize_thumbprint(yes) != info["thumbprint"]:
-            return fail(f"--yes {yes} does not name this certificate (thumbprint {info['thumbprint']}): nothing trusted")
+            return fail(f"--yes {yes} does not name this certificate (thumbprint {info['thumbprint']}): "
+                        "nothing trusted")
     else:
         try:
             answer = input("Trust this certificate for this source? [y/N] ")
