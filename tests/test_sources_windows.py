@@ -20,9 +20,7 @@ def rows(fw: FeedWindows, values, start: float = 100.0, status=GOOD, dt: float =
     out = []
     for i, row in enumerate(values):
         for c, v in enumerate(row):
-            w = fw.sample(c, v, status if not callable(status) else status(i, c), start + i * dt)
-            if w is not None:
-                out.append(w)
+            out += fw.sample(c, v, status if not callable(status) else status(i, c), start + i * dt)
     return out
 
 
@@ -78,8 +76,7 @@ def test_missing_columns_are_held_unless_stale_or_skipped_when_asked():
             t = 100 + i * 0.1
             for c in range(2):
                 if not (i == 2 and c == 1):
-                    w = fw.sample(c, float(i), GOOD, t)
-                    out.append(w) if w is not None else None
+                    out += fw.sample(c, float(i), GOOD, t)
         return out
     held = samples(feed(missing="hold"))
     assert [w.data[:, 1].tolist() for w in held] == [[0, 1, 1], [1, 1, 3], [1, 3, 4]]
@@ -93,11 +90,22 @@ def test_missing_columns_are_held_unless_stale_or_skipped_when_asked():
 
 def test_late_samples_are_dropped_and_rows_align_within_the_tolerance():
     fw = feed(tolerance_s=0.02)
-    assert fw.sample(0, 1.0, GOOD, 100.0) is None
-    assert fw.sample(1, 1.0, GOOD, 100.015) is None  # same row, within 20 ms: the row is whole
-    assert fw.sample(0, 2.0, GOOD, 100.1) is None
-    assert fw.sample(1, 9.0, GOOD, 99.9) is None  # older than the open row: late
+    assert fw.sample(0, 1.0, GOOD, 100.0) == []
+    assert fw.sample(1, 1.0, GOOD, 100.015) == []  # same row, within 20 ms: the row is whole
+    assert fw.sample(0, 2.0, GOOD, 100.1) == []
+    assert fw.sample(1, 9.0, GOOD, 99.9) == []  # its row is closed: late
     assert fw.late == 1
+
+
+def test_rows_sent_item_by_item_in_one_publish_are_put_back_together():
+    # a server's publish with two rows, node by node: a0 a1 b0 b1 (not a0 b0 a1 b1)
+    fw = feed(window=2)
+    out = []
+    for c in range(2):
+        for i in range(2):
+            out += fw.sample(c, float(10 * c + i), GOOD, 100 + i * 0.1)
+    assert [w.data.tolist() for w in out] == [[[0, 10], [1, 11]]]
+    assert fw.skipped == {}
 
 
 def test_no_row_for_stale_after_s_throws_the_rows_away():

@@ -206,8 +206,8 @@ class SourceClient:
             else:
                 self._set("Connected", "")
 
-    def _emit(self, window: Window | None) -> None:
-        if window is not None:
+    def _emit(self, windows: list[Window] | Window | None) -> None:
+        for window in windows if isinstance(windows, list) else [windows] if windows is not None else []:
             self.on_window(window)
 
     def check_stale(self) -> None:

@@ -75,8 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    from appliance.workers.worker import _die_with_parent
+    from appliance.workers.worker import WORKER_NICE, _die_with_parent
     _die_with_parent(args.parent_pid)  # no source client outlives serve
+    try:
+        os.nice(WORKER_NICE)  # as the model workers: a PLC's method call comes before the watched windows' intake
+    except OSError:
+        pass
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # serve decides when this process stops (see the workers')
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

@@ -1,9 +1,9 @@
 """A feed's windows, cut from the samples of a source's nodes: torch- and network-free, so it is tested alone.
 
 Alignment. Samples of the feed's columns form a row when their SourceTimestamps lie within `tolerance_s` of the
-row's first sample. A row closes as soon as every column has a value (no waiting for the next row: the window's
-delay is the slowest column's), or when a sample of a later row arrives; a sample older than the open row is late
-and dropped. A column missing from a closed row is held from its last value (`missing: hold`, unless that value is
+row's first sample. A row closes as soon as every column has a sample (no waiting for the next row: the window's
+delay is the slowest column's), or when a later row is whole, or when more than OPEN_ROWS rows are open; a sample of
+a row already closed is late and dropped. A column missing from a closed row is held from its last value (`missing: hold`, unless that value is
 older than `stale_after_s`) or makes the row unusable (`missing: skip`).
 
 Quality. A row holding a Bad sample (StatusCode severity Bad), an Uncertain one (unless `accept_uncertain`), a value
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SKIP_REASONS = ("bad", "uncertain", "type", "missing", "stale", "gap", "busy")
+SKIP_REASONS = ("bad", "uncertain", "type", "missing", "stale", "gap")
+OPEN_ROWS = 16  # rows being assembled at once (a late publish may carry several rows, item by item)
 
 
 def severity(status_code: int) -> str:
@@ -58,7 +59,7 @@ class FeedWindows:
     spec: FeedSpec
     windows: int = 0  # windows cut
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> windows skipped
-    late: int = 0  # samples older than the open row, dropped
+    late: int = 0  # samples of a row already closed (or older), dropped
 
     def __post_init__(self) -> None:
         self._rows: deque[np.ndarray] = deque(maxlen=self.spec.window)
@@ -68,51 +69,51 @@ class FeedWindows:
         self._last = [math.nan] * self.spec.columns  # each column's last good value and its time, for `hold`
         self._last_time = [-math.inf] * self.spec.columns
         self._trigger_last = None
-        self._open_row()
-        self._row_time: float | None = None
-
-    def _open_row(self) -> None:
-        self._row = [math.nan] * self.spec.columns
-        self._filled = [False] * self.spec.columns
-        self._count = 0
-        self._seen = [False] * self.spec.columns  # a sample of the column arrived in this row, usable or not
-        self._seen_count = 0
-        self._row_time = None
-        self._row_problem = ""
+        self._open: list[_Row] = []  # rows not closed yet, oldest first
+        self._closed_time = -math.inf  # the SourceTimestamp of the last row closed
 
     # ---- samples ----
 
-    def sample(self, column: int, value, status: int, source_time: float) -> Window | None:
+    def sample(self, column: int, value, status: int, source_time: float) -> list[Window]:
         """One sample of a column (its DataValue's value, StatusCode and SourceTimestamp in Unix seconds); returns
-        a window when this sample completed one."""
+        the windows this sample completed (usually none or one).
+
+        A server may send the samples of two rows item by item (every sample of node A, then every sample of node
+        B) in one publish: up to OPEN_ROWS rows stay open at once, and a row that becomes whole closes the older
+        ones first (those lack a column for good: held or skipped)."""
         tol = self.spec.tolerance_s
-        out = None
-        if self._row_time is None:
-            self._row_time = source_time
-        elif source_time > self._row_time + tol:
-            out = self._close_row()
-            self._row_time = source_time
-        elif source_time < self._row_time - tol:
+        if source_time <= self._closed_time + tol:  # its row is closed already (or older)
             self.late += 1
-            return None
-        if not self._seen[column]:
-            self._seen[column] = True
-            self._seen_count += 1
+            return []
+        row = next((r for r in self._open if abs(source_time - r.time) <= tol), None)
+        out: list[Window] = []
+        if row is None:
+            row = _Row(source_time, self.spec.columns)
+            self._open.append(row)
+            self._open.sort(key=lambda r: r.time)
+            while len(self._open) > OPEN_ROWS:
+                out += self._close(self._open[0])
+        if not row.seen[column]:
+            row.seen[column] = True
+            row.seen_count += 1
         problem = _problem(value, status, self.spec.accept_uncertain)
         if problem:
-            self._row_problem = self._row_problem or problem
-        elif not self._filled[column]:
-            self._row[column] = float(value)
-            self._filled[column] = True
-            self._count += 1
-        if self._seen_count == self.spec.columns:  # every column has its sample: the row is whole, usable or not
-            return self._close_row() or out
+            row.problem = row.problem or problem
+        elif not row.filled[column]:
+            row.values[column] = float(value)
+            row.filled[column] = True
+        if row.seen_count == self.spec.columns and row in self._open:  # whole, usable or not
+            while self._open and self._open[0] is not row:
+                out += self._close(self._open[0])
+            if row in self._open:
+                out += self._close(row)
         return out
 
-    def _close_row(self) -> Window | None:
-        spec, when = self.spec, self._row_time
-        row, filled, problem = self._row, self._filled, self._row_problem
-        self._open_row()
+    def _close(self, r: "_Row") -> list[Window]:
+        spec, when = self.spec, r.time
+        self._open.remove(r)
+        self._closed_time = max(self._closed_time, when)
+        row, filled, problem = r.values, r.filled, r.problem
         if not problem and not all(filled):
             if spec.missing == "hold":
                 for c, ok in enumerate(filled):
@@ -129,15 +130,16 @@ class FeedWindows:
         if problem:
             self.restart(problem)
             self._stride_point()  # the row itself was a point where a window might have run
-            return None
+            return []
         for c, ok in enumerate(filled):
             if ok:
                 self._last[c], self._last_time[c] = row[c], when
         self._rows.append(np.asarray(row, dtype=np.float32))
         self._row_times.append(when)
         if spec.triggered:
-            return None
-        return self._stride_point()
+            return []
+        w = self._stride_point()
+        return [w] if w is not None else []
 
     def _stride_point(self) -> Window | None:
         self._new_rows += 1
@@ -166,21 +168,24 @@ class FeedWindows:
 
     # ---- gaps ----
 
-    def restart(self, reason: str) -> None:
-        """Throw the rows away: the next window begins after this point (a gap, a bad sample)."""
+    def restart(self, reason: str, drop_open: bool = False) -> None:
+        """Throw the rows away: the next window begins after this point (a gap, a bad sample); drop_open: the rows
+        being assembled too (the data stopped)."""
         self._rows.clear()
         self._row_times.clear()
         self._restart_reason = reason
         if reason in ("gap", "stale"):  # nothing is held across a gap
             self._last = [math.nan] * self.spec.columns
             self._last_time = [-math.inf] * self.spec.columns
-            self._open_row()
             self._trigger_last = None
+        if drop_open:
+            self._open = []
 
     def gap(self) -> None:
         """The source's data stopped (disconnected, subscription lost): counted once as a skipped window."""
-        had_rows = bool(self._rows) or self._count
-        self.restart("gap")
+        had_rows = bool(self._rows) or bool(self._open)
+        self.restart("gap", drop_open=True)
+        self._closed_time = -math.inf  # the source may restart its clock
         if had_rows:
             self.skipped["gap"] = self.skipped.get("gap", 0) + 1
 
@@ -188,10 +193,24 @@ class FeedWindows:
         """No row for `stale_after_s` (by SourceTimestamp against `now`, Unix seconds): the rows so far are
         stale and thrown away. True when that happened."""
         if self._row_times and now - self._row_times[-1] > self.spec.stale_after_s:
-            self.restart("stale")
+            self.restart("stale", drop_open=True)
             self.skipped["stale"] = self.skipped.get("stale", 0) + 1
             return True
         return False
+
+
+class _Row:
+    """A row being assembled: its SourceTimestamp, values, which columns have a usable value, which a sample."""
+
+    __slots__ = ("time", "values", "filled", "seen", "seen_count", "problem")
+
+    def __init__(self, time: float, columns: int):
+        self.time = time
+        self.values = [math.nan] * columns
+        self.filled = [False] * columns
+        self.seen = [False] * columns
+        self.seen_count = 0
+        self.problem = ""
 
 
 def _problem(value, status: int, accept_uncertain: bool) -> str:
