@@ -326,6 +326,8 @@ def test_unreachable_and_hostile_sources_never_stop_the_methods_and_readyz_names
     assert body["ready"] is True
     assert {"nowhere", "silent", "oversized", "toolarge"} <= set(body["sources_down"])
     assert metric(app, "appliance_source_state", source="silent") == 1
+    page = urllib.request.urlopen(app.metrics_url + "/", timeout=10).read().decode()
+    assert "<h2>Sources</h2>" in page and ">nowhere</b>" in page and ">line1</b>" in page
 
 
 def test_sources_test_names_what_failed_and_list_shows_the_trust(plant):
