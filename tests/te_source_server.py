@@ -57,6 +57,11 @@ async def serve(args) -> None:
                                               float(rows[args.start_row][i])))
     await plant.add_variable(ua.NodeId("TE.Big", ns), ua.QualifiedName("Big", ns),
                                    [1.0] * 300_000 if args.hostile == "oversized" else [0.0])
+    first = datetime.now(timezone.utc)  # the initial values: one row, with one SourceTimestamp
+    for i, node in enumerate(nodes):
+        await server.write_attribute_value(node.nodeid, ua.DataValue(
+            ua.Variant(float(rows[args.start_row][i]), ua.VariantType.Double), SourceTimestamp=first,
+            ServerTimestamp=first))
     async with server:
         print("listening", flush=True)
         loop = asyncio.get_running_loop()

@@ -7,7 +7,8 @@ certificate. Beside it, in the same appliance: a source nobody listens for (unre
 ones (an oversized value, a message over the decode limit, a server that never answers).
 
 The alarm: offline, the classifier's third consecutive IDV2 window (the debounce) ends at row 181, 22 windows after
-the onset (row 160); the test allows 40 rows for the delay on a loaded machine and prints the figure it measured.
+the onset (row 160), 21 rows after it; the test counts windows (not seconds, which a loaded machine stretches),
+allows 30 and prints what it measured.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ LABEL = te_alarms.LABEL  # IDV2 B composition step
 ONSET = te.FAULT_ONSET_ROW
 FIRST_ROW, INTERVAL = 100, 0.1
 NS_URI = "urn:te-plant"
-ALARM_WITHIN_ROWS = 40  # rows (= windows, stride 1) after the onset; offline 22
+ALARM_WITHIN_ROWS = 30  # windows (stride 1: rows) after the onset; offline 22
 
 
 def te_nodes() -> dict:
@@ -177,8 +178,13 @@ def test_the_fault_alarm_rises_from_the_data_alone_and_the_source_restarts_witho
             await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected")
             plant.line1.go()
             raised = await events.next(alarm_helpers.is_condition(f"te.line1.{LABEL}", True, False), timeout=90)
-            alarm_row = plant.line1.row_at(_unix(alarm_helpers.field(raised, "Time")))
-            print(f"IDV2 alarm raised {alarm_row - ONSET} rows (windows) after the onset at row {ONSET}")
+            # counted in windows, not in time (the machine may lag): the rows are the server's initial values (row
+            # FIRST_ROW's), then rows FIRST_ROW, FIRST_ROW + 1, ...; the k-th window ends at row FIRST_ROW + k + 17.
+            # Read after the event, the count can only be too high: an upper bound of the alarm's row.
+            handled = await windows_handled(scada)
+            alarm_row = FIRST_ROW + handled + 17
+            print(f"IDV2 alarm raised at most {alarm_row - ONSET} windows after the onset at row {ONSET} "
+                  f"(by the clock: row {plant.line1.row_at(_unix(alarm_helpers.field(raised, 'Time')))})")
             assert ONSET < alarm_row <= ONSET + ALARM_WITHIN_ROWS
             condition = alarm_helpers.field(raised, "NodeId")
             assert condition.Identifier == f"Appliance/Conditions/te/line1/{LABEL}"
@@ -192,11 +198,12 @@ def test_the_fault_alarm_rises_from_the_data_alone_and_the_source_restarts_witho
             # the plant server dies mid-run and comes back: SourceFault, a reconnect, no window across the gap
             plant.line1.wait_for("row 205")
             run_before = await windows_handled(scada)
+            events.events.clear()  # a loaded machine may have made the source flap (a probe timed out) before
             plant.line1.kill()
             fault = await events.next(alarm_helpers.is_condition("SourceFault.line1", True, False), timeout=30)
             assert alarm_helpers.field(fault, "SourceName") == "line1"
-            assert "Connecting" in alarm_helpers.field(fault, "Message").Text
-            assert await source_value(scada, "line1", "State") == "Connecting"
+            assert "Connecting" in alarm_helpers.field(fault, "Message").Text, alarm_helpers.field(fault, "Message")
+            await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connecting", timeout=10)
             plant.line1 = PlantServer.asyncua(plant.port, plant.cert, plant.key, fault=2, start_row=230, rows=40,
                                               interval=INTERVAL)
             await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected")
@@ -269,6 +276,7 @@ def test_a_crash_of_the_sources_client_process_is_restarted_and_visible(plant):
             events = await alarm_helpers.alarm_events(scada)
             await wait_value(scada, ("Sources", "line1", "State"), lambda v: v == "Connected")
             samples = await source_value(scada, "line1", "SamplesReceived")
+            events.events.clear()
             os.kill(pids[0], signal.SIGKILL)
             raised = await events.next(alarm_helpers.is_condition("SourceFault.line1", True, False), timeout=30)
             condition = alarm_helpers.field(raised, "NodeId")
