@@ -226,6 +226,7 @@ class Appliance:
         self.sources = SourcesSupervisor(specs, on_window=self.ua.sources.window, on_status=self.ua.sources.status,
                                          log_level=self.config.logging.level, log_format=self.config.logging.format,
                                          metrics=self.metrics)
+        self.ua.sources.writer = self.sources.write  # results into the YAML's write_back NodeIds, audited there
         await self.sources.start()
 
     def _watch_certificate(self, pki) -> None:

@@ -1,7 +1,8 @@
 """A plant's OPC UA server for the sources tests: an asyncua server (its own process, so a test can kill and restart
 it) that replays a Tennessee Eastman held-out run (bibmon's dNN_te.dat, read by models.te_classifier) row by row at
 an accelerated rate: 52 variables `nsu=urn:te-plant;s=TE.<name>` under Objects/Plant (XMEAS1..41, XMV1..11), all of
-one row written with one SourceTimestamp, over SignAndEncrypt (Basic256Sha256) with the certificate it is given.
+one row written with one SourceTimestamp, over SignAndEncrypt (Basic256Sha256) with the certificate it is given;
+TE.AiClass (Int32) and TE.AiConfidence (Float) are writable, for the appliance's write-back.
 
     python tests/te_source_server.py --port P --cert C.der --key K.pem --fault 2 --start-row 100 --rows 200
         --interval 0.05 [--bad-rows A:B] [--hostile oversized|silent]
@@ -55,6 +56,10 @@ async def serve(args) -> None:
     for i, name in enumerate(NAMES):
         nodes.append(await plant.add_variable(ua.NodeId(f"TE.{name}", ns), ua.QualifiedName(name, ns),
                                               float(rows[args.start_row][i])))
+    for name, value, vtype in (("AiClass", -1, ua.VariantType.Int32), ("AiConfidence", 0.0, ua.VariantType.Float)):
+        result = await plant.add_variable(ua.NodeId(f"TE.{name}", ns), ua.QualifiedName(name, ns),
+                                          ua.Variant(value, vtype))
+        await result.set_writable()  # where the appliance writes its result back (the YAML's write_back)
     await plant.add_variable(ua.NodeId("TE.Big", ns), ua.QualifiedName("Big", ns),
                                    [1.0] * 300_000 if args.hostile == "oversized" else [0.0])
     first = datetime.now(timezone.utc)  # the initial values: one row, with one SourceTimestamp

@@ -121,3 +121,22 @@ def test_check_config_exits_2_listing_every_source_problem(tmp_path):
     assert f"{path}:7: sources.line1.nodes: expected a mapping of node names" in r.stderr
     assert f"{path}:8: sources.line1.feeds.default: a feed name must" in r.stderr
     assert f"{path}:9: sources.line1.colour: unknown key 'colour' in source 'line1'" in r.stderr
+
+
+def test_write_back_lists_result_fields_and_node_ids_only(tmp_path):
+    errs = errors(tmp_path, """  line1:
+    endpoint: opc.tcp://127.0.0.1:4840
+    nodes: {a: "nsu=urn:x;s=A"}
+    feeds:
+      f1:
+        model: llm-like
+        window: 1040
+        write_back: {ClassIndex: "nsu=urn:x;s=Cls", Output: "ns=2;s=Out", Colour: "nsu=urn:x;s=C"}
+""")
+    text = "\n".join(errs)
+    assert "appliance.yaml:12: sources.line1.feeds.f1.write_back.Output: 'ns=2;s=Out' names the namespace by " \
+           "index" in text
+    assert "appliance.yaml:12: sources.line1.feeds.f1.write_back.Colour: expected one of ClassIndex, Label, " \
+           "Confidence, Output, got 'Colour'" in text
+    assert "appliance.yaml:12: sources.line1.feeds.f1.write_back.ClassIndex: ClassIndex needs a model with labels " \
+           "('llm-like' has none)" in text

@@ -71,7 +71,9 @@ def plant(tmp_path_factory):
               "reconnect_min_s": 0.2, "reconnect_max_s": 2.0, "timeout_s": 2.0}
     sources = {
         "line1": {"endpoint": f"opc.tcp://127.0.0.1:{line1_port}", **common, "nodes": te_nodes(),
-                  "feeds": {"line1": {"model": "te", "window": 20, "stride": 1}}},
+                  "feeds": {"line1": {"model": "te", "window": 20, "stride": 1,
+                                      "write_back": {"ClassIndex": f"nsu={NS_URI};s=TE.AiClass",
+                                                     "Confidence": f"nsu={NS_URI};s=TE.AiConfidence"}}}},
         "nowhere": {"endpoint": f"opc.tcp://127.0.0.1:{nowhere_port}", **common,
                     "nodes": {"x": f"nsu={NS_URI};s=TE.XMEAS1"}},
         "oversized": {"endpoint": f"opc.tcp://127.0.0.1:{hostile_port}", **common, "max_array_length": 1000,
@@ -126,6 +128,11 @@ async def wait_value(client, path: tuple, predicate, timeout: float = 60.0):
             return value
         await asyncio.sleep(0.1)
     raise AssertionError(f"{'/'.join(path)} stayed {value!r}")
+
+
+def plant_endpoint(plant):
+    """What `session` needs to connect to the plant's server instead of the appliance."""
+    return type("Endpoint", (), {"endpoint": f"opc.tcp://127.0.0.1:{plant.port}"})()
 
 
 async def windows_handled(client) -> int:
@@ -194,6 +201,15 @@ def test_the_fault_alarm_rises_from_the_data_alone_and_the_source_restarts_witho
             await events.next(alarm_helpers.is_condition(f"te.line1.{LABEL}", True, True))
             assert await read(scada, "Models", "te", "Last", "line1", "Label") == LABEL
             assert await read(scada, "Alarms", "line1", LABEL) is True
+            # the result written back into the plant's own server, only where write_back says
+            async with session(plant_endpoint(plant), *app.plc, anonymous=True) as line:
+                ns = await line.get_namespace_index(NS_URI)
+                ai_class = line.get_node(ua.NodeId("TE.AiClass", ns))
+                end = time.monotonic() + 15
+                while await ai_class.read_value() != te_alarms.FAULT and time.monotonic() < end:
+                    await asyncio.sleep(0.1)
+                assert await ai_class.read_value() == te_alarms.FAULT
+                assert 0.5 < await line.get_node(ua.NodeId("TE.AiConfidence", ns)).read_value() <= 1.0
 
             # the plant server dies mid-run and comes back: SourceFault, a reconnect, no window across the gap
             plant.line1.wait_for("row 205")
@@ -232,6 +248,11 @@ def test_the_fault_alarm_rises_from_the_data_alone_and_the_source_restarts_witho
     run(go(), timeout=300)
     delay = metric(app, "appliance_source_delay_seconds_count", feed="line1")
     assert delay > 0
+    app.run(asyncio.sleep(0.5))
+    writes = [json.loads(line) for line in (app.state_dir / "audit" / "audit.jsonl").read_text().splitlines()
+              if '"source_write"' in line]
+    assert writes and {w["status"] for w in writes} == {"Good"}, writes[-3:]
+    assert any("ClassIndex 2 -> nsu=urn:te-plant;s=TE.AiClass" in w["detail"] for w in writes)
 
 
 def test_a_node_that_goes_bad_skips_windows_and_raises_source_fault_until_it_is_good_again(plant):

@@ -94,6 +94,7 @@ class ApplianceUaServer:
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
         self.sources = SourceObjects(config, services, self.governance, self.alarms,
                                      config.engine.request_timeout_s, metrics)
+        self.sources.audit_event = self.handlers.event
         self.jobs = JobMethods(config, services, self.inference)
         self.mailboxes: Mailboxes | None = None
         self.ai = AiProperties(config)

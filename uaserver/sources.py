@@ -46,6 +46,11 @@ class SourceObjects:
         self.server: Server | None = None
         self.values: dict[str, dict[str, object]] = {}  # source -> variable name -> node
         self.feeds = {f.name: (src.name, f) for src in config.sources.values() for f in src.feeds.values()}
+        self.write_targets: dict[str, list[str]] = {}  # source -> its write-back NodeIds, as specs.py orders them
+        for src in config.sources.values():
+            targets = self.write_targets[src.name] = []
+            for f in src.feeds.values():
+                targets += [n for n in f.write_back.values() if n not in targets]
         self.in_flight: dict[str, int] = {name: 0 for name in self.feeds}
         self.waiting: dict[str, object] = {}  # feed -> the window waiting for the model (the latest one)
         self.run: dict[str, int] = {}  # source -> windows run
@@ -54,6 +59,10 @@ class SourceObjects:
         self._counted: dict[tuple, float] = {}  # what the metrics have counted of the cumulative counters
         self._tasks: set[asyncio.Task] = set()
         self._writing: set[str] = set()
+        # write_back: set by the daemon once the sources client process runs: async (source, nodes, types, values)
+        # -> statuses; audit_event: the method handlers' audit of non-call events
+        self.writer = None
+        self.audit_event = None
 
     # ---- the address space ----
 
@@ -166,10 +175,12 @@ class SourceObjects:
     async def _run_window(self, source: str, feed, samples: np.ndarray, last_source_time: float) -> None:
         outcome = "run"
         try:
-            await self.run_window(feed.model, feed.name, samples)
+            r, classified = await self.run_window(feed.model, feed.name, samples)
             self.run[source] = self.run.get(source, 0) + 1
             if self.metrics is not None:
                 self.metrics.source_delay.labels(feed.name).observe(max(0.0, time.time() - last_source_time))
+            if feed.write_back and self.writer is not None:
+                await self._write_back(source, feed, r, classified)
         except ApplianceError as e:
             outcome = "failed"
             log.info("a window of feed %s was not run: %s", feed.name, e)
@@ -192,11 +203,33 @@ class SourceObjects:
         ctx = CallContext(session=None, method="Watch", model=model)
         answering = self.governance.route(svc, ctx)
         r = await answering.infer(samples, time.monotonic() + self.request_timeout_s)
+        classified = None
         if model in self.alarms.classifiers:
-            await self.alarms.classified(model, r.output, feed)
+            classified = await self.alarms.classified(model, r.output, feed)
         if model in self.governance.drift:
             self.governance.drift_update(model, samples, r.output)
-        return r
+        return r, classified
+
+    async def _write_back(self, source: str, feed, r, classified) -> None:
+        """The result into the NodeIds the feed's write_back lists (nothing else is ever written), each write
+        audited with its status."""
+        values = {"Output": ("Float", [float(v) for v in r.output])}
+        if classified is not None:
+            values.update(ClassIndex=("Int32", classified.class_index[-1]), Label=("String", classified.label[-1]),
+                          Confidence=("Float", classified.confidence[-1]))
+        fields = list(feed.write_back)
+        targets = self.write_targets[source]
+        statuses = await self.writer(source, [targets.index(feed.write_back[f]) for f in fields],
+                                     [values[f][0] for f in fields], [values[f][1] for f in fields])
+        for field_, status in zip(fields, statuses):
+            if self.audit_event is not None:
+                value = values[field_][1]
+                shown = f"{len(value)} values" if isinstance(value, list) else repr(value)
+                self.audit_event("source_write", action="Write", status=status, model=feed.model,
+                                 version=r.model_version, detail=f"source {source} feed {feed.name}: {field_} "
+                                 f"{shown} -> {feed.write_back[field_]}")
+            if status != "Good":
+                log.warning("write-back of %s to source %s answered %s", field_, source, status)
 
     def _start(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

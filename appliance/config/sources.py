@@ -118,6 +118,35 @@ class NodesRule:
         return out
 
 
+WRITE_BACK_FIELDS = ("ClassIndex", "Label", "Confidence", "Output")
+
+
+@dataclass(frozen=True)
+class WriteBackRule:
+    """`write_back`: result field (ClassIndex, Label, Confidence, Output) -> a NodeId by namespace URI."""
+
+    expect: str = ("a mapping of result fields (" + ", ".join(WRITE_BACK_FIELDS) + ") to NodeIds "
+                   "('nsu=URI;s=NAME')")
+
+    def parse(self, node: Node, ctx: Context, path: str) -> Any:
+        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+            return {}
+        mapping = as_mapping(node, ctx, path, self.expect)
+        if mapping is None:
+            return INVALID
+        out: dict[str, str] = {}
+        for name, key_node, value_node in mapping_items(mapping, ctx, path, "result field"):
+            where = key_path(path, name)
+            if name not in WRITE_BACK_FIELDS:
+                ctx.error(key_node, where, f"expected one of {', '.join(WRITE_BACK_FIELDS)}, got {shown(name)}")
+                continue
+            value = _NODE_ID.parse(value_node, ctx, where)
+            if value is not INVALID:
+                ctx.nodes[where] = value_node
+                out[name] = value
+        return out
+
+
 @dataclass
 class FeedConfig:
     """A model's windows cut from a source's nodes; its name is the results' source (`Last/<feed>`,
@@ -137,6 +166,9 @@ class FeedConfig:
     missing: str = setting("skip", choice("skip", "hold"))
     # windows of this feed in the model at once; one arriving while that many run is dropped and counted
     max_in_flight: int = setting(1, integer(1, 16))
+    # results written back into the source (off unless listed): ClassIndex, Label, Confidence (labelled models) or
+    # Output -> the NodeId to write it to; only these NodeIds are ever written, and every write is audited
+    write_back: dict[str, str] = setting({}, WriteBackRule())
     name: str = ""
 
 
@@ -272,6 +304,11 @@ def check_sources(cfg, ctx: Context, sample_floats) -> list[str]:
                                                             f"{floats // len(feed.columns)} rows"
                                                             if feed.columns and floats % len(feed.columns) == 0
                                                             else ""))
+            for field_ in ("ClassIndex", "Label", "Confidence"):
+                if field_ in feed.write_back and not model.labels:
+                    key = f"{fpath}.write_back.{field_}"
+                    ctx.error(ctx.nodes.get(key) or where, key, f"{field_} needs a model with labels ('{feed.model}' "
+                              "has none): write Output instead")
             if model.labels and fname in model.alarm_sources:
                 ctx.error(where, fpath, f"{shown(fname)} is already an alarm source of model '{feed.model}'")
             elif model.labels:

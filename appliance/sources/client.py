@@ -55,6 +55,8 @@ class SourceClient:
         self._not_good: set[int] = set()  # nodes whose latest sample is not usable (BadData while any)
         self._violation = ""  # why the connection was cut by a decode limit
         self._connected_once = False  # a later connection is a reconnect
+        self._client = None  # the connected client while subscribed (writes go through it)
+        self._write_ids: list[ua.NodeId] = []  # the write-back NodeIds, resolved on this connection
         self._up = False  # the current connection got as far as subscribing
 
     # ---- what serve sees ----
@@ -120,6 +122,7 @@ class SourceClient:
         try:
             nodeids = await resolve(client, self.spec)
             await read_once(client, self.spec, nodeids)
+            self._write_ids = await resolve(client, self.spec, self.spec.writes) if self.spec.writes else []
             sub = await client.create_subscription(self.spec.publishing_interval_ms, None,
                                                    queue_maxsize=QUEUE_EVENTS, overflow=OverflowPolicy.DISCONNECT)
             await self._monitor(client, sub, nodeids)
@@ -127,6 +130,7 @@ class SourceClient:
                 self.reconnects += 1
             self._connected_once = self._up = True
             self._set("Connected", "")
+            self._client = client
             consumer = asyncio.create_task(self._consume(sub))
             waiter = asyncio.create_task(lost.wait())
             try:
@@ -139,10 +143,31 @@ class SourceClient:
                 raise consumer.exception()
             raise SourceProblem(self._violation or "the connection to the source was lost")
         finally:
+            self._client = None
             try:
                 await asyncio.wait_for(client.disconnect(), 2)
             except Exception:  # noqa: BLE001 - the connection is gone or broken: nothing more to close
                 pass
+
+    async def write(self, nodes: list[int], types: list[str], values: list) -> list[str]:
+        """Write results into the source's write-back NodeIds (indices into spec.writes): each status's name.
+        Values only, no timestamps (PLC servers refuse written timestamps)."""
+        client = self._client
+        if client is None or len(self._write_ids) != len(self.spec.writes):
+            return ["BadNotConnected"] * len(nodes)
+        params = ua.WriteParameters()
+        for i, vtype, value in zip(nodes, types, values):
+            wv = ua.WriteValue()
+            wv.NodeId, wv.AttributeId = self._write_ids[i], ua.AttributeIds.Value
+            wv.Value = ua.DataValue(ua.Variant(value, getattr(ua.VariantType, vtype)))
+            params.NodesToWrite.append(wv)
+        try:
+            results = await asyncio.wait_for(client.uaclient.write(params), self.spec.timeout_s)
+        except ua.UaStatusCodeError as e:
+            return [ua.StatusCode(e.code).name] * len(nodes)
+        except (OSError, asyncio.TimeoutError, ua.UaError):
+            return ["BadCommunicationError"] * len(nodes)
+        return [r.name for r in results]
 
     def _on_violation(self, reason: str) -> None:
         self._violation = reason

@@ -50,9 +50,22 @@ async def serve(fd: int) -> None:
         client.on_status = (lambda c: lambda: send(c.status()))(client)
         clients.append(client)
 
+    by_name = {c.spec.name: c for c in clients}
+    writes: set[asyncio.Task] = set()
+
+    async def write(message: p.Write) -> None:
+        client = by_name.get(message.source)
+        statuses = (await client.write(message.nodes, message.types, message.values) if client is not None
+                    else ["BadNotFound"] * len(message.nodes))
+        send(p.Written(id=message.id, statuses=statuses))
+
     def on_message(message) -> None:
         if isinstance(message, p.Ping):
             send(p.Pong(seq=message.seq))
+        elif isinstance(message, p.Write):
+            task = asyncio.get_running_loop().create_task(write(message))
+            writes.add(task)
+            task.add_done_callback(writes.discard)
 
     channel.listen(on_message, lambda reason: ended.done() or ended.set_result(None))
     tasks = [asyncio.create_task(c.run(), name=f"source-{c.spec.name}") for c in clients]

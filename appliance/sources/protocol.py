@@ -1,13 +1,13 @@
 """The serve process <-> sources client process messages. The transport is the model workers' (a socketpair, a
 4-byte length and a msgspec MessagePack body: appliance.workers.protocol.Channel), only the messages differ.
 
-serve -> client process: Start (every source, with what it needs to connect), Ping.
+serve -> client process: Start (every source, with what it needs to connect), Ping, Write (results into a source).
 client process -> serve: WindowReady (a complete window of a feed), SourceStatus (a source's state and counters, on
-every change and once a second), Pong.
+every change and once a second), Pong, Written.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -38,6 +38,7 @@ class FeedSpec(msgspec.Struct, array_like=True):
     trigger_kind: str
     tolerance_s: float
     missing: str
+    write_back: list[tuple[str, int]] = []  # (result field, index into SourceSpec.writes)
 
 
 class SourceSpec(msgspec.Struct, array_like=True):
@@ -63,6 +64,7 @@ class SourceSpec(msgspec.Struct, array_like=True):
     max_string_length: int
     nodes: list[NodeSpec]
     feeds: list[FeedSpec]
+    writes: list[NodeSpec] = []  # the NodeIds results may be written to (the YAML's write_back), nothing else
 
 
 class Start(_Msg):
@@ -75,7 +77,17 @@ class Ping(_Msg):
     seq: int
 
 
-ToSources = Union[Start, Ping]
+class Write(_Msg):
+    """Write results into a source: SourceSpec.writes[i] for each i of `nodes`, as `types` (Int32, Float, String;
+    a list value is an array), without timestamps (PLC servers refuse written timestamps)."""
+    id: int
+    source: str
+    nodes: list[int]
+    types: list[str]
+    values: list[Any]
+
+
+ToSources = Union[Start, Ping, Write]
 
 
 class WindowReady(_Msg):
@@ -100,4 +112,9 @@ class Pong(_Msg):
     seq: int
 
 
-FromSources = Union[WindowReady, SourceStatus, Pong]
+class Written(_Msg):
+    id: int
+    statuses: list[str]  # each write's StatusCode name (BadNotConnected when the source is not connected)
+
+
+FromSources = Union[WindowReady, SourceStatus, Pong, Written]

@@ -103,9 +103,10 @@ async def connect(spec: p.SourceSpec, on_violation: Callable[[str], None] = lamb
     return client
 
 
-async def resolve(client: Client, spec: p.SourceSpec) -> list[ua.NodeId]:
+async def resolve(client: Client, spec: p.SourceSpec, nodes: list[p.NodeSpec] | None = None) -> list[ua.NodeId]:
     """Every node's NodeId now (namespace URIs looked up in the server's NamespaceArray); SourceProblem naming the
-    first node that cannot be found."""
+    first node that cannot be found. nodes: these instead of the source's nodes (its write-back NodeIds)."""
+    nodes = spec.nodes if nodes is None else nodes
     try:
         namespaces = await client.get_namespace_array()
     except (OSError, asyncio.TimeoutError, ua.UaError) as e:
@@ -116,9 +117,9 @@ async def resolve(client: Client, spec: p.SourceSpec) -> list[ua.NodeId]:
             raise SourceProblem(f"node {node.name}: the server has no namespace {uri!r}")
         return namespaces.index(uri)
 
-    resolved: list[ua.NodeId | None] = [None] * len(spec.nodes)
+    resolved: list[ua.NodeId | None] = [None] * len(nodes)
     paths = []
-    for i, node in enumerate(spec.nodes):
+    for i, node in enumerate(nodes):
         if node.path:
             rel = ua.RelativePath()
             for uri, name in node.path:
@@ -141,8 +142,8 @@ async def resolve(client: Client, spec: p.SourceSpec) -> list[ua.NodeId]:
         results = await client.translate_browsepaths(client.nodes.objects.nodeid, [rel for _, rel in paths])
         for (i, _), result in zip(paths, results):
             if not result.StatusCode.is_good() or not result.Targets:
-                raise SourceProblem(f"node {spec.nodes[i].name}: browse path "
-                                    f"{'/'.join(n for _, n in spec.nodes[i].path)} not found "
+                raise SourceProblem(f"node {nodes[i].name}: browse path "
+                                    f"{'/'.join(n for _, n in nodes[i].path)} not found "
                                     f"({result.StatusCode.name})")
             target = result.Targets[0].TargetId  # an ExpandedNodeId of this server
             resolved[i] = ua.NodeId(target.Identifier, target.NamespaceIndex, target.NodeIdType)

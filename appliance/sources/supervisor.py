@@ -46,6 +46,7 @@ class SourcesSupervisor:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._seq = itertools.count(1)
+        self._writes: dict[int, asyncio.Future] = {}  # Write id -> its answer
 
     async def start(self) -> None:
         if self.specs:
@@ -123,10 +124,31 @@ class SourcesSupervisor:
                       else f"exit status {code}")
         return reason
 
+    async def write(self, source: str, nodes: list[int], types: list[str], values: list,
+                    timeout_s: float = 10.0) -> list[str]:
+        """Results into a source's write-back NodeIds (see protocol.Write): each write's status name."""
+        channel = self._channel
+        if channel is None or channel.closed_reason:
+            return ["BadNotConnected"] * len(nodes)
+        request = p.Write(id=next(self._seq), source=source, nodes=nodes, types=types, values=values)
+        future = asyncio.get_running_loop().create_future()
+        self._writes[request.id] = future
+        try:
+            channel.send(request)
+            return await asyncio.wait_for(future, timeout_s)
+        except (ConnectionError, asyncio.TimeoutError):
+            return ["BadTimeout"] * len(nodes)
+        finally:
+            self._writes.pop(request.id, None)
+
     def _on_message(self, message) -> None:
         self._heard_at = time.monotonic()
         if isinstance(message, p.WindowReady):
             self.on_window(message)
+        elif isinstance(message, p.Written):
+            future = self._writes.get(message.id)
+            if future is not None and not future.done():
+                future.set_result(message.statuses)
         elif isinstance(message, p.SourceStatus):
             self._publish(message)
 
