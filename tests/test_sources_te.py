@@ -48,10 +48,12 @@ def te_alarms_names() -> list[str]:
     return NAMES
 
 
-def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+def cli(*args: str, env: dict | None = None, timeout: float = 60, answer: str | None = None
+        ) -> subprocess.CompletedProcess:
     import os
     return subprocess.run([sys.executable, "-m", "appliance", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                          input=answer if answer is not None else "")
 
 
 def thumbprint_of(der_path) -> str:
@@ -251,7 +253,10 @@ def test_the_fault_alarm_rises_from_the_data_alone_and_the_source_restarts_witho
     app.run(asyncio.sleep(0.5))
     writes = [json.loads(line) for line in (app.state_dir / "audit" / "audit.jsonl").read_text().splitlines()
               if '"source_write"' in line]
-    assert writes and {w["status"] for w in writes} == {"Good"}, writes[-3:]
+    statuses = [w["status"] for w in writes]
+    # every write audited with the server's answer: Good, or the connection's failure while the plant was killed
+    assert statuses.count("Good") >= 40, statuses
+    assert set(statuses) <= {"Good", "BadCommunicationError", "BadNotConnected", "BadTimeout"}, set(statuses)
     assert any("ClassIndex 2 -> nsu=urn:te-plant;s=TE.AiClass" in w["detail"] for w in writes)
 
 
@@ -364,6 +369,16 @@ def test_sources_test_names_what_failed_and_list_shows_the_trust(plant):
     assert r.returncode == 2 and "does not answer" in r.stderr, r.stderr
     r = cli("sources", "test", "oversized", "--config", str(plant.config), timeout=60)
     assert r.returncode == 2 and "max_array_length" in r.stderr, r.stderr
+    # trust shows the certificate and stores it only on confirmation; a wrong --yes stores nothing either
+    from appliance.sources.identity import SourceFiles
+    trusted = SourceFiles.of(plant.app.state_dir, "line1").trusted
+    before = trusted.read_bytes()
+    r = cli("sources", "trust", "line1", "--config", str(plant.config), answer="n\n")
+    assert r.returncode == 2 and "not trusted" in r.stderr and thumbprint_of(plant.other_cert) in r.stdout
+    assert "it replaces the certificate trusted until now" in r.stdout
+    r = cli("sources", "trust", "line1", "--yes", "00" * 20, "--config", str(plant.config))
+    assert r.returncode == 2 and "does not name this certificate" in r.stderr
+    assert trusted.read_bytes() == before
     r = cli("sources", "list", "--config", str(plant.config))
     assert r.returncode == 0 and "server certificate not trusted yet" in r.stdout  # nowhere, silent
     assert thumbprint_of(plant.cert) in r.stdout
