@@ -11,7 +11,8 @@ It prints "listening" once it accepts connections, then waits for a line "go" on
 says go once the appliance is subscribed), prints "row N" after each row and "done N" after the last (it keeps
 serving, without new rows, until killed). --bad-rows A:B gives XMEAS1 the status BadSensorFailure in rows A..B-1.
 Hostile modes: `oversized` serves an array of 300,000 doubles (2.4 MB) in TE.Big (more than the decode limits the
-tests configure); `silent` accepts TCP connections and never answers a byte.
+tests configure); `silent` accepts TCP connections and never answers a byte; `flood` writes TE.Flood as fast as it
+can for --rows seconds once "go" is read (a publish flood).
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ async def serve(args) -> None:
         result = await plant.add_variable(ua.NodeId(f"TE.{name}", ns), ua.QualifiedName(name, ns),
                                           ua.Variant(value, vtype))
         await result.set_writable()  # where the appliance writes its result back (the YAML's write_back)
+    flood = await plant.add_variable(ua.NodeId("TE.Flood", ns), ua.QualifiedName("Flood", ns), 0.0)
     await plant.add_variable(ua.NodeId("TE.Big", ns), ua.QualifiedName("Big", ns),
                                    [1.0] * 300_000 if args.hostile == "oversized" else [0.0])
     first = datetime.now(timezone.utc)  # the initial values: one row, with one SourceTimestamp
@@ -73,6 +75,16 @@ async def serve(args) -> None:
         line = await loop.run_in_executor(None, sys.stdin.readline)
         if line.strip() != "go":
             return
+        if args.hostile == "flood":  # TE.Flood written as fast as this process can, for --rows seconds
+            end, n = time.monotonic() + args.rows, 0
+            while time.monotonic() < end:
+                n += 1
+                await server.write_attribute_value(flood.nodeid, ua.DataValue(ua.Variant(float(n),
+                                                                                         ua.VariantType.Double)))
+                if n % 50 == 0:
+                    await asyncio.sleep(0)
+            print(f"done {n}", flush=True)
+            await asyncio.Event().wait()
         bad = tuple(int(x) for x in args.bad_rows.split(":")) if args.bad_rows else (-1, -1)
         end = min(len(rows), args.start_row + args.rows)
         next_at = time.monotonic()
@@ -101,7 +113,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=960)
     p.add_argument("--interval", type=float, default=0.05)
     p.add_argument("--bad-rows", default="")
-    p.add_argument("--hostile", default="", choices=("", "oversized", "silent"))
+    p.add_argument("--hostile", default="", choices=("", "oversized", "silent", "flood"))
     args = p.parse_args()
     asyncio.run(silent(args.port) if args.hostile == "silent" else serve(args))
 
