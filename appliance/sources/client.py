@@ -236,7 +236,7 @@ class SourceClient:
             self.on_window(window)
 
     def check_stale(self) -> None:
-        now = time.time()
+        now = time.monotonic()
         for fw in self.feeds:
             if self.state in ("Connected", "BadData"):
                 fw.check_stale(now)

@@ -18,6 +18,7 @@ change of a counter (the window then holds the latest `window` rows).
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ class FeedWindows:
         self._trigger_last = None
         self._open: list[_Row] = []  # rows not closed yet, oldest first
         self._closed_time = -math.inf  # the SourceTimestamp of the last row closed
+        self._closed_at = -math.inf  # when (time.monotonic()) the last row was added: a PLC's clock may be off
 
     # ---- samples ----
 
@@ -136,6 +138,7 @@ class FeedWindows:
                 self._last[c], self._last_time[c] = row[c], when
         self._rows.append(np.asarray(row, dtype=np.float32))
         self._row_times.append(when)
+        self._closed_at = time.monotonic()
         if spec.triggered:
             return []
         w = self._stride_point()
@@ -189,10 +192,11 @@ class FeedWindows:
         if had_rows:
             self.skipped["gap"] = self.skipped.get("gap", 0) + 1
 
-    def check_stale(self, now: float) -> bool:
-        """No row for `stale_after_s` (by SourceTimestamp against `now`, Unix seconds): the rows so far are
-        stale and thrown away. True when that happened."""
-        if self._row_times and now - self._row_times[-1] > self.spec.stale_after_s:
+    def check_stale(self, now: float | None = None) -> bool:
+        """No row for `stale_after_s` (now: time.monotonic(); measured here, not by SourceTimestamps, since a
+        PLC's clock may be off): the rows so far are stale and thrown away. True when that happened."""
+        now = time.monotonic() if now is None else now
+        if self._row_times and now - self._closed_at > self.spec.stale_after_s:
             self.restart("stale", drop_open=True)
             self.skipped["stale"] = self.skipped.get("stale", 0) + 1
             return True
