@@ -76,9 +76,11 @@ class Appliance:
         self.supervision = Supervision(self.services, self.supervisors, SupervisedFacts(
             metrics=lambda: self.metrics, watchdog=lambda: self.watchdog, gpu_fault=lambda: self.gpu_fault,
             audit_torn=lambda: self.audit is not None and bool(self.audit.torn),
-            cert_expiry_s=lambda: self.cert_expiry_s, ua=lambda: self.ua))
+            cert_expiry_s=lambda: self.cert_expiry_s, ua=lambda: self.ua,
+            sources=lambda: self.sources.statuses if self.sources is not None else {}))
         self._stopping = False
         self.gpu_fault: str | None = None  # the watchdog stopped the GPU workers: State Fault
+        self.sources = None  # appliance.sources.supervisor.SourcesSupervisor, when the YAML has sources
 
     def build_services(self, device: str) -> dict[str, TensorModel | GenerativeModel]:
         """One supervised worker per model, or per `worker` group of models."""
@@ -202,9 +204,12 @@ class Appliance:
             self.ua.emit_event("The server certificate expires within "
                                f"{cfg.security.cert_expiry_warning_days} days: renew it (a GDS's push, `appliance certs "
                                "csr` + `install-server`, or `appliance certs init --force`)", severity=700)
+        if cfg.sources and not self._stopping:
+            await self._start_sources(state_dir)
         if cfg.metrics.enabled:
             self.http = MonitoringServer(cfg.metrics.host, cfg.metrics.port, self.metrics,
-                                         self.supervision.readiness, status=self.supervision.status_snapshot)
+                                         self.supervision.readiness, status=self.supervision.status_snapshot,
+                                         ready_details=self.supervision.sources_down)
             await self.http.start()
 
     def _start_crl_watch(self, pki) -> None:
@@ -223,6 +228,25 @@ class Appliance:
                            "certificates it issued are refused (security.require_crl)")
                 log.warning(message)
                 self.ua.emit_event(message, severity=700)
+
+    async def _start_sources(self, state_dir: Path) -> None:
+        """The sources client process (appliance/sources): each source's client certificate from the appliance CA
+        on first start, then the process, whose windows and states go to the address space (uaserver/sources.py)."""
+        from .sources.identity import SourceFiles
+        from .sources.specs import source_spec
+        from .sources.supervisor import SourcesSupervisor
+        for warning in self.config.warnings:
+            log.warning("%s", warning)
+        for name in self.config.sources:
+            if SourceFiles.of(state_dir, name).ensure_client_certificate(state_dir, name):
+                log.info("issued the client certificate for source %s (pki/sources/%s/client.der: import it into "
+                         "the source server's trust list)", name, name)
+        specs = [source_spec(src, state_dir) for src in self.config.sources.values()]
+        self.sources = SourcesSupervisor(specs, on_window=self.ua.sources.window, on_status=self.ua.sources.status,
+                                         log_level=self.config.logging.level, log_format=self.config.logging.format,
+                                         metrics=self.metrics)
+        self.ua.sources.writer = self.sources.write  # results into the YAML's write_back NodeIds, audited there
+        await self.sources.start()
 
     def _watch_certificate(self, pki) -> None:
         from datetime import datetime, timezone
@@ -319,6 +343,8 @@ class Appliance:
             await self.ua.stop()  # closes sessions first: their slots are freed; flushes the audit records
         if self.http is not None:
             await self.http.stop()
+        if self.sources is not None:
+            await self.sources.stop()
         await asyncio.gather(*(sup.stop() for sup in self.supervisors), return_exceptions=True)
         await self.supervision.stop()
         if self.crl_watch is not None:

@@ -26,7 +26,8 @@ _TEXT = "text/plain; charset=utf-8"
 
 class MonitoringServer:
     def __init__(self, host: str, port: int, metrics, readiness: Callable[[], tuple[bool, list[str]]], *,
-                 read_timeout_s: float = 5.0, max_connections: int = 64, status: Callable[[], dict] | None = None):
+                 read_timeout_s: float = 5.0, max_connections: int = 64, status: Callable[[], dict] | None = None,
+                 ready_details: Callable[[], dict] | None = None):
         """status: the snapshot the page at / shows (Appliance.status_snapshot); without it / is 404."""
         self.host, self.port = host, port
         self._status = status
@@ -34,6 +35,7 @@ class MonitoringServer:
         self._sampler: asyncio.Task | None = None
         self._metrics = metrics
         self._readiness = readiness
+        self._ready_details = ready_details  # extra fields of /readyz's JSON (the sources that are down)
         self.read_timeout_s = read_timeout_s
         self._max_connections = max_connections
         self._slots: asyncio.BoundedSemaphore | None = None
@@ -135,9 +137,15 @@ class MonitoringServer:
             except Exception:  # noqa: BLE001 - the daemon's check: any failure means not ready; logged, never shown
                 log.exception("readiness check failed")
                 ready, reasons = False, ["readiness check failed"]
+            details = {}
+            if self._ready_details is not None:
+                try:
+                    details = self._ready_details()
+                except Exception:  # noqa: BLE001 - extra information only: logged, left out
+                    log.exception("readiness details failed")
             if ready:
-                return 200, json.dumps({"ready": True}).encode(), _JSON
-            return 503, json.dumps({"ready": False, "reasons": [str(r) for r in reasons]}).encode(), _JSON
+                return 200, json.dumps({"ready": True, **details}).encode(), _JSON
+            return 503, json.dumps({"ready": False, "reasons": [str(r) for r in reasons], **details}).encode(), _JSON
         try:
             body, content_type = self._metrics.render(accept)
         except Exception:  # noqa: BLE001 - the registry's collectors: a failure is logged and answers 500

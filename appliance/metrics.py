@@ -119,6 +119,24 @@ class Metrics:
                                     ["role"], registry=r)
         self.audit_errors = Counter("appliance_audit_write_errors", "Audit records that could not be written",
                                     registry=r)
+        # sources (YAML `sources`): the appliance as a client of the line's OPC UA servers
+        self.source_state = Gauge("appliance_source_state", "A source's state: 0 Connected, 1 Connecting, 2 BadData, "
+                                  "3 Refused, 4 Disabled", ["source"], registry=r)
+        self.source_samples = Counter("appliance_source_samples", "Samples received from a source", ["source"],
+                                      registry=r)
+        self.source_reconnects = Counter("appliance_source_reconnects", "Times a source was connected again after "
+                                         "a loss", ["source"], registry=r)
+        self.source_windows = Counter("appliance_source_windows", "A feed's windows by outcome (run | dropped: the "
+                                      "model was busy | failed: the model refused it)", ["feed", "outcome"], registry=r)
+        self.source_windows_skipped = Counter("appliance_source_windows_skipped", "Windows not run because of the "
+                                              "data (bad, uncertain, type, missing, stale, gap)", ["source", "reason"],
+                                              registry=r)
+        self.source_delay = Histogram("appliance_source_delay_seconds", "From a window's last SourceTimestamp to its "
+                                      "result in the address space", ["feed"], registry=r,
+                                      buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                                               1, 2.5, 5, 10))
+        self.source_process_restarts = Counter("appliance_source_process_restarts", "Times the sources client process "
+                                               "was replaced", registry=r)
         self.gpu_present = gpu_present
         if gpu_present:
             self.gpu_temperature = Gauge("appliance_gpu_temperature_celsius", "GPU temperature", ["gpu"], registry=r)

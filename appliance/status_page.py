@@ -97,6 +97,9 @@ def _backend(backend: str) -> str:
     return f'<b>{html.escape(fmt)}</b><div class="muted">{html.escape(backend.partition(": ")[2])}</div>'
 
 
+SOURCE_CLASS = {"Connected": "ok", "Disabled": "muted", "Connecting": "warn", "BadData": "warn", "Refused": "bad"}
+
+
 def render(status: dict, history: StatusHistory) -> str:
     """The page for one status snapshot (appliance.daemon.Appliance.status_snapshot)."""
     e = html.escape
@@ -115,6 +118,12 @@ def render(status: dict, history: StatusHistory) -> str:
             f'<td>{worker}, {m["worker_restarts"]} restarts, heartbeat {m["heartbeat"]}</td></tr>')
     alarms = "".join(f'<li class="{"bad" if active else "ok"}">{e(name)}: {"active" if active else "clear"}</li>'
                      for name, active in status["alarms"].items())
+    sources = "".join(
+        f'<tr><td><b>{e(src["name"])}</b></td><td class="{SOURCE_CLASS.get(src["state"], "bad")}">{e(src["state"])}</td>'
+        f'<td>{src["samples"]}</td><td>{src["windows"]}</td><td>{src["skipped"]}</td><td>{src["reconnects"]}</td></tr>'
+        for src in status.get("sources", []))
+    sources_table = ("<h2>Sources</h2>\n<table><tr><th>source</th><th>state</th><th>samples</th><th>windows cut</th>"
+                     f"<th>windows skipped</th><th>reconnects</th></tr>\n{sources}\n</table>" if sources else "")
     eng = status["engine"]
     days = status["certificate_expiry_s"] / 86400
     cert_class = "bad" if days < 30 else "ok"
@@ -139,6 +148,7 @@ KV slots {eng["slots_in_use"]} of {eng["slots_total"]} in use ·
 <th>calls per second (15 min)</th><th>p99 latency (15 min)</th><th>worker</th></tr>
 {"".join(rows)}
 </table>
+{sources_table}
 <h2>Alarms</h2><ul>{alarms}</ul>
 <p class="muted">Read-only. Prometheus metrics at <a href="/metrics">/metrics</a>, readiness at
 <a href="/readyz">/readyz</a>.</p>

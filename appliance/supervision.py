@@ -35,6 +35,7 @@ class SupervisedFacts:
     audit_torn: Callable[[], bool]  # a torn last audit line was found at start
     cert_expiry_s: Callable[[], float]  # seconds until the server certificate expires
     ua: Callable[[], UaView | None]
+    sources: Callable[[], dict] = dict  # source name -> its latest sources.protocol.SourceStatus
 
 TICK_S = 1.0
 STALLED_AFTER_S = 2.5  # no tick for this long: supervision stopped (Heartbeat stops, WATCHDOG=1 too)
@@ -159,7 +160,17 @@ class Supervision:
             "certificate_expiry_s": self.facts.cert_expiry_s(),
             "calls": {st.name: float(st.request_count) for st in statuses},
             "latency_buckets": {m: sorted(b.items()) for m, b in buckets.items()},
+            "sources": [{"name": name, "state": st.state, "error": st.error, "samples": st.samples,
+                         "windows": st.windows, "skipped": sum(st.skipped.values()), "reconnects": st.reconnects}
+                        for name, st in self.facts.sources().items()],
         }
+
+    def sources_down(self) -> dict:
+        """/readyz's extra field: the sources that are not Connected (a source is the line's, not the appliance's:
+        it never makes the appliance not ready, but the JSON names it)."""
+        down = {name: f"{st.state}" + (f": {st.error}" if st.error else "")
+                for name, st in self.facts.sources().items() if st.state not in ("Connected", "Disabled")}
+        return {"sources_down": down} if down else {}
 
     def status_line(self) -> str:
         """One line for `systemctl status`: the appliance's state and each model's."""

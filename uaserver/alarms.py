@@ -20,7 +20,7 @@ from .methods import CallContext, MethodHandlers, MethodStatus, require_type
 log = logging.getLogger(__name__)
 V = ua.VariantType
 SEVERITY = {"EngineFault": 1000, "GpuCritical": 900, "ModelFailed": 800, "WorkerRestarting": 600, "GpuWarning": 600}
-CLASS_SEVERITY, DRIFT_SEVERITY, OTHER_SEVERITY = 700, 500, 700
+CLASS_SEVERITY, DRIFT_SEVERITY, OTHER_SEVERITY, SOURCE_SEVERITY = 700, 500, 700, 600
 AUDIT_EVENT = {"Acknowledge": "alarm_acknowledged", "AddComment": "alarm_commented", "Enable": "alarm_enabled",
                "Disable": "alarm_disabled"}
 
@@ -72,6 +72,11 @@ class Alarms:
             if name.startswith("Drift/"):
                 model = name.removeprefix("Drift/")
                 specs.append(ConditionSpec(name, DRIFT_SEVERITY, n.models[model].obj.nodeid, model, node.nodeid))
+            elif name.startswith("SourceFault/"):  # uaserver/sources.py: about the source's own object
+                source = name.removeprefix("SourceFault/")
+                specs.append(ConditionSpec(name, SOURCE_SEVERITY, ua.NodeId(f"Appliance/Sources/{source}",
+                                                                            node.nodeid.NamespaceIndex),
+                                           source, node.nodeid))
             else:
                 specs.append(ConditionSpec(name, SEVERITY.get(name, OTHER_SEVERITY), n.root.nodeid, "Appliance",
                                            node.nodeid))

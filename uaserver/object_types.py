@@ -13,6 +13,8 @@ UaModeler) import one interface and a PLC function block written for "a tensor m
         TensorMailboxType      Input Output [ClassIndex Label Confidence]
         GenerativeMailboxType  Prompt Text
       EngineType HealthType AdminType DriftType LastResultType
+      SourceType               State Endpoint SamplesReceived WindowsRun WindowsSkipped WindowsDropped Reconnects
+                               LastError (Sources/<name>: a server the appliance reads)
 
 NodeIds are strings in the appliance namespace, `Types/<TypeName>[/<Member>...]`, like the instances' (stable from
 one build to the next, so an exported file matches every appliance of the same configuration).
@@ -125,10 +127,15 @@ OBJECT_TYPES: tuple[ObjectTypeSpec, ...] = (
         description="a tensor model's mailbox"),
     ObjectTypeSpec("GenerativeMailboxType", "MailboxType", (var("Prompt", V.String), var("Text", V.String)),
                    description="a generative model's mailbox"),
+    ObjectTypeSpec("SourceType", "", (
+        var("State", V.String), var("Endpoint", V.String), var("SamplesReceived", V.UInt64), var("WindowsRun", V.UInt64),
+        var("WindowsSkipped", V.UInt64), var("WindowsDropped", V.UInt64), var("Reconnects", V.UInt32),
+        var("LastError", V.String)),
+        description="an OPC UA server the appliance reads as a client (YAML sources)"),
     ObjectTypeSpec("ApplianceType", "", (
         var("State", V.String), var("Device", V.String), var("Heartbeat", V.UInt32), obj("Models", FOLDER),
         obj("Engine", "EngineType"), obj("Health", "HealthType"), obj("Alarms", FOLDER), obj("Admin", "AdminType"),
-        obj("Mailboxes", FOLDER, OPTIONAL)), description="the inference appliance"),
+        obj("Mailboxes", FOLDER, OPTIONAL), obj("Sources", FOLDER, OPTIONAL)), description="the inference appliance"),
 )
 BY_NAME = {t.name: t for t in OBJECT_TYPES}
 

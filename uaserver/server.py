@@ -38,6 +38,7 @@ from .method_table import MethodSpec
 from .methods import MethodHandlers
 from .publishing import NO_GPU, Publisher, Sources
 from .server_configuration import ServerConfiguration
+from .sources import SourceObjects
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class ApplianceUaServer:
         self.conversations = Conversations(services, self.governance.all_models, self.governance.arms,
                                            config.engine.conversation_ttl_s, self.handlers.event)
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
+        self.sources = SourceObjects(config, services, self.governance, self.alarms,
+                                     config.engine.request_timeout_s, metrics)
+        self.sources.audit_event = self.handlers.event
         self.jobs = JobMethods(config, services, self.inference)
         self.mailboxes: Mailboxes | None = None
         self.ai = AiProperties(config)
@@ -139,6 +143,7 @@ class ApplianceUaServer:
         self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers)
         await self.mailboxes.build(self.nodes.root)
         await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()})
+        await self.sources.build(server, self.ns, self.nodes)
         await self.alarms.build(server, self.ns, self.nodes, self.handlers)
         await self.jobs.build_events(server, self.ns, self.nodes)
 
@@ -190,6 +195,7 @@ class ApplianceUaServer:
 
     async def stop(self) -> None:
         await self.publisher.stop()
+        await self.sources.stop()
         if self.server is None:
             return
         await self.jobs.store.cancel_all()

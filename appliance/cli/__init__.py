@@ -13,6 +13,7 @@ nothing prints a stack trace.
     plc_types.py  plc-types MODEL --format scl|plcopenxml
     nodeset.py    nodeset [--out FILE]: the information model as NodeSet2 XML
     audit.py      audit verify [FILE]
+    sources.py    sources list | test NAME | trust NAME [--yes THUMBPRINT] | passwd NAME
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import logging
 import sys
 
 from ..config import ConfigError
-from . import audit, call, certs, models, nodeset, plc_types, serve, users
+from . import audit, call, certs, models, nodeset, plc_types, serve, sources, users
 
-VERB_GROUPS = (serve, certs, users, call, models, plc_types, nodeset, audit)  # the order `appliance --help` lists them
+VERB_GROUPS = (serve, certs, users, call, models, sources, plc_types, nodeset, audit)  # the order `appliance --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,6 +39,8 @@ def check_config_main(path: str) -> int:
         count = len(e.errors)
         print(f"{path}: {count} problem{'s' if count != 1 else ''} found", file=sys.stderr)
         return 2
+    for warning in cfg.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     names = ", ".join(cfg.models)
     count = len(cfg.models)
     print(f"OK: {path} ({count} model{'s' if count != 1 else ''}: {names})")

@@ -17,6 +17,7 @@ from yaml.nodes import Node, SequenceNode
 from ..alarm_names import DAEMON_ALARMS
 from .builtin import BUILTIN_MODELS, resolve_builtin
 from .rules import normalize_thumbprint, resolve_path
+from .sources import FEED_PREFIX
 from .schema import GENERATIVE_ONLY, TENSOR_ONLY, UA_CHUNK_BODY, ApplianceConfig
 from .yaml_walk import Context, Fields, did_you_mean, key_path, shown
 
@@ -293,7 +294,7 @@ def check_alarm_sources(cfg: ApplianceConfig, ctx: Context) -> None:
     """A source that names a mailbox names one of this model's mailboxes."""
     for name, model in cfg.models.items():
         for source, value in model.alarm_sources.items():
-            if value.startswith(("user:", "x509:")):
+            if value.startswith(("user:", "x509:", FEED_PREFIX)):
                 continue
             box = cfg.mailboxes.get(value)
             if box is None or box.model != name:
@@ -305,7 +306,7 @@ def check_alarm_sources(cfg: ApplianceConfig, ctx: Context) -> None:
 
 # The Booleans the appliance itself puts under Objects/Appliance/Alarms (appliance/supervision.py's alarms(), and
 # the Drift folder of the models' drift alarms): a class label or a source may not take one of these BrowseNames.
-BUILTIN_ALARMS = (*DAEMON_ALARMS, "Drift")
+BUILTIN_ALARMS = (*DAEMON_ALARMS, "Drift", "SourceFault")  # SourceFault: the folder of the sources' alarms
 
 
 def check_alarm_names(cfg: ApplianceConfig, ctx: Context) -> None:

@@ -11,7 +11,8 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .checks import (check_alarm_names, check_alarm_sources, check_certificate_roles, check_fallbacks, check_mailboxes,
-                     check_max_samples, check_model, cross_check)
+                     check_max_samples, check_model, cross_check, onnx_sample_floats)
+from .sources import check_sources, parse_sources
 from .schema import MODEL_NAME, SECTIONS, TOP_KEYS, ApplianceConfig, MailboxConfig, ModelConfig, UserConfig
 from .yaml_walk import (
     ConfigError, Context, as_mapping, did_you_mean, key_path, mapping_items, parse_fields, shown,
@@ -107,15 +108,24 @@ def _build(root: Node | None, ctx: Context) -> ApplianceConfig:
     users = _parse_users(top.get("users"), ctx)
     models = _parse_models(top.get("models"), mapping, ctx)
     mailboxes = _parse_mailboxes(top.get("mailboxes"), ctx)
-    cfg = ApplianceConfig(users=users, models=models, mailboxes=mailboxes, source=ctx.source, **sections)
+    sources = parse_sources(top.get("sources"), ctx)
+    cfg = ApplianceConfig(users=users, models=models, mailboxes=mailboxes, sources=sources, source=ctx.source,
+                          **sections)
     cross_check(cfg, ctx)
     check_fallbacks(cfg, ctx)
     check_mailboxes(cfg, ctx)
+    cfg.warnings.extend(check_sources(cfg, ctx, _sample_floats))  # feeds become alarm sources: before those checks
     check_alarm_sources(cfg, ctx)
     check_alarm_names(cfg, ctx)
     check_max_samples(cfg, ctx)
     check_certificate_roles(cfg, ctx)
     return cfg
+
+
+def _sample_floats(model) -> int | None:
+    """The floats of one input of a model whose file says its shape (ONNX), else None (checked at load)."""
+    path = model.resolved_path
+    return onnx_sample_floats(path) if path is not None and path.suffix == ".onnx" and path.is_file() else None
 
 
 # ----------------------------------------------------------------------------------------------------------------

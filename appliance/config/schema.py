@@ -24,6 +24,7 @@ from .rules import (
     endpoint_check, integer, ip_check, is_host, listen_check, normalize_thumbprint, number, optional,
     password_hash_check, path_rule, required, resolve_path, setting, split_listen, subject_key, text, uri_check,
 )
+from .sources import SourceConfig
 from .yaml_walk import INVALID, Context, as_mapping, did_you_mean, key_path, mapping_items, parse_fields, shown
 
 ROLES = ("monitor", "operator", "engineer", "security_admin")
@@ -543,7 +544,9 @@ class ApplianceConfig:
     mailboxes: dict[str, MailboxConfig] = field(default_factory=dict)  # in file order
     audit: AuditConfig = field(default_factory=AuditConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sources: dict[str, SourceConfig] = field(default_factory=dict)  # OPC UA servers read as a client, in file order
     source: str = "<defaults>"
+    warnings: list[str] = field(default_factory=list)  # what check-config and the start warn about (file:line: key)
 
     def __post_init__(self) -> None:
         if self.audit.path is None:
@@ -557,5 +560,5 @@ class ApplianceConfig:
 SECTIONS = {"server": ServerConfig, "security": SecurityConfig, "engine": EngineConfig, "metrics": MetricsConfig,
              "watchdog": WatchdogConfig, "jobs": JobsConfig, "audit": AuditConfig,
              "logging": LoggingConfig}
-TOP_KEYS = ("server", "security", "users", "engine", "models", "mailboxes", "metrics", "watchdog", "jobs", "audit",
-             "logging")
+TOP_KEYS = ("server", "security", "users", "engine", "models", "mailboxes", "sources", "metrics", "watchdog", "jobs",
+            "audit", "logging")
