@@ -38,6 +38,7 @@ from .method_table import MethodSpec
 from .methods import MethodHandlers
 from .publishing import NO_GPU, Publisher, Sources
 from .server_configuration import ServerConfiguration
+from .tasks import TaskMethods
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class ApplianceUaServer:
                                            config.engine.conversation_ttl_s, self.handlers.event)
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
         self.jobs = JobMethods(config, services, self.inference)
+        self.tasks = TaskMethods(config, services, self.inference, self.jobs)
         self.mailboxes: Mailboxes | None = None
         self.ai = AiProperties(config)
         self.publisher = Publisher(services, Sources(health or (lambda: NO_GPU), supervision_alive or (lambda: True),
@@ -107,7 +109,7 @@ class ApplianceUaServer:
         """Every method of the models and Admin, from each feature's table."""
         return [*self.inference.method_specs(),
                 *self.conversations.method_specs(self.inference.generate_body),
-                *self.jobs.method_specs(), *self.governance.method_specs()]
+                *self.jobs.method_specs(), *self.tasks.method_specs(), *self.governance.method_specs()]
 
     # ---- lifecycle ----
 
@@ -132,13 +134,18 @@ class ApplianceUaServer:
         classifiers = self.alarms.classifiers
         self.nodes = await builder.build(self.device, self.services, tuple(self.publisher.sources.alarms()),
                                          {n: (c.labels, c.alarm_classes, c.sources) for n, c in classifiers.items()},
-                                         tuple(self.governance.drift), self.ai.values)
+                                         tuple(self.governance.drift), self.ai.values, self.tasks.tasks,
+                                         frozenset((b.model, b.task) for b in self.config.mailboxes.values()
+                                                   if b.task is not None))
         await builder.add_methods(self.nodes, self.method_specs(),
-                                  lambda spec: self.handlers.wrap(spec.name, spec.owner, spec.role, len(spec.inputs),
-                                                                  spec.body))
-        self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers)
+                                  lambda spec: self.handlers.wrap(spec.action, spec.owner, spec.role,
+                                                                  len(spec.inputs), spec.body))
+        self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers,
+                                           self.tasks)
         await self.mailboxes.build(self.nodes.root)
-        await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()})
+        await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()},
+                                     {n: (b.config.model, b.config.task) for n, b in self.mailboxes.boxes.items()
+                                      if b.task is not None})
         await self.alarms.build(server, self.ns, self.nodes, self.handlers)
         await self.jobs.build_events(server, self.ns, self.nodes)
 

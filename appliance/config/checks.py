@@ -286,7 +286,7 @@ def check_mailboxes(cfg: ApplianceConfig, ctx: Context) -> None:
             if model.kind == "tensor" and getattr(box, key) is not None:
                 ctx.error(ctx.nodes.get(f"{path}.{key}"), f"{path}.{key}", f"{key} applies to mailboxes of "
                           f"generative models only ('{box.model}' is a tensor model)")
-        if model.kind == "generative" and box.effective_max_tokens > cfg.engine.max_new_tokens:
+        if model.kind == "generative" and box.task is None and box.effective_max_tokens > cfg.engine.max_new_tokens:
             ctx.error(ctx.nodes.get(f"{path}.max_tokens") or ctx.nodes.get(path), f"{path}.max_tokens",
                       f"expected an integer <= engine.max_new_tokens ({cfg.engine.max_new_tokens}), got "
                       f"{box.effective_max_tokens}")
