@@ -338,3 +338,19 @@ def test_node_opcua_calls_the_task_by_its_types_method(app):
     fields = check_answer(sync)
     assert {k: values[k] for k in ("Severity", "StopLine", "Code", "Note")} == \
         {k: fields[k] for k in ("Severity", "StopLine", "Code", "Note")}
+
+
+def test_concurrent_plcs_all_get_valid_answers(app):
+    """Four PLCs at once (a session per call each): their answers are decoded in one batch, every one valid, each
+    the answer the same inputs get alone."""
+    cert, key = app.operator
+
+    async def one(i):
+        return await s7_call(app.endpoint, cert, key, "line3", PASSWORD, RUN_OBJECT, f"{RUN_OBJECT}/Run",
+                             triage_args(f"motor {i} hot", 1 + i, i % 2 == 0))
+
+    async def go():
+        return await asyncio.gather(*(one(i) for i in range(4)))
+    together = [check_answer(r) for r in run(go(), timeout=300)]
+    alone = [check_answer(run(one(i), timeout=120)) for i in range(4)]
+    assert together == alone

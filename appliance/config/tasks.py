@@ -169,7 +169,8 @@ class OutputRule:
         entries = _named_entries(node, ctx, path, "field name", self.expect)
         if entries is None:
             return INVALID
-        if not entries and path not in ctx.bad:
+        empty = (isinstance(node, ScalarNode) and ctx.scalar(node) is None) or not getattr(node, "value", None)
+        if empty and path not in ctx.bad:
             ctx.error(node, path, f"expected {self.expect}, got no field")
             return INVALID
         out: dict[str, TaskFieldConfig] = {}
