@@ -9,7 +9,7 @@ value is within the schema (Severity one of the enum, StopLine a Boolean, Reason
 FinishReason is stop. Any other outcome (a Bad status included) counts as invalid. Prints each 100 calls as they
 finish, then calls, invalid, wall time and calls/s.
 
-    .venv/bin/python bench/plc_tasks.py [--calls 1000] [--plcs 4]
+    .venv/bin/python bench/plc_tasks.py [--calls 1000] [--plcs 1] [--worker-timeout-s 5]
 """
 from __future__ import annotations
 
@@ -63,7 +63,9 @@ def invalid_reason(task, r) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000)
-    ap.add_argument("--plcs", type=int, default=4, help="PLCs calling at once (each a session per call)")
+    ap.add_argument("--plcs", type=int, default=1, help="PLCs calling at once (each a session per call)")
+    ap.add_argument("--worker-timeout-s", type=float, default=5.0,
+                    help="engine.worker_timeout_s (the default 5: a stalled engine step has its worker replaced)")
     args = ap.parse_args()
     import logging
     logging.getLogger("asyncua").setLevel(logging.ERROR)  # a line per session (certificate, timeout) otherwise
@@ -90,7 +92,8 @@ def main() -> None:
         UserStore(state).add(USER, "operator", PASSWORD)
         t0 = time.perf_counter()
         app = RunningAppliance(state, {MODEL: model_yaml},
-                               {"engine": {"kv_slots": max(4, args.plcs), "compile": "off"}})
+                               {"engine": {"kv_slots": max(4, args.plcs), "compile": "off",
+                                           "worker_timeout_s": args.worker_timeout_s}})
         print(f"appliance Ready in {time.perf_counter() - t0:.1f} s (demo task {TASK} on builtin:smollm2)",
               flush=True)
         cert, key = app.issue("plc-bench", "operator")
@@ -133,6 +136,8 @@ def main() -> None:
                   f"p99 {latencies[int(len(latencies) * 0.99) - 1] * 1000:.0f} ms", flush=True)
             for line in invalid[:20]:
                 print("  " + line)
+            restarts = app.app.services[MODEL].status().worker_restarts
+            print(f"worker restarts during the run: {restarts} (engine.worker_timeout_s {args.worker_timeout_s:g})")
         finally:
             app.stop()
     sys.exit(1 if invalid else 0)
