@@ -143,6 +143,7 @@ def test_bad_input_gets_the_contracts_codes(app):
                 "out of range": await call_method(c, parent, method, triage_args(line=10)),
                 "missing": await call_method(c, parent, method, triage_args()[:2]),
                 "too many": await call_method(c, parent, method, triage_args() + [ua.Variant(1, V.Int32)]),
+                "control character": await call_method(c, parent, method, triage_args("bell \x07 rings")),
                 "wrong type": await call_method(c, parent, method, [ua.Variant("a", V.String),
                                                                     ua.Variant(3.0, V.Double),
                                                                     ua.Variant(True, V.Boolean)]),
@@ -161,6 +162,8 @@ def test_bad_input_gets_the_contracts_codes(app):
     assert arg_statuses(r["out of range"]) == ["Good", "BadOutOfRange", "Good"]
     assert status_name(r["missing"]) == "BadArgumentsMissing"
     assert status_name(r["too many"]) == "BadTooManyArguments"
+    assert status_name(r["control character"]) == "BadInvalidArgument"
+    assert arg_statuses(r["control character"]) == ["BadInvalidArgument", "Good", "Good"]
     assert status_name(r["wrong type"]) == "BadInvalidArgument"
     assert arg_statuses(r["wrong type"]) == ["Good", "BadTypeMismatch", "Good"]
     assert status_name(r["model object"]) == "BadMethodInvalid"
@@ -354,3 +357,28 @@ def test_concurrent_plcs_all_get_valid_answers(app):
     together = [check_answer(r) for r in run(go(), timeout=300)]
     alone = [check_answer(run(one(i), timeout=120)) for i in range(4)]
     assert together == alone
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+def test_the_nodeset_export_carries_the_task_types_and_their_arguments(app, tmp_path):
+    """`appliance nodeset` writes the task's ObjectType with Run's typed arguments and the task object; node-opcua
+    loads the file and reads them back."""
+    from appliance.cli import main
+    out = tmp_path / "appliance.xml"
+    assert main(["nodeset", "--config", str(app.config_path), "--out", str(out)]) == 0
+    proc = subprocess.run(["node", str(ROOT / "tests" / "node" / "nodeset.js"), "load", str(out)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    nodes = {n["nodeId"]: n for n in json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+             ["nodes"]}
+    run_ = nodes["s=Types/chat.triage.TaskType/Run"]
+    assert [a["name"] for a in run_["inputArguments"]] == ["AlarmText", "Line", "Critical"]
+    assert [a["name"] for a in run_["outputArguments"]] == ["Severity", "StopLine", "Code", "Note", "FinishReason",
+                                                            "ModelVersion"]
+    assert [a["dataType"] for a in run_["outputArguments"]] == ["ns=0;i=12", "ns=0;i=1", "ns=0;i=6", "ns=0;i=12",
+                                                                "ns=0;i=12", "ns=0;i=12"]
+    assert nodes["s=Types/chat.triage.TaskType"]["subtypeOf"].endswith("s=Types/TaskType")
+    assert nodes["s=Appliance/Models/chat/Tasks/triage"]["typeDefinition"].endswith("s=Types/chat.triage.TaskType")
+    assert "s=Appliance/Models/chat/Tasks/triage/Run" in nodes and "s=Types/GenerativeModelType/Choose" in nodes
+    assert nodes["s=Appliance/Mailboxes/triage-hmi"]["typeDefinition"].endswith("s=Types/chat.triage.MailboxType")
+

@@ -31,6 +31,7 @@ from appliance.config.tasks import TaskConfig
 from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, EngineFailure, InvalidArgument
 from appliance.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS, GenerateResult, GenerativeModel
 from appliance.task_answers import AnswerIncomplete, AnswerInvalid, read_answer, schema_text
+from models.tokenizer import PromptRejected, normalize_prompt
 
 from .inference import Inference
 from .method_table import (CHOOSE_IN, CHOOSE_OUT, GET_RESULT_IN, START_OUT, MethodSpec, get_task_result_outputs,
@@ -59,6 +60,11 @@ def task_values(task: TaskConfig, args: tuple) -> dict:
             if len(value) > cfg.effective_max_length:
                 raise InvalidArgument(f"{name} holds {len(value)} characters; at most {cfg.effective_max_length} "
                                       "are allowed", i, OUT_OF_RANGE)
+            try:  # the prompt's own rule (control characters, bidi overrides), marked on this argument
+                normalize_prompt(value)
+            except PromptRejected as e:
+                raise InvalidArgument(f"{name}: {str(e).replace('the prompt holds', 'it holds')}", i, INVALID) \
+                    from None
         elif cfg.type in ("Int32", "Double"):
             if cfg.type == "Double" and not math.isfinite(value):
                 raise InvalidArgument(f"{name} is not finite", i, OUT_OF_RANGE)
