@@ -382,3 +382,33 @@ def test_the_nodeset_export_carries_the_task_types_and_their_arguments(app, tmp_
     assert "s=Appliance/Models/chat/Tasks/triage/Run" in nodes and "s=Types/GenerativeModelType/Choose" in nodes
     assert nodes["s=Appliance/Mailboxes/triage-hmi"]["typeDefinition"].endswith("s=Types/chat.triage.MailboxType")
 
+
+
+def test_tasks_and_choose_count_against_the_rate_limits(tmp_path):
+    """The same rate limits as Generate: over the caller's budget a task's Run and Choose answer
+    BadTooManyOperations at once."""
+    make_model_dir(tmp_path / "model", seed=3)
+    a = RunningAppliance(tmp_path / "state", {"chat": {"kind": "generative", "path": str(tmp_path / "model"),
+                                                       "max_text_chars": 400, "tasks": {"tight": TIGHT}}},
+                         {"engine": {"kv_slots": 2, "max_seq_len": 256, "max_new_tokens": 32},
+                          "security": {"rate_limits": {"per_client": {"calls_per_s": 0.01, "burst": 2}}}})
+    try:
+        cert = a.issue("plc1", "operator")
+
+        async def go():
+            async with session(a, *cert) as c:
+                ns = await c.get_namespace_index("urn:opcua-inference-appliance")
+                from appliance.client import call_method
+                path = "Appliance/Models/chat/Tasks/tight"
+                obj, method = c.get_node(ua.NodeId(path, ns)), c.get_node(ua.NodeId(f"{path}/Run", ns))
+                arg = [ua.Variant("pressure high", V.String)]
+                first = [status_name(await call_method(c, obj, method, arg)) for _ in range(2)]
+                over = status_name(await call_method(c, obj, method, arg))
+                choose = status_name(await call(c, "chat", "Choose", [ua.Variant("Is it?", V.String),
+                                                                      ua.Variant(["yes", "no"], V.String)]))
+                return first, over, choose
+        first, over, choose = run(go())
+        assert first == ["BadNoDataAvailable"] * 2  # within the budget: the engine answered (max_tokens 1)
+        assert over == "BadTooManyOperations" and choose == "BadTooManyOperations"
+    finally:
+        a.stop()
