@@ -173,7 +173,8 @@ def scl_source(model: ModelConfig, choose_options: int = CHOOSE_OPTIONS) -> str:
            "// `appliance plc-types`. Import in TIA Portal: External source files > Add new external file >",
            "// Generate blocks from source. Member names, order and types match the methods' arguments exactly.",
            "// Arrays hold one sample (InputShape x 1); strings are WSTRING of the lengths shown. Choose's Options",
-           f"// and Scores hold {choose_options} entries (`--choose-options N`): pass exactly that many non-empty options.",
+           f"// and Scores hold {choose_options} entries (`--choose-options N`): pass exactly that many non-empty",
+           "// options.",
            "// A task's UDTs (<model>_<task>_Run_In / _Out) hold its inputs and its output fields, typed as in the",
            "// YAML; a Good answer fills every field, a Bad MethodResult (e.g. 16#80B10000 BadNoDataAvailable: no",
            "// complete answer within the task's max_tokens) leaves Results as they were.", ""]

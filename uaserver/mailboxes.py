@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from appliance.audit import DigestOf
 from appliance.config import MailboxConfig
+from appliance.task_answers import ZERO as TASK_ZERO
 
 from .asyncua_internals import ApplianceSession, write_together
 from .methods import CallContext, require_ready
@@ -308,13 +309,13 @@ class Mailboxes:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-_TYPES = {"FinishReason": V.String, "Input": V.Float, "Prompt": V.String, "Request": V.UInt32, "Busy": V.Boolean, "Done": V.Boolean,
+_TYPES = {"FinishReason": V.String, "Input": V.Float, "Prompt": V.String, "Request": V.UInt32, "Busy": V.Boolean,
+          "Done": V.Boolean,
           "Error": V.Boolean, "ErrorCode": V.UInt32, "Response": V.UInt32, "Output": V.Float, "Text": V.String,
           "ModelVersion": V.String, "ClassIndex": V.Int32, "Label": V.String, "Confidence": V.Float}
 
 
-_EMPTY = {"tensor": [], "generative": ""}
-TASK_ZERO = {"String": "", "enum": "", "Int32": 0, "Double": 0.0, "Boolean": False}  # Output / Text of a failed request
+_EMPTY = {"tensor": [], "generative": ""}  # Output / Text of a failed request
 
 
 def _infer_body(inference: "Inference", svc, box: MailboxConfig):

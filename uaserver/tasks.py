@@ -28,20 +28,18 @@ from asyncua import ua
 from appliance.audit import DigestOf
 from appliance.call_checks import check_generate
 from appliance.config.tasks import TaskConfig
-from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, EngineFailure, InvalidArgument
+from appliance.errors import INVALID, OUT_OF_RANGE, EngineFailure, InvalidArgument
 from appliance.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS, GenerateResult, GenerativeModel
-from appliance.task_answers import AnswerIncomplete, AnswerInvalid, read_answer, schema_text
+from appliance.task_answers import ZERO, AnswerIncomplete, AnswerInvalid, read_answer, schema_text
 from models.tokenizer import PromptRejected, normalize_prompt
 
 from .inference import Inference
-from .method_table import (CHOOSE_IN, CHOOSE_OUT, GET_RESULT_IN, START_OUT, MethodSpec, get_task_result_outputs,
-                           task_inputs, task_outputs)
+from .method_table import (CHOOSE_IN, CHOOSE_OUT, GET_RESULT_IN, START_OUT, TASK_TYPES, MethodSpec,
+                           get_task_result_outputs, task_inputs, task_outputs)
 from .methods import CallContext, MethodStatus, caller_identity, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
-UA_TYPE = {"String": V.String, "enum": V.String, "Int32": V.Int32, "Double": V.Double, "Boolean": V.Boolean}
-ZERO = {"String": "", "enum": "", "Int32": 0, "Double": 0.0, "Boolean": False}
 JOB_ANSWER_GRACE_S = 10.0  # past a task job's bound, how long the engine has to answer
 
 
@@ -50,7 +48,7 @@ def task_values(task: TaskConfig, args: tuple) -> dict:
     values = {}
     for i, (name, cfg) in enumerate(task.inputs.items()):
         arg = args[i]
-        value = require_type(arg, i, (UA_TYPE[cfg.type],), array=False)
+        value = require_type(arg, i, (TASK_TYPES[cfg.type],), array=False)
         if cfg.type == "String":
             value = value or ""
             try:
@@ -79,7 +77,7 @@ def answer_outputs(task: TaskConfig, fields: dict | None, finish_reason: str, ve
     out = []
     for name, f in task.output.items():
         value = fields[name] if fields is not None else ZERO[f.type]
-        out.append(ua.Variant(value, UA_TYPE[f.type]))
+        out.append(ua.Variant(value, TASK_TYPES[f.type]))
     return [*out, ua.Variant(finish_reason, V.String), ua.Variant(version, V.String)]
 
 
@@ -98,7 +96,6 @@ class TaskMethods:
         self.jobs = jobs  # job_methods.JobMethods: its store keeps task jobs beside the model's other jobs
         self.tasks = {name: m.tasks for name, m in config.models.items() if m.kind == "generative" and m.tasks}
         self.schemas = {(model, t): schema_text(task) for model, ts in self.tasks.items() for t, task in ts.items()}
-        self.invalid_answers = 0  # answers that broke their schema (never expected: the grammar forbids them)
 
     def method_specs(self) -> list[MethodSpec]:
         specs = []
@@ -138,8 +135,7 @@ class TaskMethods:
             raise AnswerIncomplete(ctx.status_text)
         try:
             return read_answer(task, r.text), r
-        except AnswerInvalid as e:
-            self.invalid_answers += 1
+        except AnswerInvalid as e:  # BadInternalError, counted in appliance_requests_total with that status
             log.error("task %s of %s: the engine's answer broke the schema: %s", task.name, model.name, e)
             raise
 
