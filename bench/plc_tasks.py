@@ -121,6 +121,7 @@ def main() -> None:
                     latencies.append(time.perf_counter() - t)
                     if why:
                         invalid.append(f"call {i}: {why}")
+                        print(f"invalid: call {i}: {why} ({time.perf_counter() - t:.1f} s)", flush=True)
                     done += 1
                     if done % 100 == 0:
                         print(f"{done} calls, {len(invalid)} invalid, {time.perf_counter() - started:.1f} s",
