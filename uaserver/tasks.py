@@ -164,9 +164,10 @@ class TaskMethods:
             handlers = self.inference.handlers
             job_id = handlers.uint32(args[0], 0)
             wait_ms = handlers.uint32(args[1], 1)
-            job = await self.jobs.store.wait(caller_identity(ctx.session), svc.name, job_id, wait_ms / 1000.0)
-            if job.kind != task_job_kind(task.name):  # another task's or a Generate job: not this task's
-                raise MethodStatus("BadNotFound")
+            owner = caller_identity(ctx.session)
+            if self.jobs.store.get(owner, svc.name, job_id).kind != task_job_kind(task.name):
+                raise MethodStatus("BadNotFound")  # another task's or a Generate job: not this task's (no wait)
+            job = await self.jobs.store.wait(owner, svc.name, job_id, wait_ms / 1000.0)
             if isinstance(job.error, InvalidArgument):
                 raise MethodStatus("BadInvalidArgument")
             if job.error is not None:
