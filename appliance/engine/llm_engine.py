@@ -71,6 +71,11 @@ class EngineLoop:
         """Evicted conversations held in host memory until their session's next call."""
         return self._conversations_parked
 
+    def step_counts(self) -> tuple[int, float, int]:
+        """(engine steps run, seconds spent on token masks, rows masked) since the weights loaded (benchmarks)."""
+        runner = getattr(self, "_runner", None)
+        return (runner.steps, runner.mask_seconds, runner.mask_rows) if runner is not None else (0, 0.0, 0)
+
     def submit(self, seq: Sequence) -> None:
         """Queue a request; seq.handle (a Reply) gets its GenerateResult or error."""
         self._commands.put(("submit", seq))

@@ -34,12 +34,17 @@ class ModelRunner:
         self.prefixes: dict[tuple[int, ...], torch.Tensor] = {}  # shared heads' KV (keys: prefix_index)
         self.parked: dict[str, torch.Tensor] = {}  # parked conversations' KV by session (slots.SlotMove)
         self._masks: MaskFiller | None = None  # built at the first constrained row
-        self.mask_seconds = 0.0  # time spent computing and applying token masks (bench/tasks.py reads it)
-        self.mask_rows = 0  # rows masked
+        # Read by bench/tasks.py (EngineLoop.step_counts): forwards run, time spent computing and applying token
+        # masks, rows masked
+        self.steps = 0
+        self.mask_seconds = 0.0
+        self.mask_rows = 0
 
     def run(self, plan: StepPlan) -> dict[int, int]:
         """request_id -> sampled token, for every decode row and every prefill chunk that completes its prompt."""
         sampled: dict[int, int] = {}
+        if plan.prefill or plan.decode:
+            self.steps += 1
         kv = self.cache.kv  # (2, layers, slots, kv_heads, positions, head_dim)
         for move in plan.slot_moves:  # in order: a slot's old owner is parked before a new one is restored in it
             if move.kind == "park":
