@@ -22,6 +22,7 @@ llama.cpp comes from bench/.llama-cpp/native (scripts/setup-bench.sh), as in ben
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import asyncio
 import json
 import os
@@ -125,7 +126,7 @@ def grammar_engines(model: Path, repeats: int) -> None:
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.tokenizer)
     t0 = time.perf_counter()
     info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=sorted(tok.eos_token_ids))
-    print(f"xgrammar {xgrammar.__version__}: tokenizer {time.perf_counter() - t0:.2f} s")
+    print(f"xgrammar {importlib.metadata.version('xgrammar')}: tokenizer {time.perf_counter() - t0:.2f} s")
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     t0 = time.perf_counter()
     compiled = compiler.compile_json_schema(text, any_whitespace=False, separators=(",", ":"))
