@@ -101,6 +101,15 @@ def test_max_tokens_before_the_document_ends_says_length(demo):
     assert seq.finish_reason is FinishReason.LENGTH and len(seq.generated) == 8  # 30 characters need more
 
 
+def test_a_forced_document_longer_than_max_tokens_says_length(demo):
+    whole = json.dumps({"enum": ["the pump is running at nominal speed on line four"]})  # every token forced
+    (short,), _ = decode_all(demo, [("State the pump.", whole)], jump_forward=True, max_tokens=3)
+    assert short.finish_reason is FinishReason.LENGTH
+    (room,), _ = decode_all(demo, [("State the pump.", whole)], jump_forward=True, max_tokens=40)
+    assert room.finish_reason is FinishReason.STOP
+    assert json.loads(room.text) == "the pump is running at nominal speed on line four"
+
+
 def test_a_schema_the_engine_cannot_compile_is_an_invalid_argument(demo):
     w, _model = demo
     book = GrammarBook(w.tokenizer, w.config.vocab_size, {2})

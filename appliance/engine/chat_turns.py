@@ -39,7 +39,9 @@ class ChatTurns:
         seq.shared_prefix = head if not slot.tokens else 0  # only a first turn starts with the shared head
         slot.tokens.extend(ids)
         if seq.constraint is not None and self.jump_forward:  # the document's forced opening, prefilled with the
-            forced = seq.constraint.forced()[:max(0, seq.max_tokens - 1)]  # prompt (at least one token sampled)
+            forced = seq.constraint.forced()                      # prompt (at least one token sampled after it)
+            if len(forced) > seq.max_tokens - 1:
+                forced, seq.constraint.cut = forced[:max(0, seq.max_tokens - 1)], True
             seq.generated.extend(forced)
             slot.tokens.extend(forced)
             seq.text = self.tokenizer.decode(seq.generated)
@@ -47,7 +49,7 @@ class ChatTurns:
     def accept(self, seq: Sequence, slot: Slot, token: int) -> FinishReason | None:
         constraint = seq.constraint
         if token in self.eos_ids and (constraint is None or constraint.accepting):
-            return FinishReason.STOP
+            return FinishReason.LENGTH if constraint is not None and constraint.cut else FinishReason.STOP
         tokens = [token]
         if constraint is not None:
             if not constraint.consume(token):  # the mask allowed it, so this is a bug: never a Good answer
@@ -64,7 +66,7 @@ class ChatTurns:
         seq.generated.extend(tokens)
         slot.tokens.extend(tokens)
         seq.text = text
-        if cut:  # forced tokens past MaxTokens: the document is not whole
+        if cut or (constraint is not None and constraint.cut):  # forced tokens past MaxTokens: not whole
             return FinishReason.LENGTH
         if constraint is not None and constraint.complete:
             return FinishReason.STOP

@@ -29,10 +29,11 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 class Constraint:
     """One sequence's matcher: what it may sample next, what is forced, whether the document is complete."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "cut")
 
     def __init__(self, matcher: llguidance.LLMatcher):
         self.matcher = matcher
+        self.cut = False  # forced tokens the reply had no room for (MaxTokens): the document can never be whole
 
     def consume(self, token: int) -> bool:
         """Take a sampled token; False if the grammar refuses it (then the matcher is in its error state)."""
@@ -49,7 +50,7 @@ class Constraint:
     @property
     def complete(self) -> bool:
         """The document is whole and nothing may follow it (but the end of the turn)."""
-        return self.matcher.is_stopped() and not self.matcher.is_error()
+        return self.matcher.is_stopped() and not self.matcher.is_error() and not self.cut
 
     @property
     def accepting(self) -> bool:
