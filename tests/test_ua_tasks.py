@@ -412,3 +412,32 @@ def test_tasks_and_choose_count_against_the_rate_limits(tmp_path):
         assert over == "BadTooManyOperations" and choose == "BadTooManyOperations"
     finally:
         a.stop()
+
+
+def test_a_task_is_answered_by_the_callers_variant(tmp_path):
+    """Routed like Generate: with an A/B variant serving every caller, the task's answer (and Choose's) comes from
+    the variant's weights, and ModelVersion says so."""
+    make_model_dir(tmp_path / "main", seed=3)
+    make_model_dir(tmp_path / "b", seed=4)
+    a = RunningAppliance(tmp_path / "state", {"chat": {
+        "kind": "generative", "path": str(tmp_path / "main"), "version": "main-1", "max_text_chars": 400,
+        "tasks": {"tight": TIGHT, "triage": TRIAGE}, "variants": {"b": {"path": str(tmp_path / "b"), "weight": 100,
+                                                                       "version": "b-1"}}}},
+        {"engine": {"kv_slots": 2, "max_seq_len": 256, "max_new_tokens": 96}})
+    try:
+        cert = a.issue("plc1", "operator")
+
+        async def go():
+            async with session(a, *cert) as c:
+                ns = await c.get_namespace_index("urn:opcua-inference-appliance")
+                from appliance.client import call_method
+                r = await call_method(c, c.get_node(ua.NodeId(RUN_OBJECT, ns)),
+                                      c.get_node(ua.NodeId(f"{RUN_OBJECT}/Run", ns)), triage_args())
+                chosen = await call(c, "chat", "Choose", [ua.Variant("Is it?", V.String),
+                                                          ua.Variant(["yes", "no"], V.String)])
+                return r, chosen
+        r, chosen = run(go(), timeout=300)
+        assert check_answer(r)["ModelVersion"] == "b-1"
+        assert status_name(chosen) == "Good" and chosen.OutputArguments[3].Value == "b-1"
+    finally:
+        a.stop()
