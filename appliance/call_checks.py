@@ -58,3 +58,27 @@ def check_generate(prompt, max_tokens, temperature, max_new_tokens: int, first: 
         return normalize_prompt(prompt)
     except PromptRejected as e:
         raise InvalidArgument(str(e), first, INVALID) from None
+
+
+def check_options(options, first: int = 1) -> list[str]:
+    """Choose's options as they will be tokenized (NFKC, LF line ends): 1 to CHOOSE_MAX_OPTIONS strings, each
+    non-empty and at most CHOOSE_MAX_OPTION_CHARS characters, or InvalidArgument marking Options (argument
+    `first`)."""
+    from appliance.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS
+    from models.tokenizer import PromptRejected, normalize_prompt
+    if isinstance(options, str) or not isinstance(options, (list, tuple)):
+        raise InvalidArgument("Options must be an array of String", first, TYPE_MISMATCH)
+    if not 1 <= len(options) <= CHOOSE_MAX_OPTIONS:
+        raise InvalidArgument(f"Options must hold 1 to {CHOOSE_MAX_OPTIONS} strings", first, OUT_OF_RANGE)
+    out = []
+    for i, option in enumerate(options):
+        if not isinstance(option, str) or not option:
+            raise InvalidArgument(f"Options[{i}] must be a non-empty string", first, INVALID)
+        if len(option) > CHOOSE_MAX_OPTION_CHARS:
+            raise InvalidArgument(f"Options[{i}] is {len(option)} characters; at most {CHOOSE_MAX_OPTION_CHARS} "
+                                  "are allowed", first, OUT_OF_RANGE)
+        try:
+            out.append(normalize_prompt(option))
+        except PromptRejected as e:
+            raise InvalidArgument(f"Options[{i}]: {e}", first, INVALID) from None
+    return out

@@ -14,6 +14,10 @@ import numpy as np
 # engine keeps these in the state directory, so they outlive a worker and the appliance.
 CONVERSATION_PREFIX = "conv:"
 
+# Choose's limits, checked by the UA handler (the contract's codes) and again by the engine (InvalidArgument).
+CHOOSE_MAX_OPTIONS = 16
+CHOOSE_MAX_OPTION_CHARS = 256
+
 
 @dataclass(frozen=True)
 class ModelStatus:
@@ -56,6 +60,13 @@ class GenerateResult:
     model_version: str
 
 
+@dataclass(frozen=True)
+class ChooseResult:
+    index: int  # argmax of scores (the first on ties)
+    scores: list[float]  # per option: the sum of its tokens' natural-log probabilities after the prompt
+    model_version: str
+
+
 @runtime_checkable
 class ServedModel(Protocol):
     name: str
@@ -85,10 +96,22 @@ class TensorModel(ServedModel, Protocol):
 class GenerativeModel(ServedModel, Protocol):
     async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
                        deadline: float, on_progress: Callable[[str, int], None] | None = None,
-                       finish_by: float | None = None) -> GenerateResult:
+                       finish_by: float | None = None, grammar: str | None = None) -> GenerateResult:
         """on_progress(text so far, tokens so far) as the reply grows; session: the KV slot's key (a UA session,
-        or a conversation of an identity); finish_by: a job's bound, where the reply ends as it is (FinishReason
-        `deadline`)."""
+        or a conversation of an identity), or "" for a one-shot turn (no history, no slot kept after the call);
+        finish_by: a job's bound, where the reply ends as it is (FinishReason `deadline`).
+
+        grammar: a JSON Schema document (JSON text) the reply must match: the reply's text is then one JSON
+        document valid under it, decoded under the schema's token mask with forced stretches fed as prefill
+        (jump-forward). finish_reason "stop" means the document is complete; any other (length, context_full,
+        deadline) means it is not, and no part of it is a valid answer. A schema the grammar engine cannot compile
+        raises appliance.errors.InvalidArgument (BadInvalidArgument)."""
+
+    async def choose(self, prompt: str, options: list[str], deadline: float) -> ChooseResult:
+        """Score each option as the assistant's whole reply to `prompt` (one user turn, no conversation): the sum
+        of its tokens' log-probabilities, all options in batched forwards over the prompt's cache; deterministic.
+        1 <= len(options) <= CHOOSE_MAX_OPTIONS, each non-empty and at most CHOOSE_MAX_OPTION_CHARS characters,
+        else appliance.errors.InvalidArgument (BadInvalidArgument) naming the option's index."""
 
     async def reset(self, session: str) -> None:
         """Forget the session's conversation and give its slot back."""

@@ -150,7 +150,7 @@ async def export_nodeset(config: ApplianceConfig, out: Path) -> int:
     await appliance.build_address_space(server)
     for name, declared in services.items():  # what the configuration determines, as the running box shows it
         await describe_declared(server, appliance.ns, name, declared)
-    nodes = await appliance_nodes(server, appliance.ns)
+    nodes = await appliance_nodes(server, appliance.ns, list(appliance.nodes.types.values()))
     exporter = XmlExporter(server, export_values=True)
     await exporter.build_etree(nodes)
     root = exporter.etree.getroot()
@@ -177,11 +177,14 @@ async def describe_declared(server: Server, ns: int, name: str, declared: Declar
         await server.get_node(ua.NodeId(f"Appliance/Models/{name}/{key}", ns)).write_value(value)
 
 
-async def appliance_nodes(server: Server, ns: int) -> list:
+async def appliance_nodes(server: Server, ns: int, type_ids: list | None = None) -> list:
     """The appliance namespace's types and Objects/Appliance, with everything below them in that namespace
     (following hierarchical references down: components, properties, method arguments); the Part 9 condition
-    instances on the Server object are runtime state and stay out."""
-    roots = [server.get_node(ua.NodeId(type_path(t.name), ns)) for t in OBJECT_TYPES]
+    instances on the Server object are runtime state and stay out. type_ids: every ObjectType built (the
+    configuration's task types with the fixed ones); default: the fixed ones."""
+    if type_ids is None:
+        type_ids = [ua.NodeId(type_path(t.name), ns) for t in OBJECT_TYPES]
+    roots = [server.get_node(type_id) for type_id in type_ids]
     roots += [ref for ref in await server.get_node(ua.ObjectIds.BaseEventType).get_children(
         refs=ua.ObjectIds.HasSubtype) if ref.nodeid.NamespaceIndex == ns]  # JobResultReadyEventType
     roots.append(server.get_node(ua.NodeId("Appliance", ns)))

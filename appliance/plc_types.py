@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from uaserver.object_types import declared_methods, model_type
+from uaserver.object_types import declared_methods, model_type, task_type
 
 from . import NAMESPACE_URI
 from .config import ModelConfig
@@ -28,6 +28,8 @@ VERSION_CHARS = 64  # a version label is at most 64 characters (config rule)
 LABEL_CHARS = 64  # a label is at most 64 characters (config rule)
 CONVERSATION_ID_CHARS = 64  # the contract: 1-64 printable ASCII
 FINISH_REASON_CHARS = 16  # stop | length | context_full
+CHOOSE_OPTIONS = 4  # Choose's Options and Scores in a PLC's UDT: a fixed array (`--choose-options N`)
+CHOOSE_OPTION_CHARS = 256  # the contract: an option holds at most 256 characters
 
 
 class PlcTypesError(Exception):
@@ -49,6 +51,12 @@ class Method:
     name: str
     inputs: tuple[Arg, ...]
     outputs: tuple[Arg, ...]
+    task: str = ""  # a task's method: on the object Models/<model>/Tasks/<task>, declared on the task's own type
+
+    @property
+    def udt_stem(self) -> str:
+        """The method's part of its UDT names: Generate, or alarm_triage_Run for a task's Run."""
+        return f"{type_prefix(self.task)}_{self.name}" if self.task else self.name
 
 
 def onnx_shapes(path: Path) -> tuple[list[int], list[int]]:
@@ -74,8 +82,27 @@ def onnx_shapes(path: Path) -> tuple[list[int], list[int]]:
     return sample_shape(inputs[0], "input"), sample_shape(graph.output[0], "output")
 
 
-def model_methods(model: ModelConfig) -> list[Method]:
-    """The contract's methods of one model with every array and string sized (CONTRACT.md, Address space)."""
+def task_methods(task) -> list[Method]:
+    """Run, StartTask and GetTaskResult of one task: its inputs and fields, strings sized by their max_length (an
+    enum by its longest value)."""
+    inputs = tuple(Arg(n, "String" if c.type == "String" else c.type,
+                       chars=c.effective_max_length if c.type == "String" else None)
+                   for n, c in task.inputs.items())
+    fields = tuple(Arg(n, "String" if f.type in ("String", "enum") else f.type,
+                       chars=(f.effective_max_length if f.type == "String" else max(len(v) for v in f.values))
+                       if f.type in ("String", "enum") else None)
+                   for n, f in task.output.items())
+    answer = fields + (Arg("FinishReason", "String", chars=FINISH_REASON_CHARS),
+                       Arg("ModelVersion", "String", chars=VERSION_CHARS))
+    return [Method("Run", inputs, answer, task.name),
+            Method("StartTask", inputs, (Arg("JobId", "UInt32"),), task.name),
+            Method("GetTaskResult", (Arg("JobId", "UInt32"), Arg("WaitMs", "UInt32")),
+                   (Arg("Done", "Boolean"),) + answer, task.name)]
+
+
+def model_methods(model: ModelConfig, choose_options: int = CHOOSE_OPTIONS) -> list[Method]:
+    """The contract's methods of one model with every array and string sized (CONTRACT.md, Address space);
+    choose_options: how many options the PLC passes to Choose (its Options and Scores arrays)."""
     version = Arg("ModelVersion", "String", chars=VERSION_CHARS)
     job_id = Arg("JobId", "UInt32")
     jobs_end = [Method("CancelJob", (job_id,), ()), Method("ReleaseJob", (job_id,), ())]
@@ -112,7 +139,11 @@ def model_methods(model: ModelConfig) -> list[Method]:
         Method("ResetContext", (), ()),
         Method("StartGenerate", (conversation,) + prompt_args, (job_id,)),
         Method("GetGenerateResult", (job_id, Arg("WaitMs", "UInt32")), (Arg("Done", "Boolean"),) + answer),
-    ] + jobs_end
+        Method("Choose", (Arg("Prompt", "String", chars=text_chars),
+                          Arg("Options", "String", array=choose_options, chars=CHOOSE_OPTION_CHARS)),
+               (Arg("Index", "Int32"), Arg("Option", "String", chars=CHOOSE_OPTION_CHARS),
+                Arg("Scores", "Float", array=choose_options), version)),
+    ] + jobs_end + [m for task in model.tasks.values() for m in task_methods(task)]
 
 
 def type_prefix(model_name: str) -> str:
@@ -121,6 +152,7 @@ def type_prefix(model_name: str) -> str:
 
 
 def udt_name(model_name: str, method: str, direction: str) -> str:
+    """method: Method.udt_stem (a task's methods carry the task's name)."""
     return f"{type_prefix(model_name)}_{method}_{direction}"
 
 
@@ -133,40 +165,48 @@ def scl_type(arg: Arg) -> str:
 # TIA Portal SCL source
 
 
-def scl_source(model: ModelConfig) -> str:
+def scl_source(model: ModelConfig, choose_options: int = CHOOSE_OPTIONS) -> str:
     """UDTs (one per method's inputs and one per its outputs; none for an empty argument list: the instruction's
     argument parameter stays unwired then) and an example FB per method calling OPC_UA_MethodCall_C."""
-    methods = model_methods(model)
+    methods = model_methods(model, choose_options)
     out = [f"// PLC data types for the OPC UA methods of model '{model.name}' ({model.kind}), written by",
            "// `appliance plc-types`. Import in TIA Portal: External source files > Add new external file >",
            "// Generate blocks from source. Member names, order and types match the methods' arguments exactly.",
-           "// Arrays hold one sample (InputShape x 1); strings are WSTRING of the lengths shown.", ""]
+           "// Arrays hold one sample (InputShape x 1); strings are WSTRING of the lengths shown. Choose's Options",
+           f"// and Scores hold {choose_options} entries (`--choose-options N`): pass exactly that many non-empty",
+           "// options.",
+           "// A task's UDTs (<model>_<task>_Run_In / _Out) hold its inputs and its output fields, typed as in the",
+           "// YAML; a Good answer fills every field, a Bad MethodResult (e.g. 16#80B10000 BadNoDataAvailable: no",
+           "// complete answer within the task's max_tokens) leaves Results as they were.", ""]
     for method in methods:
         for direction, args in (("In", method.inputs), ("Out", method.outputs)):
             if not args:
                 continue
-            out += [f'TYPE "{udt_name(model.name, method.name, direction)}"', "VERSION : 0.1", "   STRUCT"]
+            out += [f'TYPE "{udt_name(model.name, method.udt_stem, direction)}"', "VERSION : 0.1", "   STRUCT"]
             out += [f"      {a.name} : {scl_type(a)};" for a in args]
             out += ["   END_STRUCT;", "", "END_TYPE", ""]
     declared = declared_methods(model_type(model.kind, bool(model.labels)))
     for method in methods:
-        out += _scl_example_fb(model.name, method, declared[method.name][0])
+        declaring = task_type(model.name, method.task) if method.task else declared[method.name][0]
+        out += _scl_example_fb(model.name, method, declaring)
     return "\n".join(out)
 
 
-def method_node_ids(model_name: str, method: str, declaring_type: str) -> dict[str, str]:
+def method_node_ids(model_name: str, method: str, declaring_type: str, task: str = "") -> dict[str, str]:
     """The NodeIds a client interface needs, namespace by URI (the index may differ between servers): the model
-    object (ObjectId), its own method, and the method declared on its type (callable with any model of the type)."""
+    object (ObjectId; a task's object for its methods), its own method, and the method declared on its type
+    (callable with any object of the type)."""
     nsu = f"nsu={NAMESPACE_URI};s="
-    return {"ObjectId": f"{nsu}Appliance/Models/{model_name}",
-            "MethodId": f"{nsu}Appliance/Models/{model_name}/{method}",
+    obj = f"Appliance/Models/{model_name}" + (f"/Tasks/{task}" if task else "")
+    return {"ObjectId": f"{nsu}{obj}", "MethodId": f"{nsu}{obj}/{method}",
             "TypeMethodId": f"{nsu}Types/{declaring_type}/{method}"}
 
 
 def _scl_example_fb(model_name: str, method: Method, declaring_type: str) -> list[str]:
     prefix = type_prefix(model_name)
-    ids = method_node_ids(model_name, method.name, declaring_type)
-    fb = f"{prefix}_{method.name}_Call"
+    ids = method_node_ids(model_name, method.name, declaring_type, method.task)
+    fb = f"{prefix}_{method.udt_stem}_Call"
+    where = f"Models/{model_name}" + (f"/Tasks/{method.task}" if method.task else "")
     lines = [f'FUNCTION_BLOCK "{fb}"', "{ S7_Optimized_Access := 'TRUE' }", "VERSION : 0.1",
              "   VAR_INPUT", "      Execute : Bool;   // rising edge starts one call", "   END_VAR",
              "   VAR_OUTPUT", "      Done : Bool;", "      Busy : Bool;", "      Error : Bool;",
@@ -174,11 +214,11 @@ def _scl_example_fb(model_name: str, method: Method, declaring_type: str) -> lis
              "      MethodResult : DWord;   // the method's StatusCode: 0 Good, e.g. 16#80AB0000 BadInvalidArgument",
              "   END_VAR", "   VAR"]
     if method.inputs:
-        lines.append(f'      Arguments : "{udt_name(model_name, method.name, "In")}";   // fill before Execute')
+        lines.append(f'      Arguments : "{udt_name(model_name, method.udt_stem, "In")}";   // fill before Execute')
     if method.outputs:
-        lines.append(f'      Results : "{udt_name(model_name, method.name, "Out")}";')
+        lines.append(f'      Results : "{udt_name(model_name, method.udt_stem, "Out")}";')
     lines += ["      Call : OPC_UA_MethodCall_C;", "   END_VAR", "", "BEGIN",
-              f"   // Calls Objects/Appliance/Models/{model_name}/{method.name}. The server endpoint, the session",
+              f"   // Calls Objects/Appliance/{where}/{method.name}. The server endpoint, the session",
               "   // (MaintainSession) and the method's NodeId come from the OPC UA client interface configured in",
               "   // TIA Portal (Basic256Sha256, SignAndEncrypt, user name). The parameters follow PLCopen",
               "   // UA_MethodCall (OPC 30001); check them against your TIA Portal version's help (not compiled here).",
@@ -186,7 +226,8 @@ def _scl_example_fb(model_name: str, method: Method, declaring_type: str) -> lis
               f"   //   ObjectId      {ids['ObjectId']}",
               f"   //   MethodId      {ids['MethodId']}",
               f"   //   or by type    {ids['TypeMethodId']}",
-              f"   //                 (the same method of {declaring_type}: one call block serves every such model)",
+              f"   //                 (the same method of {declaring_type}: one call block serves every such "
+              f"{'task object' if method.task else 'model'})",
               "   #Call(REQ := #Execute,"]
     if method.inputs:
         lines.append("         InputArguments := #Arguments,")
@@ -201,10 +242,11 @@ def _scl_example_fb(model_name: str, method: Method, declaring_type: str) -> lis
 # PLCopen TC6 XML 2.01
 
 
-def plcopen_xml(model: ModelConfig, now: datetime.datetime | None = None) -> str:
+def plcopen_xml(model: ModelConfig, now: datetime.datetime | None = None,
+                choose_options: int = CHOOSE_OPTIONS) -> str:
     """A PLCopen TC6 XML 2.01 project holding the data types only (CODESYS: Import PLCopenXML; TwinCAT: the
     PLCopen XML import of a PLC project)."""
-    methods = model_methods(model)
+    methods = model_methods(model, choose_options)
     ET.register_namespace("", PLCOPEN_NS)
     q = lambda tag: f"{{{PLCOPEN_NS}}}{tag}"  # noqa: E731
     stamp = (now or datetime.datetime.now(datetime.timezone.utc)).replace(microsecond=0)
@@ -222,12 +264,14 @@ def plcopen_xml(model: ModelConfig, now: datetime.datetime | None = None) -> str
         for direction, args in (("In", method.inputs), ("Out", method.outputs)):
             if not args:
                 continue
-            data_type = ET.SubElement(data_types, q("dataType"), name=udt_name(model.name, method.name, direction))
+            data_type = ET.SubElement(data_types, q("dataType"),
+                                      name=udt_name(model.name, method.udt_stem, direction))
             struct = ET.SubElement(ET.SubElement(data_type, q("baseType")), q("struct"))
             for arg in args:
                 _xml_type(ET.SubElement(ET.SubElement(struct, q("variable"), name=arg.name), q("type")), arg, q)
             doc = ET.SubElement(ET.SubElement(data_type, q("documentation")), "{http://www.w3.org/1999/xhtml}p")
-            doc.text = f"{'Input' if direction == 'In' else 'Output'} arguments of {model.name}/{method.name}"
+            where = f"{model.name}/Tasks/{method.task}" if method.task else model.name
+            doc.text = f"{'Input' if direction == 'In' else 'Output'} arguments of {where}/{method.name}"
     ET.SubElement(types, q("pous"))
     ET.SubElement(ET.SubElement(project, q("instances")), q("configurations"))
     ET.indent(project, space="  ")
@@ -250,9 +294,10 @@ def _xml_type(parent: ET.Element, arg: Arg, q) -> None:
 # The command
 
 
-def write_plc_types(model: ModelConfig, fmt: str, out_dir: Path | None) -> tuple[str, Path | None]:
+def write_plc_types(model: ModelConfig, fmt: str, out_dir: Path | None,
+                    choose_options: int = CHOOSE_OPTIONS) -> tuple[str, Path | None]:
     """The text in `fmt` ('scl' or 'plcopenxml'), and the file it was written to when `out_dir` is given."""
-    text = scl_source(model) if fmt == "scl" else plcopen_xml(model)
+    text = scl_source(model, choose_options) if fmt == "scl" else plcopen_xml(model, choose_options=choose_options)
     if out_dir is None:
         return text, None
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -159,6 +159,10 @@ class ChatTokenizer:
         """Ids of `text`; nothing added. Special-token text (e.g. "<|im_start|>") becomes the special token."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    def encode_literal(self, text: str) -> list[int]:
+        """Ids of `text` as plain text: "<|im_end|>" in it is not the control token (a user's words)."""
+        return self._literal.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 

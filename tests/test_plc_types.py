@@ -45,9 +45,23 @@ GENERATIVE_CONTRACT = {
     "ResetContext": ([], []),
     "StartGenerate": ([CONV] + PROMPT, [JOB]),
     "GetGenerateResult": ([JOB, ("WaitMs", "UInt32", False)], [("Done", "Boolean", False)] + ANSWER),
+    "Choose": ([("Prompt", "String", False), ("Options", "String", True)],
+               [("Index", "Int32", False), ("Option", "String", False), ("Scores", "Float", True), V]),
     "CancelJob": ([JOB], []),
     "ReleaseJob": ([JOB], []),
 }
+# the demo's task alarm-triage (appliance/demo.yaml): its inputs, its output fields, FinishReason, ModelVersion
+TRIAGE_ANSWER = [("Severity", "String", False), ("StopLine", "Boolean", False), ("Reason", "String", False),
+                 ("FinishReason", "String", False), V]
+DEMO_TASKS = {
+    "alarm_triage_Run": ([("AlarmText", "String", False)], TRIAGE_ANSWER),
+    "alarm_triage_StartTask": ([("AlarmText", "String", False)], [JOB]),
+    "alarm_triage_GetTaskResult": ([JOB, ("WaitMs", "UInt32", False)], [("Done", "Boolean", False)] + TRIAGE_ANSWER),
+}
+DEMO_GENERATIVE = {**GENERATIVE_CONTRACT, **DEMO_TASKS}
+# WSTRING lengths: max_text_chars 1024, the contract's 64 / 16 / 256, the task's max_length (an enum: its longest)
+CHARS = {"Prompt": 1024, "Text": 1024, "ConversationId": 64, "FinishReason": 16, "ModelVersion": 64, "Options": 256,
+         "Option": 256, "AlarmText": 200, "Severity": 6, "Reason": 80, "Label": 64}
 # the S7-1500 mapping of OPC UA built-in types (FIELD-NOTES: REAL=Float, LREAL=Double, UDINT=UInt32, ...)
 SCL = {"Float": "Real", "Double": "LReal", "UInt32": "UDInt", "Int32": "DInt", "Boolean": "Bool", "String": "WString"}
 XML = {"Float": "REAL", "Double": "LREAL", "UInt32": "UDINT", "Int32": "DINT", "Boolean": "BOOL", "String": "wstring"}
@@ -101,12 +115,18 @@ def test_scl_for_the_demo_classifier_declares_exactly_the_contracts_arguments_si
 
 def test_scl_for_the_demo_language_model_sizes_strings_from_max_text_chars(demo):
     model = demo.models["assistant"]
-    udts = parse_scl_udts(scl_source(model))
-    expected = expected_udts("assistant", GENERATIVE_CONTRACT)
+    source = scl_source(model)
+    udts = parse_scl_udts(source)
+    expected = expected_udts("assistant", DEMO_GENERATIVE)
     assert list(udts) == list(expected)
-    chars = {"Prompt": 1024, "Text": 1024, "ConversationId": 64, "FinishReason": 16, "ModelVersion": 64}
-    for name, args in expected.items():
-        assert udts[name] == [(a, scl_expected_type(t, arr, 1, chars.get(a, 0))) for a, t, arr in args], name
+    for name, args in expected.items():  # Choose's Options and Scores: 4 entries by default
+        assert udts[name] == [(a, scl_expected_type(t, arr, 4, CHARS.get(a, 0))) for a, t, arr in args], name
+    # an example FB per method and per task method, the task's calling its task object's Run
+    assert source.count("OPC_UA_MethodCall_C;") == len(DEMO_GENERATIVE)
+    assert "s=Appliance/Models/assistant/Tasks/alarm-triage/Run\n" in source
+    assert "s=Types/assistant.alarm-triage.TaskType/Run\n" in source
+    assert parse_scl_udts(scl_source(model, choose_options=2))["assistant_Choose_In"][1] == \
+        ("Options", "Array[0..1] of WString[256]")
     # an S7 STRING holds 254 characters: a model configured for it gets WString[254] for Prompt and Text
     small = load_config_text("models:\n  chat: {kind: generative, path: builtin:smollm2, max_text_chars: 254}\n")
     generate_out = parse_scl_udts(scl_source(small.models["chat"]))["chat_Generate_Out"]
@@ -120,7 +140,7 @@ def test_a_classifier_without_labels_has_no_classify(tmp_path):
 
 
 @pytest.mark.parametrize("model_name, prefix, contract", [
-    ("te-classifier", "te_classifier", TENSOR_CONTRACT), ("assistant", "assistant", GENERATIVE_CONTRACT)])
+    ("te-classifier", "te_classifier", TENSOR_CONTRACT), ("assistant", "assistant", DEMO_GENERATIVE)])
 def test_plcopen_xml_is_valid_tc6_2_01_and_declares_the_contracts_arguments(demo, model_name, prefix, contract):
     text = plcopen_xml(demo.models[model_name])
     xmlschema.XMLSchema(str(XSD)).validate(text)  # raises with the offending path when invalid
@@ -138,12 +158,12 @@ def test_plcopen_xml_is_valid_tc6_2_01_and_declares_the_contracts_arguments(demo
                 dim = type_node.find("p:array/p:dimension", NS)
                 assert dim.get("lower") == "0"
                 n = int(dim.get("upper")) + 1
-                assert n == {"Input": 1040, "Output": 22}.get(member.get("name"), 1)
+                assert n == {"Input": 1040, "Output": 22, "Options": 4, "Scores": 4}.get(member.get("name"), 1)
                 type_node = type_node.find("p:array/p:baseType", NS)
             (leaf,) = list(type_node)
             assert leaf.tag == f"{{{NS['p']}}}{XML[ua_type]}"
             if ua_type == "String":
-                assert int(leaf.get("length")) >= 16
+                assert int(leaf.get("length")) == CHARS[member.get("name")]
 
 
 def test_the_schema_check_can_fail():

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from asyncua import Node, Server, ua
 
 from .method_table import ADMIN, MethodSpec
-from .object_types import FOLDER, Member, TypeBuilder, declared_methods, model_type, retype, set_array
+from .object_types import (FOLDER, Member, ObjectTypeSpec, TypeBuilder, declared_methods, model_type, retype, set_array,
+                           task_mailbox_type, task_type, task_type_specs)
 from .type_calls import TypeCalls, own_object_only
 
 V = ua.VariantType
@@ -38,6 +39,7 @@ class ApplianceNodes:
     class_alarms: dict[tuple[str, int], Node] = field(default_factory=dict)  # (model, class) -> Alarms/<label>
     # (model, source, class) -> Alarms/<source>/<label>
     source_alarms: dict[tuple[str, str, int], Node] = field(default_factory=dict)
+    tasks: dict[tuple[str, str], Node] = field(default_factory=dict)  # (model, task) -> Models/<model>/Tasks/<task>
 
 
 class AddressSpaceBuilder:
@@ -46,6 +48,7 @@ class AddressSpaceBuilder:
         self.ns = ns
         self.type_calls = TypeCalls()
         self._types: dict[str, ua.NodeId] = {}
+        self.task_types: dict[str, ObjectTypeSpec] = {}  # the configuration's task (and task mailbox) types
 
     def nid(self, path: str) -> ua.NodeId:
         return ua.NodeId(path, self.ns)
@@ -85,12 +88,21 @@ class AddressSpaceBuilder:
                                   member.outputs)
 
     async def build(self, device: str, models: dict, alarms: tuple[str, ...] = (),
-                    classifiers: dict | None = None, drift: tuple[str, ...] = (), describe=None) -> ApplianceNodes:
+                    classifiers: dict | None = None, drift: tuple[str, ...] = (), describe=None,
+                    tasks: dict | None = None, task_mailboxes: frozenset = frozenset()) -> ApplianceNodes:
         """classifiers: model name -> (labels, alarm class indices, sources) for tensor models with labels; drift:
         the models with drift detection; describe(status): the draft AI properties' values of a model
-        (ai_properties.py), as name -> (value, VariantType)."""
+        (ai_properties.py), as name -> (value, VariantType); tasks: model name -> its TaskConfigs (YAML `tasks`),
+        each an object Tasks/<task> of a type of its own; task_mailboxes: the (model, task) pairs a mailbox
+        serves (their mailbox types are declared)."""
         classifiers = classifiers or {}
-        self._types = await TypeBuilder(self.server, self.ns).build(self._type_method)
+        tasks = tasks or {}
+        for name, configs in tasks.items():
+            for task in configs.values():
+                for spec in task_type_specs(name, task, (name, task.name) in task_mailboxes):
+                    self.task_types[spec.name] = spec
+        self._types = await TypeBuilder(self.server, self.ns).build(self._type_method,
+                                                                     tuple(self.task_types.values()))
         objects = self.server.nodes.objects
         root = await objects.add_object(self.nid("Appliance"), ua.QualifiedName("Appliance", self.ns))
         nodes = ApplianceNodes(root, types=dict(self._types))
@@ -134,6 +146,13 @@ class AddressSpaceBuilder:
                                                     ua.QualifiedName(source, self.ns))
                         await self.typed(nodes, own, "LastResultType")
                         await self._last(own, f"{path}/Last/{source}", m, f"Last/{source}")
+            if st.kind == "generative" and tasks.get(name):
+                folder = await self.typed(nodes, await obj.add_object(self.nid(f"{path}/Tasks"),
+                                                                      ua.QualifiedName("Tasks", self.ns)), FOLDER)
+                for task in tasks[name].values():
+                    task_obj = await folder.add_object(self.nid(f"{path}/Tasks/{task.name}"),
+                                                       ua.QualifiedName(task.name, self.ns))
+                    nodes.tasks[(name, task.name)] = await self.typed(nodes, task_obj, task_type(name, task.name))
             nodes.models[name] = m
 
         engine = await root.add_object(self.nid("Appliance/Engine"), ua.QualifiedName("Engine", self.ns))
@@ -179,10 +198,14 @@ class AddressSpaceBuilder:
         method of the object's type runs for this object; a method its type does not declare with the same
         arguments is a programming error (the types would not describe the appliance)."""
         for spec in specs:
-            parent, path = ((nodes.admin, "Appliance/Admin") if spec.owner == ADMIN
-                            else (nodes.models[spec.owner].obj, f"Appliance/Models/{spec.owner}"))
+            if spec.task:
+                parent, path = (nodes.tasks[(spec.owner, spec.task)],
+                                f"Appliance/Models/{spec.owner}/Tasks/{spec.task}")
+            else:
+                parent, path = ((nodes.admin, "Appliance/Admin") if spec.owner == ADMIN
+                                else (nodes.models[spec.owner].obj, f"Appliance/Models/{spec.owner}"))
             type_name = nodes.type_of[parent.nodeid]
-            declared, member = declared_methods(type_name).get(spec.name, ("", None))
+            declared, member = declared_methods(type_name, self.task_types).get(spec.name, ("", None))
             if member is None or list(member.inputs) != list(spec.inputs) or \
                     list(member.outputs) != list(spec.outputs):
                 raise ValueError(f"{spec.name} of {type_name} differs from its type's declaration")
@@ -191,15 +214,19 @@ class AddressSpaceBuilder:
                                spec.inputs, spec.outputs)
             self.type_calls.register(self.nid(f"Types/{declared}/{spec.name}"), parent.nodeid, callback)
 
-    async def type_mailboxes(self, nodes: ApplianceNodes, kinds: dict[str, str]) -> None:
-        """The mailboxes (built by mailboxes.py) as instances of their types: kinds is mailbox name -> model kind."""
+    async def type_mailboxes(self, nodes: ApplianceNodes, kinds: dict[str, str],
+                             tasks: dict[str, tuple[str, str]] | None = None) -> None:
+        """The mailboxes (built by mailboxes.py) as instances of their types: kinds is mailbox name -> model kind,
+        tasks mailbox name -> (model, task) for a task's mailboxes."""
         if not kinds:
             return
+        tasks = tasks or {}
         await self.typed(nodes, self.server.get_node(self.nid("Appliance/Mailboxes")), FOLDER)
         for name, kind in kinds.items():
             path = f"Appliance/Mailboxes/{name}"
-            await self.typed(nodes, self.server.get_node(self.nid(path)),
-                             "TensorMailboxType" if kind == "tensor" else "GenerativeMailboxType")
+            type_name = (task_mailbox_type(*tasks[name]) if name in tasks
+                         else "TensorMailboxType" if kind == "tensor" else "GenerativeMailboxType")
+            await self.typed(nodes, self.server.get_node(self.nid(path)), type_name)
             if kind == "tensor":
                 await set_array(self.server.get_node(self.nid(f"{path}/Output")))
 

@@ -131,6 +131,8 @@ class JobMethods:
             job_id = self.inference.handlers.uint32(args[0], 0)
             wait_ms = self.inference.handlers.uint32(args[1], 1)
             job = await self.store.wait(caller_identity(ctx.session), name, job_id, wait_ms / 1000.0)
+            if job.kind not in ("infer", "generate"):  # a task's job: its GetTaskResult answers it (uaserver/tasks.py)
+                raise MethodStatus("BadNotFound")
             if isinstance(job.error, InvalidArgument):
                 # the code StartX's call would have answered; its argument index is not one of Get's arguments
                 raise MethodStatus("BadInvalidArgument")

@@ -38,6 +38,12 @@ class MethodSpec:
     outputs: list[ua.Argument]
     role: str  # the least role that may call it: monitor | operator | engineer
     body: Callable[[Any, tuple], Awaitable[Any]]  # (CallContext, the input Variants) -> the output Variants
+    task: str = ""  # a task's method: on the object Tasks/<task> of the owner model
+
+    @property
+    def action(self) -> str:
+        """The audit record's action and the metrics' method label: Tasks/<task>/Run for a task's method."""
+        return f"Tasks/{self.task}/{self.name}" if self.task else self.name
 
 
 INFER_IN = [argument("Input", V.Float, True, "k samples back to back, 1 <= k <= MaxSamples")]
@@ -68,6 +74,15 @@ START_OUT = [JOB_ID]
 GET_RESULT_IN = [JOB_ID, WAIT_MS]
 GET_INFER_RESULT_OUT = [DONE, *INFER_OUT]
 GET_GENERATE_RESULT_OUT = [DONE, *GENERATE_OUT]
+CHOOSE_IN = [argument("Prompt", V.String, description="non-empty UTF-8, at most 16 KiB"),
+             argument("Options", V.String, True, "the labels to choose among: 1 .. 16, each 1 .. 256 characters")]
+CHOOSE_OUT = [argument("Index", V.Int32, description="the option with the highest score (0-based; the first on "
+                       "ties)"),
+              argument("Option", V.String, description="that option's text"),
+              argument("Scores", V.Float, True, "per option: the log-probability of its tokens after the prompt"),
+              argument("ModelVersion", V.String, description="version of the weights that scored the options")]
+FINISH_REASON = argument("FinishReason", V.String, description="stop: the answer is complete (a Bad status "
+                         "answers any other)")
 RELOAD_IN = [argument("Name", V.String, description="the model's name")]
 RELOAD_OUT = [argument("Version", V.String, description="the version now serving")]
 PROMOTE_IN = [argument("Model", V.String, description="the model's name"),
@@ -84,3 +99,48 @@ def generate_outputs(r) -> list[ua.Variant]:
 
 def infer_outputs(r) -> list[ua.Variant]:
     return [ua.Variant(r.output.tolist(), V.Float), ua.Variant(r.model_version, V.String)]
+
+
+# ---- a task's arguments (models.NAME.tasks: appliance/config/tasks.py) ----
+
+TASK_TYPES = {"String": V.String, "enum": V.String, "Int32": V.Int32, "Double": V.Double, "Boolean": V.Boolean}
+
+
+def _bounds(cfg) -> str:
+    parts = [f">= {cfg.minimum:g}" if cfg.minimum is not None else "",
+             f"<= {cfg.maximum:g}" if cfg.maximum is not None else ""]
+    return " and ".join(p for p in parts if p)
+
+
+def task_inputs(task) -> list[ua.Argument]:
+    """One argument per input, in the YAML's order."""
+    out = []
+    for name, cfg in task.inputs.items():
+        what = (f"at most {cfg.effective_max_length} characters" if cfg.type == "String"
+                else _bounds(cfg) if cfg.type != "Boolean" else "")
+        out.append(argument(name, TASK_TYPES[cfg.type], description=what))
+    return out
+
+
+def task_fields(task) -> list[ua.Argument]:
+    """One argument per output field, in the YAML's order (enums as String)."""
+    out = []
+    for name, f in task.output.items():
+        what = (f"one of: {', '.join(f.values)}" if f.type == "enum"
+                else f"at most {f.effective_max_length} characters" if f.type == "String"
+                else _bounds(f) if f.type != "Boolean" else "")
+        if not f.required:
+            what = (what + "; " if what else "") + "optional: empty / false / 0 when the model left it out"
+        out.append(argument(name, TASK_TYPES[f.type], description=what))
+    return out
+
+
+def task_outputs(task) -> list[ua.Argument]:
+    """Run's outputs: the fields, FinishReason, ModelVersion."""
+    return [*task_fields(task), FINISH_REASON,
+            argument("ModelVersion", V.String, description="version of the weights that answered")]
+
+
+def get_task_result_outputs(task) -> list[ua.Argument]:
+    return [argument("Done", V.Boolean, description="false: the job still runs (the fields are empty until then)"),
+            *task_outputs(task)]

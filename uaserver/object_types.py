@@ -9,9 +9,13 @@ UaModeler) import one interface and a PLC function block written for "a tensor m
         TensorModelType        InputShape OutputShape MaxSamples; Infer StartInfer GetInferResult; [Drift]
           ClassifierType       Classify; Last
         GenerativeModelType    Generate Converse EndConversation ResetContext StartGenerate GetGenerateResult
+                               Choose; [Tasks]
+      TaskType (abstract)      a typed task of a generative model
+        <model>.<task>.TaskType   Run StartTask GetTaskResult, with the task's own arguments (one type per task)
       MailboxType (abstract)   Request Busy Done Error ErrorCode Response ModelVersion
         TensorMailboxType      Input Output [ClassIndex Label Confidence]
         GenerativeMailboxType  Prompt Text
+        <model>.<task>.MailboxType  the task's inputs, its fields and FinishReason (a task's mailbox)
       EngineType HealthType AdminType DriftType LastResultType
       SourceType               State Endpoint SamplesReceived WindowsRun WindowsSkipped WindowsDropped Reconnects
                                LastError (Sources/<name>: a server the appliance reads)
@@ -25,9 +29,10 @@ from dataclasses import dataclass
 
 from asyncua import Node, ua
 
-from .method_table import (CLASSIFY_OUT, CONVERSATION_ID, CONVERSE_IN, GENERATE_IN, GENERATE_OUT, GET_GENERATE_RESULT_OUT,
+from .method_table import (CHOOSE_IN, CHOOSE_OUT, CLASSIFY_OUT, CONVERSATION_ID, CONVERSE_IN, GENERATE_IN, GENERATE_OUT, GET_GENERATE_RESULT_OUT,
                            GET_INFER_RESULT_OUT, GET_RESULT_IN, INFER_IN, INFER_OUT, JOB_ID, PROMOTE_IN, RELOAD_IN,
-                           RELOAD_OUT, START_GENERATE_IN, START_OUT)
+                           RELOAD_OUT, START_GENERATE_IN, START_OUT, TASK_TYPES, get_task_result_outputs,
+                           task_inputs, task_outputs)
 
 V = ua.VariantType
 MANDATORY, OPTIONAL = ua.ObjectIds.ModellingRule_Mandatory, ua.ObjectIds.ModellingRule_Optional
@@ -115,8 +120,12 @@ OBJECT_TYPES: tuple[ObjectTypeSpec, ...] = (
         method("Generate", GENERATE_IN, GENERATE_OUT), method("Converse", CONVERSE_IN, GENERATE_OUT),
         method("EndConversation", [CONVERSATION_ID], []), method("ResetContext", [], []),
         method("StartGenerate", START_GENERATE_IN, START_OUT),
-        method("GetGenerateResult", GET_RESULT_IN, GET_GENERATE_RESULT_OUT)),
+        method("GetGenerateResult", GET_RESULT_IN, GET_GENERATE_RESULT_OUT), method("Choose", CHOOSE_IN, CHOOSE_OUT),
+        obj("Tasks", FOLDER, OPTIONAL)),
         description="a generative (text) model"),
+    ObjectTypeSpec("TaskType", "", (), abstract=True,
+                   description="a typed task of a generative model: Run (typed inputs -> typed fields), StartTask, "
+                   "GetTaskResult; each task's subtype declares its own arguments"),
     ObjectTypeSpec("MailboxType", "", (
         var("Request", V.UInt32), var("Busy", V.Boolean), var("Done", V.Boolean), var("Error", V.Boolean),
         var("ErrorCode", V.UInt32), var("Response", V.UInt32), var("ModelVersion", V.String)),
@@ -144,23 +153,50 @@ def type_path(name: str) -> str:
     return f"{TYPES_PATH}/{name}"
 
 
-def supertypes(name: str) -> list[str]:
-    """The type and its appliance supertypes, most derived first."""
+def supertypes(name: str, extra: dict[str, ObjectTypeSpec] | None = None) -> list[str]:
+    """The type and its appliance supertypes, most derived first (extra: the configuration's task types)."""
+    types = {**BY_NAME, **(extra or {})}
     out = []
     while name:
         out.append(name)
-        name = BY_NAME[name].supertype
+        name = types[name].supertype
     return out
 
 
-def declared_methods(name: str) -> dict[str, tuple[str, Member]]:
+def declared_methods(name: str, extra: dict[str, ObjectTypeSpec] | None = None) -> dict[str, tuple[str, Member]]:
     """Every method an instance of the type offers: method name -> (the type that declares it, its Member)."""
+    types = {**BY_NAME, **(extra or {})}
     out: dict[str, tuple[str, Member]] = {}
-    for t in reversed(supertypes(name)):
-        for m in BY_NAME[t].members:
+    for t in reversed(supertypes(name, extra)):
+        for m in types[t].members:
             if m.kind == "method":
                 out[m.name] = (t, m)
     return out
+
+
+def task_type(model: str, task: str) -> str:
+    return f"{model}.{task}.TaskType"
+
+
+def task_mailbox_type(model: str, task: str) -> str:
+    return f"{model}.{task}.MailboxType"
+
+
+def task_type_specs(model: str, task, mailbox: bool) -> list[ObjectTypeSpec]:
+    """The ObjectType of one task (its methods with the task's own arguments: a PLC's call block and a client's
+    Call by the type's method NodeId meet the real types), and with `mailbox` the type of its mailboxes."""
+    inputs = task_inputs(task)
+    specs = [ObjectTypeSpec(task_type(model, task.name), "TaskType", (
+        method("Run", inputs, task_outputs(task)), method("StartTask", inputs, START_OUT),
+        method("GetTaskResult", GET_RESULT_IN, get_task_result_outputs(task))),
+        description=f"task {task.name} of model {model}")]
+    if mailbox:
+        members = [var(n, TASK_TYPES[c.type]) for n, c in task.inputs.items()]
+        members += [var(n, TASK_TYPES[f.type]) for n, f in task.output.items()]
+        specs.append(ObjectTypeSpec(task_mailbox_type(model, task.name), "MailboxType",
+                                    (*members, var("FinishReason", V.String)),
+                                    description=f"a mailbox of task {task.name} of model {model}"))
+    return specs
 
 
 def model_type(kind: str, classifier: bool) -> str:
@@ -187,12 +223,13 @@ class TypeBuilder:
             return ua.NodeId(ua.ObjectIds.FolderType)
         return self.nid(type_path(name))
 
-    async def build(self, add_method) -> dict[str, ua.NodeId]:
-        """Every type of OBJECT_TYPES; add_method(parent, path, member) adds a declared method (with its arguments
-        and the dispatcher that runs an instance's method). Returns type name -> its NodeId."""
+    async def build(self, add_method, extra: tuple[ObjectTypeSpec, ...] = ()) -> dict[str, ua.NodeId]:
+        """Every type of OBJECT_TYPES, then `extra` (the configuration's task types); add_method(parent, path,
+        member) adds a declared method (with its arguments and the dispatcher that runs an instance's method).
+        Returns type name -> its NodeId."""
         base = self.server.get_node(ua.ObjectIds.BaseObjectType)
         made: dict[str, ua.NodeId] = {}
-        for spec in OBJECT_TYPES:  # supertypes come first in the table
+        for spec in (*OBJECT_TYPES, *extra):  # supertypes come first in the table
             parent = base if not spec.supertype else self.server.get_node(made[spec.supertype])
             path = type_path(spec.name)
             node = await parent.add_object_type(self.nid(path), ua.QualifiedName(spec.name, self.ns))

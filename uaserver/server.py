@@ -39,6 +39,7 @@ from .methods import MethodHandlers
 from .publishing import NO_GPU, Publisher, Sources
 from .server_configuration import ServerConfiguration
 from .sources import SourceObjects
+from .tasks import TaskMethods
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class ApplianceUaServer:
                                      config.engine.request_timeout_s, metrics)
         self.sources.audit_event = self.handlers.event
         self.jobs = JobMethods(config, services, self.inference)
+        self.tasks = TaskMethods(config, services, self.inference, self.jobs)
         self.mailboxes: Mailboxes | None = None
         self.ai = AiProperties(config)
         self.publisher = Publisher(services, Sources(health or (lambda: NO_GPU), supervision_alive or (lambda: True),
@@ -111,7 +113,7 @@ class ApplianceUaServer:
         """Every method of the models and Admin, from each feature's table."""
         return [*self.inference.method_specs(),
                 *self.conversations.method_specs(self.inference.generate_body),
-                *self.jobs.method_specs(), *self.governance.method_specs()]
+                *self.jobs.method_specs(), *self.tasks.method_specs(), *self.governance.method_specs()]
 
     # ---- lifecycle ----
 
@@ -136,13 +138,18 @@ class ApplianceUaServer:
         classifiers = self.alarms.classifiers
         self.nodes = await builder.build(self.device, self.services, tuple(self.publisher.sources.alarms()),
                                          {n: (c.labels, c.alarm_classes, c.sources) for n, c in classifiers.items()},
-                                         tuple(self.governance.drift), self.ai.values)
+                                         tuple(self.governance.drift), self.ai.values, self.tasks.tasks,
+                                         frozenset((b.model, b.task) for b in self.config.mailboxes.values()
+                                                   if b.task is not None))
         await builder.add_methods(self.nodes, self.method_specs(),
-                                  lambda spec: self.handlers.wrap(spec.name, spec.owner, spec.role, len(spec.inputs),
-                                                                  spec.body))
-        self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers)
+                                  lambda spec: self.handlers.wrap(spec.action, spec.owner, spec.role,
+                                                                  len(spec.inputs), spec.body))
+        self.mailboxes = Mailboxes.serving(server, self.ns, self.config.mailboxes, self.inference, self.handlers,
+                                           self.tasks)
         await self.mailboxes.build(self.nodes.root)
-        await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()})
+        await builder.type_mailboxes(self.nodes, {n: b.kind for n, b in self.mailboxes.boxes.items()},
+                                     {n: (b.config.model, b.config.task) for n, b in self.mailboxes.boxes.items()
+                                      if b.task is not None})
         await self.sources.build(server, self.ns, self.nodes)
         await self.alarms.build(server, self.ns, self.nodes, self.handlers)
         await self.jobs.build_events(server, self.ns, self.nodes)

@@ -12,6 +12,8 @@ STATUS_FOR_REASON = {
     errors.FAILED: "BadInternalError",
     errors.NOT_FOUND: "BadNotFound",
     errors.CANCELLED: "BadRequestCancelledByClient",
+    # a task's answer not complete under its schema within max_tokens / the context (appliance/task_answers.py)
+    "incomplete": "BadNoDataAvailable",
 }
 # what is wrong with an argument -> its InputArgumentResults entry
 ARGUMENT_STATUS_FOR_KIND = {

@@ -1,5 +1,5 @@
-"""`appliance plc-types MODEL --format scl|plcopenxml`: PLC data types for a model's methods (appliance.plc_types
-writes them): SCL for TIA Portal, PLCopen XML for CODESYS and TwinCAT."""
+"""`appliance plc-types MODEL --format scl|plcopenxml`: PLC data types for a model's methods and its tasks'
+(appliance.plc_types writes them): SCL for TIA Portal, PLCopen XML for CODESYS and TwinCAT."""
 from __future__ import annotations
 
 import sys
@@ -13,6 +13,9 @@ def register(sub) -> None:
     s.add_argument("model")
     s.add_argument("--format", required=True, choices=["scl", "plcopenxml"])
     s.add_argument("--out", help="folder for MODEL.scl / MODEL.xml (default: standard output)")
+    s.add_argument("--choose-options", type=int, default=4, metavar="N",
+                   help="generative models: how many options the PLC passes to Choose (1-16; its Options and "
+                   "Scores arrays; default 4)")
     s.add_argument("--config")
     s.set_defaults(func=run_plc_types)
 
@@ -23,8 +26,12 @@ def run_plc_types(args) -> int:
     model = config.models.get(args.model)
     if model is None:
         return fail(f"no model '{args.model}' in {config.source}; models: {', '.join(config.models)}")
+    from ..model_port import CHOOSE_MAX_OPTIONS
+    if not 1 <= args.choose_options <= CHOOSE_MAX_OPTIONS:
+        return fail(f"--choose-options must be between 1 and {CHOOSE_MAX_OPTIONS}, got {args.choose_options}")
     try:
-        text, target = write_plc_types(model, args.format, Path(args.out) if args.out else None)
+        text, target = write_plc_types(model, args.format, Path(args.out) if args.out else None,
+                                       args.choose_options)
     except (PlcTypesError, OSError) as e:
         return fail(str(e))
     if target is None:

@@ -32,7 +32,7 @@ def check_config_main(path: str) -> int:
     """`appliance check-config FILE`: 0 and an OK line, or 2 with every problem on stderr."""
     from ..config import ConfigError, load_config
     try:
-        cfg = load_config(path)
+        cfg = load_config(path, spelling=True)  # and every task's enum values against the model's tokenizer
     except ConfigError as e:
         for line in e.errors:
             print(line, file=sys.stderr)

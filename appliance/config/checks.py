@@ -281,10 +281,14 @@ def check_mailboxes(cfg: ApplianceConfig, ctx: Context) -> None:
                           f"model ({', '.join(cfg.models) or 'none'}), got {shown(box.model)}")
             continue
         for key in ("max_tokens", "temperature"):
+            if box.task is not None and getattr(box, key) is not None:
+                ctx.error(ctx.nodes.get(f"{path}.{key}"), f"{path}.{key}", f"a task's mailbox runs the task with "
+                          f"the task's own {key} (models.{box.model}.tasks.{box.task}.{key})")
+        for key in ("max_tokens", "temperature", "task"):
             if model.kind == "tensor" and getattr(box, key) is not None:
                 ctx.error(ctx.nodes.get(f"{path}.{key}"), f"{path}.{key}", f"{key} applies to mailboxes of "
                           f"generative models only ('{box.model}' is a tensor model)")
-        if model.kind == "generative" and box.effective_max_tokens > cfg.engine.max_new_tokens:
+        if model.kind == "generative" and box.task is None and box.effective_max_tokens > cfg.engine.max_new_tokens:
             ctx.error(ctx.nodes.get(f"{path}.max_tokens") or ctx.nodes.get(path), f"{path}.max_tokens",
                       f"expected an integer <= engine.max_new_tokens ({cfg.engine.max_new_tokens}), got "
                       f"{box.effective_max_tokens}")
@@ -378,3 +382,104 @@ def trust_list_notes(cfg: ApplianceConfig) -> list[str]:
             "no CRL in pki/crl: the certificates it issued are refused (BadCertificateRevocationUnknown) until "
             "its CRL is added (or set security.require_crl: false)" for c in snap.cas_without_crl()]
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tasks
+
+
+MAX_PROMPT_BYTES = 16 * 1024  # the contract's prompt bound (appliance/engine/llm_settings.py holds the same)
+NUMBER_CHARS = 24  # the longest JSON number an Int32 / Double field may be written as
+
+
+def answer_chars(task) -> int:
+    """The longest JSON document a task's answer can be (ASCII text; an escaped character counts twice)."""
+    size = 2 + max(0, len(task.output) - 1)  # braces, commas
+    for name, f in task.output.items():
+        size += len(name) + 3  # "name":
+        if f.type == "String":
+            size += 2 * f.effective_max_length + 2
+        elif f.type == "enum":
+            size += max(len(v) for v in f.values) * 2 + 2
+        elif f.type == "Boolean":
+            size += 5
+        else:
+            size += NUMBER_CHARS
+    return size
+
+
+def check_tasks(cfg: ApplianceConfig, ctx: Context, spelling: bool = False) -> None:
+    """Each task's bounds against the engine's and the model's: max_tokens <= engine.max_new_tokens, the prompt at
+    its inputs' longest within the contract's 16 KiB, the longest answer within the model's max_text_chars; with
+    `spelling` (check-config), each enum value spelt back exactly by the model's tokenizer. A mailbox's task is one
+    of its model's tasks."""
+    for name, m in cfg.models.items():
+        for task_name, task in m.tasks.items():
+            where = f"{key_path(key_path('models', name), 'tasks')}.{task_name}"
+            node = ctx.nodes.get(where)
+            if task.effective_max_tokens > cfg.engine.max_new_tokens:
+                ctx.error(ctx.nodes.get(f"{where}.max_tokens") or node, f"{where}.max_tokens",
+                          f"expected an integer <= engine.max_new_tokens ({cfg.engine.max_new_tokens}), got "
+                          f"{task.effective_max_tokens}")
+            longest = len(task.prompt.encode("utf-8")) + sum(
+                4 * i.effective_max_length if i.type == "String" else NUMBER_CHARS for i in task.inputs.values())
+            if longest > MAX_PROMPT_BYTES:
+                ctx.error(ctx.nodes.get(f"{where}.inputs") or node, f"{where}.inputs", f"the prompt with every "
+                          f"input at its max_length may take {longest} bytes (UTF-8, 4 a character at most); the "
+                          f"contract's prompt holds at most {MAX_PROMPT_BYTES}: lower the inputs' max_length")
+            chars = answer_chars(task)
+            if chars > m.max_text_chars:
+                ctx.error(ctx.nodes.get(f"{where}.output") or node, f"{where}.output", f"the longest answer may "
+                          f"take {chars} characters, beyond the model's max_text_chars ({m.max_text_chars}): lower "
+                          "the fields' max_length or raise max_text_chars")
+            if spelling and m.resolved_path is not None:
+                _check_spelling(m, task, ctx, where)
+    for box_name, box in cfg.mailboxes.items():
+        if box.task is None:
+            continue
+        model = cfg.models.get(box.model)
+        path = f"mailboxes.{box_name}.task"
+        if model is None:
+            continue  # check_mailboxes said so
+        if box.task not in model.tasks:
+            ctx.error(ctx.nodes.get(path), path, f"expected a task of model '{box.model}' "
+                      f"({', '.join(model.tasks) or 'none'}), got {shown(box.task)}")
+
+
+_TOKENIZERS: dict[tuple[str, float], Any] = {}
+
+
+def model_tokenizer(path: Path):
+    """The tokenizer of a generative model file (GGUF header or HF directory), without its weights; cached per
+    file and modification time. None when it cannot be read (the engine reports the model when it loads it)."""
+    try:
+        key = (str(path), path.stat().st_mtime)
+    except OSError:
+        return None
+    if key not in _TOKENIZERS:
+        from models.tokenizer import ChatTokenizer  # check-config only: the tokenizers package, no torch
+        try:
+            if path.is_dir():
+                _TOKENIZERS[key] = ChatTokenizer.from_directory(path)
+            else:
+                from models.gguf_loader import gguf_metadata
+                _TOKENIZERS[key] = ChatTokenizer.from_gguf_metadata(gguf_metadata(path))
+        except Exception:  # noqa: BLE001 - an unreadable model is the engine's to report, with its reason
+            _TOKENIZERS[key] = None
+    return _TOKENIZERS[key]
+
+
+def _check_spelling(model, task, ctx: Context, where: str) -> None:
+    import json
+    tokenizer = model_tokenizer(model.resolved_path)
+    if tokenizer is None:
+        return
+    for field_name, f in task.output.items():
+        if f.type != "enum":
+            continue
+        seq = ctx.nodes.get(f"{where}.output.{field_name}.values")
+        for i, value in enumerate(f.values):
+            written = json.dumps(value, ensure_ascii=False)  # as the answer holds it: a JSON string
+            if tokenizer.decode(tokenizer.encode(written)) != written:
+                node = seq.value[i] if isinstance(seq, SequenceNode) and i < len(seq.value) else seq
+                ctx.error(node, f"{where}.output.{field_name}.values[{i}]", f"the model's tokenizer cannot spell "
+                          f"{shown(value)} (its tokens read back as something else): use plain words")

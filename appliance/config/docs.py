@@ -20,12 +20,14 @@ from typing import Any
 from .rules import NestedSection, Section
 from .schema import SECTIONS, TOP_KEYS, MailboxConfig, ModelConfig, UserConfig, VariantConfig, VariantsRule
 from .sources import FeedConfig, FeedsRule, NodesRule, SourceConfig, SourceNodeConfig
+from .tasks import InputsRule, OutputRule, TaskConfig, TaskFieldConfig, TaskInputConfig, TasksRule
 
 # Sections the loader reads itself (a list or a mapping of named entries), with the dataclass of one entry.
 ENTRY_SECTIONS = {"users": ("users[]", UserConfig), "models": ("models.NAME", ModelConfig),
                   "mailboxes": ("mailboxes.NAME", MailboxConfig), "sources": ("sources.NAME", SourceConfig)}
 # Rules that read a mapping of named entries into a dataclass of their own.
-ENTRY_RULES = {VariantsRule: VariantConfig, NodesRule: SourceNodeConfig, FeedsRule: FeedConfig}
+ENTRY_RULES = {VariantsRule: VariantConfig, NodesRule: SourceNodeConfig, FeedsRule: FeedConfig, TasksRule: TaskConfig,
+               InputsRule: TaskInputConfig, OutputRule: TaskFieldConfig}
 
 
 @dataclass(frozen=True)

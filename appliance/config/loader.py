@@ -11,7 +11,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .checks import (check_alarm_names, check_alarm_sources, check_certificate_roles, check_fallbacks, check_mailboxes,
-                     check_max_samples, check_model, cross_check, onnx_sample_floats)
+                     check_max_samples, check_model, check_tasks, cross_check, onnx_sample_floats)
 from .sources import check_sources, parse_sources
 from .schema import MODEL_NAME, SECTIONS, TOP_KEYS, ApplianceConfig, MailboxConfig, ModelConfig, UserConfig
 from .yaml_walk import (
@@ -91,7 +91,7 @@ def _parse_mailboxes(node: Node | None, ctx: Context) -> dict[str, MailboxConfig
     return boxes
 
 
-def _build(root: Node | None, ctx: Context) -> ApplianceConfig:
+def _build(root: Node | None, ctx: Context, spelling: bool = False) -> ApplianceConfig:
     mapping = as_mapping(root, ctx, "", "a mapping with the sections " + ", ".join(TOP_KEYS))
     if mapping is not None:
         ctx.nodes[""] = mapping
@@ -119,6 +119,7 @@ def _build(root: Node | None, ctx: Context) -> ApplianceConfig:
     check_alarm_names(cfg, ctx)
     check_max_samples(cfg, ctx)
     check_certificate_roles(cfg, ctx)
+    check_tasks(cfg, ctx, spelling)
     return cfg
 
 
@@ -132,8 +133,11 @@ def _sample_floats(model) -> int | None:
 # Public entry points
 
 
-def load_config_text(text: str, source: str = "<string>", base_dir: Path | None = None) -> ApplianceConfig:
-    """Parse and validate YAML text; relative paths resolve against `base_dir` (default: the current directory)."""
+def load_config_text(text: str, source: str = "<string>", base_dir: Path | None = None,
+                     spelling: bool = False) -> ApplianceConfig:
+    """Parse and validate YAML text; relative paths resolve against `base_dir` (default: the current directory).
+    spelling: also check that each task's enum values are spelt by the model's tokenizer (reads the model file's
+    header: seconds for a GGUF file; `appliance check-config` asks for it)."""
     ctx = Context(source=source, base_dir=Path(base_dir if base_dir is not None else Path.cwd()).resolve())
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -146,15 +150,15 @@ def load_config_text(text: str, source: str = "<string>", base_dir: Path | None 
         raise ConfigError([f"{source}:1: YAML syntax error: {e}"]) from None
     except RecursionError:
         raise ConfigError([f"{source}:1: YAML nesting is too deep for a configuration file"]) from None
-    cfg = _build(root, ctx)
+    cfg = _build(root, ctx, spelling)
     if ctx.problems:
         ctx.problems.sort(key=lambda p: p[0])  # stable: file order, then discovery order within a line
         raise ConfigError(list(dict.fromkeys(message for _, message in ctx.problems)))
     return cfg
 
 
-def load_config(path: str | Path) -> ApplianceConfig:
-    """Read a configuration file; raises ConfigError listing every problem."""
+def load_config(path: str | Path, spelling: bool = False) -> ApplianceConfig:
+    """Read a configuration file; raises ConfigError listing every problem (spelling: see load_config_text)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -165,7 +169,7 @@ def load_config(path: str | Path) -> ApplianceConfig:
     except UnicodeDecodeError as e:
         line = raw[:e.start].count(b"\n") + 1
         raise ConfigError([f"{path}:{line}: the file is not UTF-8 text"]) from None
-    return load_config_text(text_, source=str(path), base_dir=path.resolve().parent)
+    return load_config_text(text_, source=str(path), base_dir=path.resolve().parent, spelling=spelling)
 
 
 def demo_yaml_text() -> str:

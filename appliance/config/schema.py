@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from yaml.nodes import Node, ScalarNode
 
 from .builtin import BUILTIN_MODELS
+from .tasks import TaskConfig, TasksRule
 from .rules import (
     DNS_NAME, CertificateRoles, LabelsRule, ListOf, NestedSection, RoleGrant, Scalar, Section, boolean, choice,
     class_check,
@@ -344,7 +345,7 @@ RESERVED_SOURCE_NAMES = (DEFAULT_ALARM_SOURCE, "ClassIndex", "Label", "Confidenc
 MAIN_VARIANT = "main"  # the model's own path in an A/B split
 TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "alarm_on_results",
                "alarm_off_results", "alarm_sources", "drift")
-GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p")
+GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p", "tasks")
 
 
 @dataclass
@@ -387,6 +388,9 @@ class ModelConfig:
     # caller's identity chooses); the model's own path (variant "main") serves the rest. Admin/PromoteVariant
     # sends all traffic to one of them.
     variants: dict[str, VariantConfig] = setting({}, VariantsRule())
+    # generative: typed tasks, each an object Tasks/<task> with its method Run (typed inputs, typed output fields
+    # decoded under the schema's grammar): name -> {prompt, inputs, output, max_tokens, temperature}
+    tasks: dict[str, TaskConfig] = setting({}, TasksRule())
     # filled by the loader, not YAML keys
     name: str = ""
     resolved_path: Path | None = None
@@ -493,6 +497,9 @@ class MailboxConfig:
     writers: list[str] = setting(["operator"], ListOf(_WRITER, "roles or identities", non_empty=True))
     max_tokens: int | None = setting(None, optional(integer(1)))  # generative: MaxTokens per request (null: 128)
     temperature: float | None = setting(None, optional(number(0, 2)))  # generative: null: 0 (greedy)
+    # generative: one of the model's tasks; the mailbox then holds the task's typed inputs and output fields
+    # (Prompt / Text otherwise) and runs the task with its own max_tokens and temperature
+    task: str | None = setting(None, optional(text("the name of one of the model's tasks")))
     name: str = ""
 
     @property

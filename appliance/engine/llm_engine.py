@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.engine.chat_turns import ChatTurns
+from appliance.engine.choose import ChooseRequest, best
 from appliance.engine.liveness import Liveness
 from appliance.engine.llm_loading import LoadedEngine
 from appliance.engine.llm_settings import GenerativeSettings
@@ -21,9 +22,10 @@ from appliance.engine.scheduler import Scheduler, StepPlan
 from appliance.engine.sequence import Sequence
 from appliance.engine.slots import SlotManager
 from appliance.engine.thread_reply import Reply
-from appliance.errors import DeadlineExceeded, EngineFailure, NotReady
+from appliance.errors import (OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument,
+                             NotReady, ResourceUnavailable)
 from appliance.metrics import Metrics
-from appliance.model_port import GenerateResult
+from appliance.model_port import ChooseResult, GenerateResult
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class EngineLoop:
         self.metrics = metrics
         self.liveness = liveness
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._chooses: list[ChooseRequest] = []  # waiting for the engine thread (a slot)
         # Published by the engine thread (plain ints: reads from the event loop need no lock).
         self._running = 0
         self._slots_in_use = 0
@@ -68,9 +71,18 @@ class EngineLoop:
         """Evicted conversations held in host memory until their session's next call."""
         return self._conversations_parked
 
+    def step_counts(self) -> tuple[int, float, int]:
+        """(engine steps run, seconds spent on token masks, rows masked) since the weights loaded (benchmarks)."""
+        runner = getattr(self, "_runner", None)
+        return (runner.steps, runner.mask_seconds, runner.mask_rows) if runner is not None else (0, 0.0, 0)
+
     def submit(self, seq: Sequence) -> None:
         """Queue a request; seq.handle (a Reply) gets its GenerateResult or error."""
         self._commands.put(("submit", seq))
+
+    def choose(self, request: ChooseRequest) -> None:
+        """Queue a Choose; request.handle (a Reply) gets its ChooseResult or error."""
+        self._commands.put(("choose", request))
 
     def cancel(self, seq: Sequence) -> None:
         """The caller gave up (deadline, cancellation): roll the slot back to before this turn."""
@@ -106,7 +118,8 @@ class EngineLoop:
         if self._files is not None:
             for session in self._files.expired:  # ended by the TTL while the appliance was down
                 self._slots.mark_lost(session)
-        self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len)
+        self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len,
+                                jump_forward=s.jump_forward)
         self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
                                     prefixes=PrefixIndex(s.prefix_cache_entries))
         self._runner = ModelRunner(engine.model, engine.cache, compiled=engine.compiled_decode)
@@ -124,12 +137,14 @@ class EngineLoop:
 
     def _engine_iteration(self) -> None:
         sched = self._scheduler
-        self._drain_commands(block=not sched.has_work and self._pending_swap is None)
+        self._drain_commands(block=not sched.has_work and self._pending_swap is None and not self._chooses)
         if self._exit:
             return
         with self.liveness.busy():  # scheduling tokenizes prompts: a template stuck in a loop counts too
             if self._pending_swap is not None and not sched.running:
                 self._swap()
+            if self._chooses and self._pending_swap is None:
+                self._run_chooses()
             plan = sched.schedule()
             for seq, error in plan.failed:
                 self._answer(seq, error=error)
@@ -141,7 +156,7 @@ class EngineLoop:
                 self._running = len(sched.running)
             elif plan.has_copies:
                 self._runner.run(plan)  # parks, restores and frees with no forward to run
-        if plan.empty and (sched.has_work or self._pending_swap is not None):
+        if plan.empty and (sched.has_work or self._pending_swap is not None or self._chooses):
             self._drain_commands(block=True, timeout=IDLE_POLL_S)
         self._publish_slots()
 
@@ -173,12 +188,76 @@ class EngineLoop:
                     m.time_to_first_token.labels(self.name).observe(c.seq.first_token_at - c.seq.arrival)
             for seq in finished:
                 m.queue_wait.labels(self.name).observe(seq.admitted_at - seq.arrival)
+        if finished:
+            self._publish_slots()  # before the answers: a one-shot turn's slot is free when its caller reads
         for seq in finished:
             self._finished(seq)
         done = {id(seq) for seq in finished}
         for seq in {id(r.seq): r.seq for r in plan.decode}.values():  # replies that grew and go on
             if id(seq) not in done and seq.handle is not None:
                 seq.handle.send_progress(seq.text, len(seq.generated))
+
+    def _run_chooses(self) -> None:
+        """Each queued Choose that can have a slot now, run to its answer (between two steps)."""
+        waiting = []
+        now = time.monotonic()
+        for request in self._chooses:
+            if request.handle.future.done():  # the caller stopped waiting
+                continue
+            if now > request.deadline:
+                request.handle.send(error=DeadlineExceeded("the request's deadline passed"))
+                continue
+            slots = self._choose_slots(request)
+            if not slots and self._slots.policy == "reject":
+                request.handle.send(error=ResourceUnavailable("no KV-cache slot is free"))
+                continue
+            if not slots:
+                waiting.append(request)  # every slot is generating: after the next step
+                continue
+            try:
+                result = self._score(request, slots)
+            except ApplianceError as exc:
+                request.handle.send(error=exc)
+            except Exception:  # noqa: BLE001 - a bug of this request's forward: answered, the engine goes on
+                log.exception("model %s: Choose failed", self.name)
+                request.handle.send(error=EngineFailure("the engine failed on this request"))
+            else:
+                request.handle.send(result)
+            finally:
+                for i in range(len(slots)):
+                    self._slots.release(request.slot_key(i))
+        self._chooses = waiting
+
+    def _choose_slots(self, request: ChooseRequest) -> list[int]:
+        """Slots for a Choose: one as a turn would get it (an idle conversation may be parked for it), then as
+        many free ones as it has options. [] when none can be had now."""
+        first = self._slots.acquire(request.slot_key(0))
+        if first is None:
+            return []
+        got = [first.slot]
+        while len(got) < len(request.options) and any(s.owner is None for s in self._slots.slots):
+            got.append(self._slots.acquire(request.slot_key(len(got))).slot)
+        moves = self._slots.take_moves()
+        if moves:  # a conversation parked out of the first slot before it is written
+            self._runner.run(StepPlan(slot_moves=moves))
+        return got
+
+    def _score(self, request: ChooseRequest, slots: list[int]) -> ChooseResult:
+        tokenizer = self._turns.tokenizer
+        try:
+            prompt, _head = tokenizer.turn_tokens_and_head([], request.prompt, self.settings.system_prompt)
+        except Exception as exc:  # a template that cannot render this prompt
+            log.warning("chat template failed: %r", exc)
+            raise EngineFailure("the model's chat template could not render this prompt") from None
+        options = [tokenizer.encode_literal(o) for o in request.options]
+        for i, ids in enumerate(options):
+            if not ids:
+                raise InvalidArgument(f"Options[{i}] has no tokens", 1, OUT_OF_RANGE)
+        if len(prompt) + max(map(len, options)) > self._slots.max_seq_len:
+            raise InvalidArgument("the prompt and the longest option do not fit the model's context", 0,
+                                  OUT_OF_RANGE)
+        scores = self._runner.score_options(prompt, options, slots)
+        return ChooseResult(best(scores), scores, self._live_engine.version)
 
     def _finished(self, seq: Sequence) -> None:
         """A reply that ended (stop, length, context full, or a job's bound): its turn saved, then answered."""
@@ -210,6 +289,8 @@ class EngineLoop:
         kind = item[0]
         if kind == "submit":
             self._scheduler.add(item[1])
+        elif kind == "choose":
+            self._chooses.append(item[1])
         elif kind == "cancel":
             seq = item[1]
             if self._scheduler.abort(seq):
@@ -232,6 +313,9 @@ class EngineLoop:
         elif kind == "stop":
             for seq in self._scheduler.abort_all():
                 self._answer(seq, error=NotReady(f"model {self.name} stopped"))
+            for request in self._chooses:
+                request.handle.send(error=NotReady(f"model {self.name} stopped"))
+            self._chooses = []
             self._slots.drop_all()
             self._exit = True
             item[2].send(None)
@@ -245,7 +329,7 @@ class EngineLoop:
         if engine.max_seq_len != self._slots.max_seq_len:
             self._slots.max_seq_len = engine.max_seq_len
         self._turns = ChatTurns(engine.tokenizer, self.settings.system_prompt, self.settings.max_text_chars,
-                                engine.max_seq_len)
+                                engine.max_seq_len, jump_forward=self.settings.jump_forward)
         self._scheduler.policy = self._turns
         self._scheduler.prefixes.clear()  # heads computed by the old weights
         self._scheduler.prefixes.take_evicted()  # the new runner starts without them

@@ -27,10 +27,11 @@ from appliance.engine.liveness import Liveness
 from appliance.engine.llm_engine import EngineLoop
 from appliance.engine.llm_loading import (LoadedEngine, compile_in_background, in_fresh_thread, load_engine,
                                           load_failure_reason)
-from appliance.call_checks import check_generate
+from appliance.call_checks import check_generate, check_options
+from appliance.engine.choose import ChooseRequest
 from appliance.engine.llm_settings import GenerativeSettings
 from appliance.engine.thread_reply import Reply
-from appliance.model_port import GenerateResult
+from appliance.model_port import ChooseResult, GenerateResult
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 
@@ -53,6 +54,8 @@ class GenerativeModelService(ModelStatus):
         self._session_locks: dict[str, list] = {}  # session -> [asyncio.Lock, users]
         self._request_counter = 0
         self._outstanding = 0  # Generate calls accepted and not yet answered
+        self._one_shots = 0  # one-shot turns so far: each gets a slot key of its own
+        self._grammars = None  # grammar.GrammarBook of the served tokenizer, built at the first grammar
 
     # ---- what the address space shows ----------------------------------------------------------------------
     @property
@@ -148,15 +151,18 @@ class GenerativeModelService(ModelStatus):
 
     # ---- requests ------------------------------------------------------------------------------------------
     async def generate(self, session_key: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float, on_progress=None, finish_by: float | None = None) -> GenerateResult:
+                       deadline: float, on_progress=None, finish_by: float | None = None,
+                       grammar: str | None = None) -> GenerateResult:
         """on_progress(text, tokens), on the loop, after each engine step that added to the reply (jobs).
         finish_by (a job's bound, monotonic): the reply ends there with FinishReason `deadline` and what it has;
-        `deadline` then only guards against an engine that does not answer."""
+        `deadline` then only guards against an engine that does not answer. session_key "": a one-shot turn (no
+        history; its slot is given back when it ends). grammar: a JSON Schema the reply must match
+        (model_port.GenerativeModel.generate); InvalidArgument if it cannot be compiled."""
         started = time.monotonic()
         self.request_count += 1
         try:
             result = await self._generate(session_key, prompt, max_tokens, temperature, deadline, on_progress,
-                                          finish_by)
+                                          finish_by, grammar)
         except BaseException:  # a cancelled call (client gone) counts too: the model did not answer it
             self.error_count += 1
             raise
@@ -164,11 +170,17 @@ class GenerativeModelService(ModelStatus):
         return result
 
     async def _generate(self, session_key: str, prompt: str, max_tokens: int, temperature: float,
-                        deadline: float, on_progress=None, finish_by: float | None = None) -> GenerateResult:
+                        deadline: float, on_progress=None, finish_by: float | None = None,
+                        grammar: str | None = None) -> GenerateResult:
         prompt = self._validate(prompt, max_tokens, temperature)
         self._require_ready()
+        constraint = await self._constraint(grammar) if grammar else None
         if self.queue_depth >= self.settings.max_queue_size:
             raise ResourceUnavailable("the model's queue is full")
+        one_shot = session_key == ""
+        if one_shot:  # a key of its own, never a session's (those are never empty and have no NUL)
+            self._one_shots += 1
+            session_key = f"\0once:{self._one_shots}"
         self._outstanding += 1
         self._publish_queue()
         try:
@@ -178,7 +190,8 @@ class GenerativeModelService(ModelStatus):
                 seq = Sequence(session_key=session_key, prompt=prompt, max_tokens=int(max_tokens),
                                temperature=float(temperature), top_p=self.settings.top_p,
                                seed=request_seed(self.settings.seed, self._request_counter), deadline=deadline,
-                               finish_at=math.inf if finish_by is None else finish_by)
+                               finish_at=math.inf if finish_by is None else finish_by, constraint=constraint,
+                               one_shot=one_shot)
                 loop = asyncio.get_running_loop()
                 seq.handle = Reply(loop, loop.create_future(), on_progress)
                 self._engine_loop.submit(seq)
@@ -201,6 +214,57 @@ class GenerativeModelService(ModelStatus):
         finally:
             self._outstanding -= 1
             self._publish_queue()
+
+    async def _constraint(self, schema: str):
+        """A fresh matcher of `schema` for one sequence. The grammar engine's tokenizer (built from the served
+        tokenizer, ~0.2 s) and a schema's first compilation run in a thread, off the event loop."""
+        engine = self._engine
+        book = self._grammars
+        if book is None or book.source is not engine.tokenizer:
+            from appliance.engine.grammar import GrammarBook
+            eos = set(engine.tokenizer.eos_token_ids) | engine.tokenizer.end_of_turn_ids()
+            book = await asyncio.to_thread(GrammarBook, engine.tokenizer, engine.model.config.vocab_size, eos)
+            self._grammars = book
+        if book.is_compiled(schema):
+            return book.constraint(schema)
+        return await asyncio.to_thread(book.constraint, schema)
+
+    async def choose(self, prompt: str, options: list[str], deadline: float) -> ChooseResult:
+        """Each option scored as the whole reply to `prompt` in a turn of no conversation (model_port's
+        GenerativeModel.choose); InvalidArgument for a bad prompt or option (its index)."""
+        started = time.monotonic()
+        self.request_count += 1
+        try:
+            prompt = check_generate(prompt, 1, 0.0, 1)
+            options = check_options(options)
+            self._require_ready()
+            if self.queue_depth >= self.settings.max_queue_size:
+                raise ResourceUnavailable("the model's queue is full")
+            self._outstanding += 1
+            self._publish_queue()
+            try:
+                request = ChooseRequest(prompt, options, deadline)
+                loop = asyncio.get_running_loop()
+                request.handle = Reply(loop, loop.create_future())
+                self._engine_loop.choose(request)
+                try:
+                    done, _ = await asyncio.wait({request.handle.future},
+                                                 timeout=max(0.0, deadline - time.monotonic()))
+                except asyncio.CancelledError:
+                    request.handle.future.cancel()  # the engine drops it if it has not run yet
+                    raise
+                if not done:
+                    request.handle.future.cancel()
+                    raise DeadlineExceeded("the request's deadline passed")
+                result = request.handle.future.result()
+            finally:
+                self._outstanding -= 1
+                self._publish_queue()
+        except BaseException:
+            self.error_count += 1
+            raise
+        self.last_latency_ms = (time.monotonic() - started) * 1000.0
+        return result
 
     async def reset(self, session_key: str) -> None:
         """Forget the session's conversation and give its slot back (after its earlier calls)."""

@@ -5,10 +5,12 @@ step on a CPU once it is compiled, else eagerly: every one of these is the same 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from appliance.engine.sampling import make_generator, sample
+from appliance.engine.grammar import MaskFiller
+from appliance.engine.sampling import apply_token_masks, make_generator, sample
 from appliance.engine.scheduler import StepPlan
 from appliance.engine.sequence import Sequence
 from models.llama import KVCache, LlamaModel
@@ -31,10 +33,18 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self.prefixes: dict[tuple[int, ...], torch.Tensor] = {}  # shared heads' KV (keys: prefix_index)
         self.parked: dict[str, torch.Tensor] = {}  # parked conversations' KV by session (slots.SlotMove)
+        self._masks: MaskFiller | None = None  # built at the first constrained row
+        # Read by bench/tasks.py (EngineLoop.step_counts): forwards run, time spent computing and applying token
+        # masks, rows masked
+        self.steps = 0
+        self.mask_seconds = 0.0
+        self.mask_rows = 0
 
     def run(self, plan: StepPlan) -> dict[int, int]:
         """request_id -> sampled token, for every decode row and every prefill chunk that completes its prompt."""
         sampled: dict[int, int] = {}
+        if plan.prefill or plan.decode:
+            self.steps += 1
         kv = self.cache.kv  # (2, layers, slots, kv_heads, positions, head_dim)
         for move in plan.slot_moves:  # in order: a slot's old owner is parked before a new one is restored in it
             if move.kind == "park":
@@ -96,6 +106,15 @@ class ModelRunner:
                                   torch.ones(len(tokens), dtype=torch.long))
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], out: dict[int, int]) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if rows:  # the grammar's mask of each constrained row, computed on the CPU for this step
+            started = time.perf_counter()
+            if self._masks is None:
+                self._masks = MaskFiller(logits.shape[1])
+            bits = self._masks.fill([seqs[i].constraint for i in rows])
+            logits = apply_token_masks(logits, rows, bits)
+            self.mask_seconds += time.perf_counter() - started
+            self.mask_rows += len(rows)
         gens = [self._generator(s) if s.temperature > 0 else None for s in seqs]
         tokens = sample(logits, [s.temperature for s in seqs], [s.top_p for s in seqs], gens)
         for s, t in zip(seqs, tokens):
@@ -106,6 +125,35 @@ class ModelRunner:
         if g is None:
             g = self._generators[seq.request_id] = make_generator(seq.seed)
         return g
+
+    @torch.no_grad()
+    def score_options(self, prompt: list[int], options: list[list[int]], slots: list[int]) -> list[float]:
+        """Choose (engine/choose.py): log P(option | prompt) summed over each option's tokens. The prompt is
+        prefilled into slots[0] and its cache copied into the other slots; the options run as rows of one forward
+        per len(slots) options, row i at positions len(prompt).. of its own slot (each option's last token needs
+        no forward: only the logits before it count)."""
+        kv, n = self.cache.kv, len(prompt)
+        last = self.model.forward(self.cache, torch.tensor([prompt]), torch.tensor([slots[0]]), torch.tensor([0]),
+                                  torch.tensor([n]))
+        first = torch.log_softmax(last[0].float(), dim=-1).cpu()
+        for s in slots[1:]:  # the prompt's keys and values, shared by copy
+            kv[:, :, s, :, :n] = kv[:, :, slots[0], :, :n]
+        scores = [float(first[o[0]]) for o in options]
+        longer = [i for i, o in enumerate(options) if len(o) > 1]
+        for g in range(0, len(longer), len(slots)):
+            group = longer[g:g + len(slots)]
+            width = max(len(options[i]) - 1 for i in group)
+            ids = torch.zeros(len(group), width, dtype=torch.long)
+            for r, i in enumerate(group):
+                ids[r, :len(options[i]) - 1] = torch.tensor(options[i][:-1])
+            logits = self.model.forward(self.cache, ids, torch.tensor(slots[:len(group)]),
+                                        torch.full((len(group),), n, dtype=torch.long),
+                                        torch.tensor([len(options[i]) - 1 for i in group]), all_logits=True)
+            logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+            for r, i in enumerate(group):
+                targets = torch.tensor(options[i][1:])
+                scores[i] += float(logp[r, torch.arange(len(targets)), targets].double().sum())
+        return scores
 
     def forget(self, seq: Sequence) -> None:
         """The sequence ended: drop its random stream."""

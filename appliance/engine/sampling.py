@@ -1,10 +1,15 @@
 """Next-token choice: temperature 0 is argmax (deterministic); otherwise temperature + top-p, drawn with a
-per-request `torch.Generator` seeded from the engine seed and a request counter, so a run is reproducible."""
+per-request `torch.Generator` seeded from the engine seed and a request counter, so a run is reproducible. A row
+under a grammar has its disallowed tokens set to -inf first (`apply_token_masks`): argmax picks the likeliest allowed
+token, and a draw comes from the distribution renormalized over the allowed ones."""
 from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
+
+_BIT = torch.arange(32, dtype=torch.int32)
 
 
 def request_seed(engine_seed: int, counter: int) -> int:
@@ -39,3 +44,25 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
         else:
             out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
     return out
+
+
+def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
+    """logits (B, vocab) with row rows[k]'s tokens whose bit is 0 in bitmask[k] (int32 words, bit i % 32 of word
+    i // 32) set to -inf, in place (returned). Each row costs one pass over it at most: where few tokens are allowed
+    (an enum, a number, punctuation) they are kept and the row filled around them; where most are (a string's
+    characters) the few refused ones are set. Measured on the demo's 49,152-token rows: a bool mask expanded with
+    torch took 0.5 ms a row on a loaded 2-core machine, this about 0.05 ms."""
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(np.bool_)
+    for k, i in enumerate(rows):
+        keep, row = allowed[k], logits[i]
+        if np.count_nonzero(keep) * 2 <= vocab:
+            index = torch.from_numpy(np.flatnonzero(keep)).to(row.device)
+            values = row.index_select(0, index)
+            row.fill_(float("-inf"))
+            row.index_copy_(0, index, values)
+        else:
+            row.index_fill_(0, torch.from_numpy(np.flatnonzero(~keep)).to(row.device), float("-inf"))
+        if len(keep) < vocab:  # ids past the mask's width are never allowed
+            row[len(keep):] = float("-inf")
+    return logits

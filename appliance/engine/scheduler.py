@@ -116,8 +116,15 @@ class Scheduler:
         for seq in self.running:
             slot = self.slots.slot(seq.slot)
             pending = len(slot.tokens) - slot.kv_len
-            if seq.state is SeqState.DECODE:
+            if seq.state is SeqState.DECODE and pending == 1:
                 plan.decode.append(DecodeRow(seq, seq.slot, slot.kv_len, slot.tokens[-1]))
+            elif seq.state is SeqState.DECODE:
+                # The sampled token and the stretch a grammar forced after it (jump-forward): fed in one step as a
+                # prefill chunk, whose last row gives the next token to sample (outside the prompts' budget: it
+                # stands in for the decode row)
+                n = min(pending, self.prefill_chunk)
+                plan.prefill.append(PrefillChunk(seq, seq.slot, slot.kv_len,
+                                                 slot.tokens[slot.kv_len:slot.kv_len + n], n == pending))
             elif budget > 0:
                 n = min(pending, self.prefill_chunk, budget)
                 budget -= n
@@ -270,5 +277,7 @@ class Scheduler:
             self.running.remove(seq)
             if seq.slot is not None and self.slots.slot(seq.slot).owner == seq.session_key:
                 self.slots.set_busy(seq.slot, False)
+                if seq.one_shot:  # no conversation goes on from this turn: the slot is free for others
+                    self.slots.release(seq.session_key)
         seq.state = SeqState.FINISHED
         seq.finished_at = now

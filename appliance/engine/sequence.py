@@ -50,6 +50,8 @@ class Sequence:
     first_token_at: float | None = None
     finished_at: float | None = None
     handle: Any = None  # the service's reply channel (future + loop)
+    constraint: Any = None  # grammar.Constraint: the reply must match its schema (masked sampling, jump-forward)
+    one_shot: bool = False  # a turn of no conversation (session ""): its slot is given back when it ends
 
     @property
     def is_finished(self) -> bool:

@@ -64,6 +64,15 @@ class Generate(_Msg):
     deadline: float
     progress: bool = False  # send GenerateProgress as the reply grows (jobs show partial text)
     finish_by: float = 0.0  # a job's bound (monotonic; 0: none): the reply ends there as it is ("deadline")
+    grammar: str = ""  # a JSON Schema (JSON text) the reply must match ("": free text)
+
+
+class Choose(_Msg):
+    id: int
+    model: str
+    prompt: str
+    options: list[str]
+    deadline: float
 
 
 class Reset(_Msg):
@@ -101,7 +110,7 @@ class Stop(_Msg):
     id: int
 
 
-ToWorker = Union[Start, Infer, Generate, Reset, Release, Reload, ShedLoad, Cancel, Ping, Stop]
+ToWorker = Union[Start, Infer, Generate, Choose, Reset, Release, Reload, ShedLoad, Cancel, Ping, Stop]
 
 
 # ---- worker -> serve ----
@@ -133,6 +142,13 @@ class GenerateDone(_Msg):
     finish_reason: str
     context_tokens: int
     context_lost: bool
+    version: str
+
+
+class ChooseDone(_Msg):
+    id: int
+    index: int
+    scores: list[float]
     version: str
 
 
@@ -169,7 +185,7 @@ class Event(_Msg):
     message: str
 
 
-FromWorker = Union[InferDone, GenerateDone, GenerateProgress, Done, Failed, Pong, Event]
+FromWorker = Union[InferDone, GenerateDone, ChooseDone, GenerateProgress, Done, Failed, Pong, Event]
 
 
 class Channel(asyncio.Protocol):

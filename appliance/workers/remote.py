@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from appliance.errors import EngineFailure, NotReady, ResourceUnavailable, without_paths
-from appliance.model_port import CONVERSATION_PREFIX, GenerateResult, InferResult, ModelStatus
+from appliance.model_port import CONVERSATION_PREFIX, ChooseResult, GenerateResult, InferResult, ModelStatus
 from appliance.workers import protocol as p
 from appliance.workers.supervisor import WorkerSupervisor
 
@@ -94,24 +94,38 @@ class RemoteModel:
         return InferResult(np.frombuffer(reply.data, dtype=np.float32), reply.version)
 
     async def generate(self, session: str, prompt: str, max_tokens: int, temperature: float,
-                       deadline: float, on_progress=None, finish_by: float | None = None) -> GenerateResult:
+                       deadline: float, on_progress=None, finish_by: float | None = None,
+                       grammar: str | None = None) -> GenerateResult:
         """on_progress(text, tokens): the reply so far, as it grows (jobs). finish_by: a job's bound, where the
-        reply ends as it is (FinishReason `deadline`); the call itself is then bounded by `deadline`."""
-        if self.shedding and session not in self._sessions_with_state:
+        reply ends as it is (FinishReason `deadline`); the call itself is then bounded by `deadline`. session "":
+        a one-shot turn (the worker keeps nothing after it). grammar: see model_port.GenerativeModel.generate."""
+        if self.shedding and (not session or session not in self._sessions_with_state):
             self.request_count += 1
             self.error_count += 1
             raise ResourceUnavailable("the GPU watchdog is Critical: no new sessions until it recovers")
         message = p.Generate(id=0, model=self.name, session=session, prompt=prompt, max_tokens=int(max_tokens),
                              temperature=float(temperature), deadline=deadline, progress=on_progress is not None,
-                             finish_by=finish_by or 0.0)
+                             finish_by=finish_by or 0.0, grammar=grammar or "")
         # The session holds state in the worker from the moment its turn is sent: a session that closes while its
-        # first turn runs must still send Release (which cancels the turn and frees the slot).
-        self._sessions_with_state.add(session)
+        # first turn runs must still send Release (which cancels the turn and frees the slot). A one-shot turn
+        # holds nothing after its answer (a cancelled call is rolled back by the worker's Cancel).
+        if session:
+            self._sessions_with_state.add(session)
         reply = await self._counted(message, deadline, on_progress)
         lost = reply.context_lost or session in self._sessions_lost
         self._sessions_lost.discard(session)
         return GenerateResult(reply.text, reply.token_count, reply.finish_reason, reply.context_tokens, lost,
                               reply.version)
+
+    async def choose(self, prompt: str, options: list[str], deadline: float) -> ChooseResult:
+        """See model_port.GenerativeModel.choose: scored in the worker, no state kept there."""
+        if self.shedding:
+            self.request_count += 1
+            self.error_count += 1
+            raise ResourceUnavailable("the GPU watchdog is Critical: no new sessions until it recovers")
+        message = p.Choose(id=0, model=self.name, prompt=prompt, options=list(options), deadline=deadline)
+        reply = await self._counted(message, deadline)
+        return ChooseResult(int(reply.index), [float(s) for s in reply.scores], reply.version)
 
     async def reset(self, session: str) -> None:
         self._require_ready()

@@ -152,7 +152,7 @@ class WorkerHost:
         if isinstance(message, p.Ping):
             self._check_memory()
             self._send(self._pong(message.seq))
-        elif isinstance(message, (p.Infer, p.Generate, p.Reset, p.Reload)):
+        elif isinstance(message, (p.Infer, p.Generate, p.Choose, p.Reset, p.Reload)):
             if not (isinstance(message, p.Infer) and self._answered_now(message)):
                 self._calls[message.id] = asyncio.create_task(self._serve(message))
         elif isinstance(message, p.Cancel):
@@ -239,10 +239,16 @@ class WorkerHost:
             elif isinstance(message, p.Generate):
                 progress = self._progress_sender(message.id) if message.progress else None
                 r = await svc.generate(message.session, message.prompt, message.max_tokens, message.temperature,
-                                       message.deadline, progress, message.finish_by or None)
+                                       message.deadline, progress, message.finish_by or None,
+                                       message.grammar or None)
                 reply = p.GenerateDone(id=message.id, text=r.text, token_count=r.token_count,
                                        finish_reason=r.finish_reason, context_tokens=r.context_tokens,
                                        context_lost=bool(r.context_lost), version=r.model_version)
+            elif isinstance(message, p.Choose):
+                if svc.kind != "generative":
+                    raise InvalidArgument("Choose needs a generative model", 0)
+                c = await svc.choose(message.prompt, list(message.options), message.deadline)
+                reply = p.ChooseDone(id=message.id, index=c.index, scores=list(c.scores), version=c.model_version)
             elif isinstance(message, p.Reset):
                 await svc.reset(message.session)
                 reply = p.Done(id=message.id)
