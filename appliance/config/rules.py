@@ -26,6 +26,9 @@ from .yaml_walk import (
 DNS_NAME = re.compile(r"(?=.{1,253}$)(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
 _RDN = re.compile(r"[A-Za-z][A-Za-z0-9.-]*\s*=.+", re.S)
 
+# a name of a model, variant, task, mailbox or source: it becomes a BrowseName and a PLC identifier
+MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Value predicates

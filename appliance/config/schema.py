@@ -20,8 +20,8 @@ from yaml.nodes import Node, ScalarNode
 from .builtin import BUILTIN_MODELS
 from .tasks import TaskConfig, TasksRule
 from .rules import (
-    DNS_NAME, CertificateRoles, LabelsRule, ListOf, NestedSection, RoleGrant, Scalar, Section, boolean, choice,
-    class_check,
+    DNS_NAME, MODEL_NAME, CertificateRoles, LabelsRule, ListOf, NestedSection, RoleGrant, Scalar, Section, boolean,
+    choice, class_check,
     endpoint_check, integer, ip_check, is_host, listen_check, normalize_thumbprint, number, optional,
     password_hash_check, path_rule, required, resolve_path, setting, split_listen, subject_key, text, uri_check,
 )
@@ -35,7 +35,6 @@ SECURITY_MODES = ("SignAndEncrypt", "Sign")
 MODEL_KINDS = ("tensor", "generative")
 UA_CHUNK_BODY = 65535  # bytes per chunk used to derive the default max_chunk_count
 
-MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 _USER_NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 _DEVICE = re.compile(r"auto|cpu|cuda|cuda:\d{1,2}")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from yaml.nodes import Node, ScalarNode
 
-from .rules import ListOf, Scalar, boolean, integer, number, optional, setting, required, text
+from .rules import MODEL_NAME, ListOf, Scalar, boolean, integer, number, optional, setting, required, text
 from .yaml_walk import INVALID, Context, as_mapping, key_path, mapping_items, parse_fields, shown
 
 INPUT_TYPES = ("String", "Int32", "Double", "Boolean")
@@ -242,7 +242,6 @@ class TasksRule:
     expect: str = "a mapping of task names to {prompt, inputs, output, max_tokens, temperature}"
 
     def parse(self, node: Node, ctx: Context, path: str) -> Any:
-        from .schema import MODEL_NAME
         if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
             return {}
         mapping = as_mapping(node, ctx, path, self.expect)
