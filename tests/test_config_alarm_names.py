@@ -96,8 +96,8 @@ def test_distinct_names_pass(tmp_path):
 
 
 def test_the_reserved_names_are_the_alarms_the_appliance_raises():
-    # the check's list follows the Booleans supervision puts under Alarms (plus the Drift folder)
+    # the check's list follows the Booleans supervision puts under Alarms (plus the Drift and SourceFault folders)
     none = lambda: None  # noqa: E731 - an appliance that has not started its parts
     facts = SupervisedFacts(metrics=none, watchdog=none, gpu_fault=none, audit_torn=lambda: False,
                             cert_expiry_s=lambda: 0.0, ua=none)
-    assert set(Supervision({}, [], facts).alarms()) | {"Drift"} == set(BUILTIN_ALARMS)
+    assert set(Supervision({}, [], facts).alarms()) | {"Drift", "SourceFault"} == set(BUILTIN_ALARMS)

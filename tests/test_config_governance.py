@@ -115,4 +115,4 @@ def test_rate_limits_per_role_and_per_client_default_to_none_and_are_checked():
         "[1, 1000000]",
         "t.yaml:3: security.rate_limits.operator.calls_per_s: expected a number in (0, 1000000], got -1",
         "t.yaml:4: security.rate_limits.admin: unknown key 'admin' in security.rate_limits; valid keys: monitor, "
-        "operator, engineer, per_client"]
+        "operator, engineer, security_admin, per_client"]
