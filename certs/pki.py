@@ -88,7 +88,7 @@ class PKI:
         now = self._clock()
         if new_ca or not ca_files:
             self._create_ca(hosts[0], now)
-        ca_cert, ca_key = self._load_ca()
+        ca_cert, ca_key = self.load_ca()
         self._create_server_cert(ca_cert, ca_key, uri, hosts, addrs, application_name or hosts[0], server_days, now)
         self.refresh_crl()
 
@@ -161,7 +161,7 @@ class PKI:
         self.layout.own_issuers_der.unlink(missing_ok=True)  # a plant CA's chain does not go with this one
         log.info("created the server certificate for %s (%s)", uri, ", ".join(hosts + addrs))
 
-    def _load_ca(self) -> tuple[x509.Certificate, object]:
+    def load_ca(self) -> tuple[x509.Certificate, object]:
         try:
             cert = x509.load_der_x509_certificate(self.layout.ca_cert_der.read_bytes())
         except FileNotFoundError:
@@ -203,7 +203,7 @@ class PKI:
             raise PKIError(f"validity of {days} days is out of range (1-3650)")
         if self.role_map.find(name):
             raise PKIError(f"a certificate named {name!r} is already issued; revoke it first (`appliance certs revoke {name}`)")
-        ca_cert, ca_key = self._load_ca()
+        ca_cert, ca_key = self.load_ca()
         uri = f"urn:{hostname}:appliance:client:{name}"
         key = builder.new_rsa_key(builder.SERVER_KEY_BITS)
         cert = builder.build_client_cert(key, ca_cert, ca_key, name, uri, days, self._clock())
@@ -303,7 +303,7 @@ class PKI:
         name = entry.get("name") or (stored.path.stem if stored else None)
         serial, on_crl = None, False
         if self.layout.ca_cert_der.is_file():
-            ca_cert, ca_key = self._load_ca()
+            ca_cert, ca_key = self.load_ca()
             if stored is not None:
                 issued_here = _issued_by(stored.cert, ca_cert)
                 serial = stored.cert.serial_number
@@ -341,7 +341,7 @@ class PKI:
         True if signed."""
         if not (self.layout.ca_cert_der.is_file() and self.layout.ca_key_pem.is_file()):
             return False
-        ca_cert, ca_key = self._load_ca()
+        ca_cert, ca_key = self.load_ca()
         try:
             crl = parse_crl(self.layout.ca_crl_der.read_bytes())
             fresh = crl.is_signature_valid(ca_cert.public_key()) and (

@@ -75,7 +75,7 @@ class SourceFiles:
         from certs.pki import PKI
         from certs.x509io import to_der, write_atomic
         host = hostname or socket.gethostname()
-        ca_cert, ca_key = PKI(Path(state_dir))._load_ca()
+        ca_cert, ca_key = PKI(Path(state_dir)).load_ca()
         key = builder.new_rsa_key(builder.SERVER_KEY_BITS)
         cert = builder.build_client_cert(key, ca_cert, ca_key, f"appliance-source-{source}",
                                          f"urn:{host}:appliance:source-client:{source}", CLIENT_DAYS,

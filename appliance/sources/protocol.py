@@ -49,7 +49,8 @@ class SourceSpec(msgspec.Struct, array_like=True):
     enabled: bool
     client_cert: str  # the appliance's client certificate for sources (DER) and its key (PEM)
     client_key: str
-    trusted_cert: str  # the source server's certificate trusted with `appliance sources trust` ("": none yet)
+    trusted_cert: str  # where `appliance sources trust` stores the server's certificate: read at every connection
+    # attempt, so a certificate trusted while serve runs is taken at the next attempt (no file: not trusted yet)
     user: str
     password: str
     publishing_interval_ms: float

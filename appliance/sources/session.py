@@ -55,12 +55,12 @@ def check_trusted(spec: p.SourceSpec, presented: bytes) -> None:
     from certs.x509io import thumbprint
     if spec.policy == "None":
         return
-    if not spec.trusted_cert:
-        raise SourceProblem(f"the server's certificate (thumbprint {thumbprint(presented)}) is not trusted: "
-                            f"check it and run `appliance sources trust {spec.name}`", "Refused")
-    try:
+    try:  # read at every attempt: a certificate trusted while serve runs counts from the next attempt on
         with open(spec.trusted_cert, "rb") as f:
             trusted = leaf_of(f.read())
+    except FileNotFoundError:
+        raise SourceProblem(f"the server's certificate (thumbprint {thumbprint(presented)}) is not trusted: "
+                            f"check it and run `appliance sources trust {spec.name}`", "Refused") from None
     except OSError:
         raise SourceProblem("the trusted certificate of this source cannot be read", "Refused") from None
     if presented != trusted:

@@ -39,7 +39,7 @@ def source_spec(src, state_dir: Path) -> p.SourceSpec:
     return p.SourceSpec(
         name=src.name, endpoint=src.endpoint, policy=src.security_policy, mode=src.security_mode,
         enabled=src.enabled, client_cert=str(files.client_cert), client_key=str(files.client_key),
-        trusted_cert=str(files.trusted) if files.trusted.exists() else "", user=src.user or "",
+        trusted_cert=str(files.trusted), user=src.user or "",
         password=files.password() if src.user else "", publishing_interval_ms=src.publishing_interval_ms,
         accept_uncertain=src.accept_uncertain, stale_after_s=src.stale_after_s, timeout_s=src.timeout_s,
         reconnect_min_s=src.reconnect_min_s, reconnect_max_s=src.reconnect_max_s,

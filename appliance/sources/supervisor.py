@@ -93,9 +93,9 @@ class SourcesSupervisor:
                    "--parent-pid", str(os.getpid())]
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             try:
-                from appliance.workers.supervisor import _worker_environment
+                from appliance.workers.supervisor import worker_environment
                 self.process = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                                env=_worker_environment())
+                                                env=worker_environment())
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         finally:

@@ -221,7 +221,7 @@ class WorkerSupervisor:
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
             try:
                 self.process = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
-                                                env=_worker_environment())
+                                                env=worker_environment())
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         finally:
@@ -467,7 +467,7 @@ def _expire(future: asyncio.Future) -> None:
         future.set_exception(TimeoutError())
 
 
-def _worker_environment() -> dict:
+def worker_environment() -> dict:
     env = dict(os.environ)
     # The worker imports the same appliance package as this process, wherever that came from.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

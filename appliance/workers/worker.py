@@ -335,7 +335,7 @@ def _peak_rss_mb() -> float:
 WORKER_NICE = 5  # added to the serve process's niceness (see main)
 
 
-def _die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
     """`sig` to this process when its parent dies, even by kill -9 (Linux); elsewhere the socket's EOF does."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -360,7 +360,7 @@ def _forked_children_end_with_the_worker() -> None:
                 signal.signal(sig, signal.SIG_DFL)
             except (ValueError, OSError):  # not this interpreter's main thread: at the C level then
                 ctypes.CDLL(None).signal(int(sig), 0)  # 0: SIG_DFL
-        _die_with_parent(worker, signal.SIGTERM)
+        die_with_parent(worker, signal.SIGTERM)
     os.register_at_fork(after_in_child=in_child)
 
 
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--group", required=True)
     args = parser.parse_args(argv)
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     # `systemctl stop` (and a reboot) signals every process of the unit, Ctrl-C in a terminal the whole group: the
     # serve process decides when its workers stop, after the calls in flight are answered. SIGTERM arrives blocked
     # (see supervisor._spawn) so that one sent while this process started is dropped here, not fatal.
