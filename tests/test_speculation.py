@@ -11,7 +11,7 @@ import torch
 
 from appliance.engine.speculation import LookupDrafter, SpeculationSettings
 
-LOOKUP = SpeculationSettings("lookup", draft_min=1, draft_max=8)
+LOOKUP = SpeculationSettings("lookup", draft_min=1, draft_max=8, min_ngram=2)
 EAGER = SpeculationSettings("lookup", draft_min=1, draft_max=8, min_ngram=1)  # more drafts, more rejected
 
 
@@ -21,13 +21,15 @@ def test_the_draft_is_what_followed_the_latest_earlier_occurrence_of_the_last_ng
     d = LookupDrafter(LOOKUP)
     tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 4, 0, 5, 6]  # "5 6" last seen before at 7..8, followed by 7 3 4
     assert d.propose(tokens, room=3) == [7, 3, 4]
+    assert d.length == 4  # the first drafts are short
+    d.length = 8
     assert d.propose(tokens + [7], room=8) == [3, 4, 0, 5, 6, 7]  # longest n-gram "5 6 7": the latest one
     assert d.propose([1, 2, 3, 4], room=8) == []  # nothing repeats: no draft
     assert LookupDrafter(LOOKUP).propose(tokens, room=0) == []
 
 
 def test_the_draft_length_adapts_and_misses_pause_drafting():
-    d = LookupDrafter(SpeculationSettings("lookup", draft_min=1, draft_max=8))
+    d = LookupDrafter(SpeculationSettings("lookup", draft_min=1, draft_max=8, min_ngram=2))
     d.length = 2
     d.record(2, 2)
     assert d.length == 4  # accepted whole: doubles
@@ -48,10 +50,10 @@ def test_the_draft_length_adapts_and_misses_pause_drafting():
 
 
 def test_a_draft_shorter_than_draft_min_is_not_proposed():
-    d = LookupDrafter(SpeculationSettings("lookup", draft_min=3, draft_max=8))
+    d = LookupDrafter(SpeculationSettings("lookup", draft_min=3, draft_max=8, min_ngram=2))
     assert d.propose([1, 2, 3, 4, 5, 1, 2], room=2) == []  # the reply has room for 2 more only
     assert d.propose([1, 2, 3, 4, 5, 1, 2], room=3) == [3, 4, 5]
-    assert d.propose([9, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6, 1, 2], room=8) == [3, 4, 5, 6, 1, 2]
+    assert d.propose([9, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6, 1, 2], room=8) == [3, 4, 5, 6]
 
 
 # ---- the engine: greedy tokens identical -----------------------------------------------------------------------

@@ -125,6 +125,9 @@ class Scheduler:
             plan.finished.append(seq)
         self._admit(plan, now)
         budget = self.max_prefill_tokens
+        # drafted tokens of the whole step at most one draft's worth: with several sequences the step is no longer
+        # bound by reading the weights, and every drafted row costs its share of the output layer
+        self._draft_budget = self.speculation.draft_max if self.speculation is not None else 0
         for seq in self.running:
             slot = self.slots.slot(seq.slot)
             pending = len(slot.tokens) - slot.kv_len
@@ -156,8 +159,11 @@ class Scheduler:
             return []
         if seq.drafter is None:
             seq.drafter = LookupDrafter(self.speculation)
-        room = min(seq.max_tokens - len(seq.generated) - 1, self.slots.max_seq_len - 1 - slot.kv_len)
-        return seq.drafter.propose(slot.tokens, room) if room > 0 else []
+        room = min(seq.max_tokens - len(seq.generated) - 1, self.slots.max_seq_len - 1 - slot.kv_len,
+                   self._draft_budget)
+        draft = seq.drafter.propose(slot.tokens, room) if room > 0 else []
+        self._draft_budget -= len(draft)
+        return draft
 
     def _admit(self, plan: StepPlan, now: float) -> None:
         if self.paused:

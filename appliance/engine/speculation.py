@@ -7,7 +7,7 @@ n-grams the slot already holds: the tokens that followed the latest earlier occu
 answer is the one plain decoding gives (greedy: token for token; sampled: the same distribution, see
 sampling.verify_draft).
 
-The draft length adapts per sequence: it doubles while drafts are accepted whole, shrinks to what was accepted on
+The draft length adapts per sequence (from 4): it doubles while drafts are accepted whole, shrinks to what was accepted on
 a partial rejection, and a draft with nothing accepted puts drafting off for a number of steps that doubles with
 each such miss (a reply with nothing to copy then runs almost only plain decode steps).
 """
@@ -24,7 +24,7 @@ class SpeculationSettings:
     mode: str = "off"  # off | lookup
     draft_min: int = 1  # a shorter draft is not worth a verify step
     draft_max: int = 8
-    min_ngram: int = 2  # matching one token proposes too much that is wrong
+    min_ngram: int = 3  # shorter matches propose too much that is wrong (measured on free answers)
     max_ngram: int = 4
 
     @property
@@ -37,7 +37,7 @@ class LookupDrafter:
 
     def __init__(self, settings: SpeculationSettings):
         self.settings = settings
-        self.length = settings.draft_max  # the next draft's length at most
+        self.length = max(settings.draft_min, min(4, settings.draft_max))  # the next draft's length at most
         self.cooldown = 0  # steps left without drafting
         self._miss_pause = 0  # the pause after the next miss (doubles per miss, reset on an accepted token)
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
