@@ -375,6 +375,42 @@ class LlamaModel:
         logits = self.weights.head(torch.cat([x[:n][parts[0].last], x[n:]])).float()
         return logits[:b], logits[b:]
 
+    @torch.no_grad()
+    def forward_verify(self, cache: KVCache, prefill: tuple[torch.Tensor, ...] | None,
+                       decode: tuple[torch.Tensor, ...] | None, verify: tuple[torch.Tensor, ...]
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """forward_mixed with a third part: speculative rows (forward()'s (token_ids (V, S), slot_ids, start_pos,
+        seq_lens): a decode row's token and its draft), whose every valid position gives logits. One pass over the
+        weights for all. Returns (prefill rows' last logits or None, decode rows' or None, the verify rows' logits
+        (sum(seq_lens), vocab), row after row)."""
+        parts, kinds = [], []
+        if prefill is not None:
+            parts.append(self._ragged(cache, *prefill))
+            kinds.append("prefill")
+        if decode is not None:
+            d_ids, d_slots, d_pos = decode
+            parts.append(self._ragged(cache, d_ids.view(-1, 1), d_slots, d_pos, torch.ones_like(d_pos)))
+            kinds.append("decode")
+        v_ids, v_slots, v_starts, v_lens = verify
+        parts.append(self._ragged(cache, v_ids, v_slots, v_starts, v_lens))
+        kinds.append("verify")
+        x = forward(self.weights, self.torch_ops, cache.k_layers, cache.v_layers, parts)
+        picks, offset, sizes = [], 0, []
+        lens = v_lens.to(x.device, torch.long)
+        for kind, rows in zip(kinds, parts):
+            if kind == "verify":  # a row's valid tokens are contiguous and end at its `last`
+                first = rows.last - (lens - 1)
+                index = torch.cat([torch.arange(int(f), int(f) + int(n), device=x.device)
+                                   for f, n in zip(first, lens)])
+            else:
+                index = rows.last
+            picks.append(x[offset:offset + rows.n][index])
+            sizes.append(len(index))
+            offset += rows.n
+        logits = self.weights.head(torch.cat(picks)).float().split(sizes)
+        out = dict(zip(kinds, logits))
+        return out.get("prefill"), out.get("decode"), out["verify"]
+
 
 class _Embedding:
     def __init__(self, weight: torch.Tensor):

@@ -18,9 +18,10 @@ from appliance.engine.liveness import Liveness
 from appliance.engine.llm_loading import LoadedEngine
 from appliance.engine.llm_settings import GenerativeSettings
 from appliance.engine.prefix_index import PrefixIndex
-from appliance.engine.scheduler import Scheduler, StepPlan
+from appliance.engine.scheduler import Scheduler, StepPlan, Verified
 from appliance.engine.sequence import Sequence
 from appliance.engine.slots import SlotManager
+from appliance.engine.speculation import SpeculationSettings
 from appliance.engine.thread_reply import Reply
 from appliance.errors import (OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument,
                              NotReady, ResourceUnavailable)
@@ -76,6 +77,11 @@ class EngineLoop:
         runner = getattr(self, "_runner", None)
         return (runner.steps, runner.mask_seconds, runner.mask_rows) if runner is not None else (0, 0.0, 0)
 
+    def speculation_counts(self) -> tuple[int, int, int]:
+        """(rows verified, tokens drafted, drafted tokens accepted) since the weights loaded (benchmarks)."""
+        runner = getattr(self, "_runner", None)
+        return (runner.verify_rows, runner.drafted, runner.accepted) if runner is not None else (0, 0, 0)
+
     def submit(self, seq: Sequence) -> None:
         """Queue a request; seq.handle (a Reply) gets its GenerateResult or error."""
         self._commands.put(("submit", seq))
@@ -120,9 +126,13 @@ class EngineLoop:
                 self._slots.mark_lost(session)
         self._turns = ChatTurns(engine.tokenizer, s.system_prompt, s.max_text_chars, engine.max_seq_len,
                                 jump_forward=s.jump_forward)
-        self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
-                                    prefixes=PrefixIndex(s.prefix_cache_entries))
         self._runner = ModelRunner(engine.model, engine.cache, compiled=engine.compiled_decode)
+        speculation = SpeculationSettings(s.speculation, s.speculation_draft_min, s.speculation_draft_max)
+        if speculation.enabled and self._runner.graphs:
+            log.warning("model %s: speculation is verified by the eager forward only; off on this device", self.name)
+            speculation = None
+        self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
+                                    prefixes=PrefixIndex(s.prefix_cache_entries), speculation=speculation)
         self._live_engine = engine
         self._pending_swap: tuple[LoadedEngine, Reply] | None = None
         self._exit = False
@@ -180,7 +190,8 @@ class EngineLoop:
             if plan.prefix_loads:
                 m.prefix_cache_hits_total.labels(self.name).inc(len(plan.prefix_loads))
             if sampled:
-                m.tokens_total.labels(self.name, "generated").inc(len(sampled))
+                m.tokens_total.labels(self.name, "generated").inc(
+                    sum(len(v.tokens) if isinstance(v, Verified) else 1 for v in sampled.values()))
             if plan.decode:
                 m.batch_size.labels(self.name).observe(len(plan.decode))
             for c in plan.prefill:

@@ -10,8 +10,8 @@ import time
 import torch
 
 from appliance.engine.grammar import MaskFiller
-from appliance.engine.sampling import apply_token_masks, make_generator, sample
-from appliance.engine.scheduler import StepPlan
+from appliance.engine.sampling import apply_token_masks, make_generator, sample, sample_one, verify_token
+from appliance.engine.scheduler import DecodeRow, StepPlan, Verified
 from appliance.engine.sequence import Sequence
 from models.llama import KVCache, LlamaModel
 
@@ -39,6 +39,15 @@ class ModelRunner:
         self.steps = 0
         self.mask_seconds = 0.0
         self.mask_rows = 0
+        # Speculation (bench/speculative.py): rows verified, tokens drafted, drafted tokens accepted
+        self.verify_rows = 0
+        self.drafted = 0
+        self.accepted = 0
+
+    @property
+    def graphs(self) -> bool:
+        """Decode steps run as CUDA graphs (fixed one-token rows)."""
+        return self._want_graphs
 
     def run(self, plan: StepPlan) -> dict[int, int]:
         """request_id -> sampled token, for every decode row and every prefill chunk that completes its prompt."""
@@ -58,11 +67,22 @@ class ModelRunner:
         for copy in plan.prefix_loads:
             kv[:, :, copy.slot, :, :len(copy.key)] = self.prefixes[copy.key]
         prefill = self._prefill_inputs(plan) if plan.prefill else None
-        decode_rows = sorted(plan.decode, key=lambda r: r.slot)  # consecutive slots attend over a cache view
-        decode = (torch.tensor([r.token for r in decode_rows]), torch.tensor([r.slot for r in decode_rows]),
-                  torch.tensor([r.pos for r in decode_rows])) if decode_rows else None
+        verify_rows = [r for r in plan.decode if r.draft]
+        decode_rows = sorted((r for r in plan.decode if not r.draft), key=lambda r: r.slot)  # consecutive slots
+        decode = (torch.tensor([r.token for r in decode_rows]), torch.tensor([r.slot for r in decode_rows]),  # attend
+                  torch.tensor([r.pos for r in decode_rows])) if decode_rows else None  # over a cache view
         prefill_logits = decode_logits = None
-        if prefill is not None and decode is not None and not self._want_graphs:
+        if verify_rows:  # speculation: the drafted rows' every position, with the others, in one pass
+            if self._want_graphs:
+                raise RuntimeError("speculative rows are verified by the eager forward only")
+            prefill_logits, decode_logits, verify_logits = self.model.forward_verify(
+                self.cache, prefill, decode, self._verify_inputs(verify_rows))
+            start = 0
+            for r in verify_rows:
+                n = 1 + len(r.draft)
+                sampled[r.seq.request_id] = self._verify(r, verify_logits[start:start + n])
+                start += n
+        elif prefill is not None and decode is not None and not self._want_graphs:
             # one pass over the weights for both (a decode step's matmuls are mostly reading the weights)
             prefill_logits, decode_logits = self.model.forward_mixed(self.cache, prefill, decode)
         elif prefill is not None:
@@ -78,6 +98,59 @@ class ModelRunner:
                 decode_logits = self._decode(*decode)
             self._sample(decode_logits, [r.seq for r in decode_rows], sampled)
         return sampled
+
+    @staticmethod
+    def _verify_inputs(rows: list[DecodeRow]) -> tuple[torch.Tensor, ...]:
+        width = 1 + max(len(r.draft) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :1 + len(r.draft)] = torch.tensor([r.token, *r.draft], dtype=torch.long)
+        return (ids, torch.tensor([r.slot for r in rows]), torch.tensor([r.pos for r in rows]),
+                torch.tensor([1 + len(r.draft) for r in rows]))
+
+    def _verify(self, row: DecodeRow, logits: torch.Tensor) -> Verified:
+        """The reply's tokens from a drafted row's logits (1 + k, vocab): position i checks draft[i]
+        (sampling.verify_token) until one is refused (the token drawn instead ends the list) or the draft is accepted
+        whole (a token drawn from the last position follows). Under a grammar each position is masked for the
+        matcher's state after the tokens before it (consumed here, then rolled back: the scheduler's commit
+        consumes them as plain steps do), and the list ends where the grammar forces tokens or stops."""
+        seq, draft = row.seq, row.draft
+        gen = self._generator(seq) if seq.temperature > 0 else None
+        constraint = seq.constraint
+        tokens: list[int] = []
+        consumed = 0
+        self.verify_rows += 1
+        self.drafted += len(draft)
+        try:
+            for i in range(len(draft) + 1):
+                row_logits = logits[i:i + 1]
+                if constraint is not None:
+                    started = time.perf_counter()
+                    if self._masks is None:
+                        self._masks = MaskFiller(logits.shape[1])
+                    row_logits = apply_token_masks(row_logits.clone(), [0], self._masks.fill([constraint]))
+                    self.mask_seconds += time.perf_counter() - started
+                    self.mask_rows += 1
+                if i == len(draft):
+                    tokens.append(sample_one(row_logits[0], seq.temperature, seq.top_p, gen))
+                    break
+                ok, token = verify_token(row_logits[0], draft[i], seq.temperature, seq.top_p, gen)
+                tokens.append(token)
+                if not ok:
+                    break
+                if constraint is not None:  # the grammar's state for the next position
+                    matcher = constraint.matcher
+                    if matcher.is_stopped() or not matcher.consume_token(token):
+                        break
+                    consumed += 1
+                    if matcher.is_stopped() or matcher.compute_ff_tokens():
+                        break
+        finally:
+            if consumed:
+                constraint.matcher.rollback(consumed)
+        accepted = next((i for i, (a, b) in enumerate(zip(tokens, draft)) if a != b), min(len(tokens), len(draft)))
+        self.accepted += accepted
+        return Verified(tokens, accepted)
 
     @staticmethod
     def _prefill_inputs(plan: StepPlan) -> tuple[torch.Tensor, ...]:

@@ -66,3 +66,39 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray
         if len(keep) < vocab:  # ids past the mask's width are never allowed
             row[len(keep):] = float("-inf")
     return logits
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The distribution `sample` draws from for one row (fp32 logits (vocab,)): temperature, then top-p."""
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).index_copy_(0, order, sorted_p * keep)
+        probs /= probs.sum()
+    return probs
+
+
+def verify_token(logits: torch.Tensor, draft: int, temperature: float, top_p: float,
+                 generator: torch.Generator | None) -> tuple[bool, int]:
+    """One position of a drafted stretch (speculation.py): (accepted, the token the reply takes here).
+
+    Greedy: the draft is kept when it is the argmax. Sampled: the proposal is deterministic (a lookup draft), so the
+    standard rejection scheme reduces to: keep the draft with probability p(draft); otherwise draw from p with the
+    draft removed, renormalized. The token that results is distributed as p, as plain sampling's is."""
+    if temperature <= 0.0:
+        token = int(logits.argmax())
+        return token == draft, token
+    probs = target_probs(logits, temperature, top_p)
+    p = float(probs[draft])
+    if p > 0.0 and float(torch.rand((), generator=generator)) < p:
+        return True, draft
+    probs[draft] = 0.0
+    if float(probs.sum()) <= 0.0:  # p(draft) was 1 up to rounding: nothing else can be drawn
+        return True, draft
+    return False, int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_one(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """A plain draw for one row (the token after a draft that was accepted whole)."""
+    return sample(logits.view(1, -1), [temperature], [top_p], [generator])[0]

@@ -17,6 +17,7 @@ from typing import Protocol
 from appliance.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
 from appliance.engine.prefix_index import Key, PrefixIndex
 from appliance.engine.sequence import FinishReason, Sequence, SeqState
+from appliance.engine.speculation import LookupDrafter, SpeculationSettings
 from appliance.engine.slots import Acquired, Slot, SlotManager, SlotMove
 
 
@@ -46,6 +47,15 @@ class DecodeRow:
     slot: int
     pos: int
     token: int
+    draft: list[int] = field(default_factory=list)  # speculation: tokens proposed after `token`, verified in this step
+
+
+@dataclass
+class Verified:
+    """A speculative row's result: the tokens the reply takes (the first `accepted` are the draft's own, whose
+    keys and values this step wrote; a last one past them, if any, was drawn from the target model)."""
+    tokens: list[int]
+    accepted: int
 
 
 @dataclass
@@ -77,7 +87,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, slots: SlotManager, policy: TurnPolicy, prefill_chunk: int = 256,
-                 max_prefill_tokens: int | None = None, prefixes: PrefixIndex | None = None):
+                 max_prefill_tokens: int | None = None, prefixes: PrefixIndex | None = None,
+                 speculation: SpeculationSettings | None = None):
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be at least 1")
         self.slots = slots
@@ -88,6 +99,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.paused = False  # admit nobody (a weight swap waits for the running sequences to finish)
         self.prefixes = prefixes if prefixes is not None else PrefixIndex(0)
+        self.speculation = speculation if speculation is not None and speculation.enabled else None
 
     # -- intake ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -113,11 +125,14 @@ class Scheduler:
             plan.finished.append(seq)
         self._admit(plan, now)
         budget = self.max_prefill_tokens
+        # drafted tokens of the whole step at most one draft's worth: with several sequences the step is no longer
+        # bound by reading the weights, and every drafted row costs its share of the output layer
+        self._draft_budget = self.speculation.draft_max if self.speculation is not None else 0
         for seq in self.running:
             slot = self.slots.slot(seq.slot)
             pending = len(slot.tokens) - slot.kv_len
             if seq.state is SeqState.DECODE and pending == 1:
-                plan.decode.append(DecodeRow(seq, seq.slot, slot.kv_len, slot.tokens[-1]))
+                plan.decode.append(DecodeRow(seq, seq.slot, slot.kv_len, slot.tokens[-1], self._draft(seq, slot)))
             elif seq.state is SeqState.DECODE:
                 # The sampled token and the stretch a grammar forced after it (jump-forward): fed in one step as a
                 # prefill chunk, whose last row gives the next token to sample (outside the prompts' budget: it
@@ -136,6 +151,19 @@ class Scheduler:
         plan.prefix_drops = self.prefixes.take_evicted()
         plan.slot_moves = self.slots.take_moves()
         return plan
+
+    def _draft(self, seq: Sequence, slot: Slot) -> list[int]:
+        """Speculation's proposal for a decoding sequence ([] when off or nothing matches): at most what the reply
+        and the context still have room for past the token the step samples anyway."""
+        if self.speculation is None:
+            return []
+        if seq.drafter is None:
+            seq.drafter = LookupDrafter(self.speculation)
+        room = min(seq.max_tokens - len(seq.generated) - 1, self.slots.max_seq_len - 1 - slot.kv_len,
+                   self._draft_budget)
+        draft = seq.drafter.propose(slot.tokens, room) if room > 0 else []
+        self._draft_budget -= len(draft)
+        return draft
 
     def _admit(self, plan: StepPlan, now: float) -> None:
         if self.paused:
@@ -195,9 +223,9 @@ class Scheduler:
         self.waiting = still_waiting
 
     # -- results ---------------------------------------------------------------------------------------------
-    def commit(self, plan: StepPlan, sampled: dict[int, int], now: float | None = None) -> list[Sequence]:
+    def commit(self, plan: StepPlan, sampled: dict[int, int | Verified], now: float | None = None) -> list[Sequence]:
         """Record a step's effect: chunks written, one token sampled per row that produced logits (request_id ->
-        token). Returns the sequences that finished."""
+        token; a speculative row's Verified tokens). Returns the sequences that finished."""
         now = time.monotonic() if now is None else now
         finished: list[Sequence] = []
         for copy in plan.prefix_saves:  # the forward that wrote them succeeded: the heads are stored
@@ -213,8 +241,27 @@ class Scheduler:
             if row.seq.state is SeqState.FINISHED:
                 continue
             self.slots.slot(row.slot).kv_len += 1
-            self._take(row.seq, sampled[row.seq.request_id], now, finished)
+            result = sampled[row.seq.request_id]
+            if isinstance(result, Verified):
+                self._take_verified(row, result, now, finished)
+            else:
+                self._take(row.seq, result, now, finished)
         return finished
+
+    def _take_verified(self, row: DecodeRow, result: Verified, now: float, finished: list[Sequence]) -> None:
+        """A speculative row's tokens, one by one as plain steps would take them. The draft's keys and values past
+        the row's token count only as far as the reply took exactly the drafted tokens; the rest of the cache is
+        stale and the slot's length leaves it out (the next step overwrites it)."""
+        seq, slot = row.seq, self.slots.slot(row.slot)
+        if seq.drafter is not None:
+            seq.drafter.record(len(row.draft), result.accepted)
+        for i, token in enumerate(result.tokens):
+            if i > 0:  # the previous token was the draft's, at position kv_len: its cache entry stands
+                slot.kv_len += 1
+            before = len(slot.tokens)
+            self._take(seq, token, now, finished)
+            if seq.state is SeqState.FINISHED or i >= result.accepted or len(slot.tokens) != before + 1:
+                return  # finished, a drawn token (not in the cache), or a grammar's forced stretch followed it
 
     def _take(self, seq: Sequence, token: int, now: float, finished: list[Sequence]) -> None:
         if seq.first_token_at is None:

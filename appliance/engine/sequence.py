@@ -51,6 +51,7 @@ class Sequence:
     finished_at: float | None = None
     handle: Any = None  # the service's reply channel (future + loop)
     constraint: Any = None  # grammar.Constraint: the reply must match its schema (masked sampling, jump-forward)
+    drafter: Any = None  # speculation.LookupDrafter while speculation proposes for this reply
     one_shot: bool = False  # a turn of no conversation (session ""): its slot is given back when it ends
 
     @property
