@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from yaml.nodes import Node, ScalarNode
+from yaml.nodes import Node
 
 from .builtin import BUILTIN_MODELS
 from .tasks import TaskConfig, TasksRule
@@ -26,7 +26,7 @@ from .rules import (
     password_hash_check, path_rule, required, resolve_path, setting, split_listen, subject_key, text, uri_check,
 )
 from .sources import SourceConfig
-from .yaml_walk import INVALID, Context, as_mapping, did_you_mean, key_path, mapping_items, parse_fields, shown
+from .yaml_walk import INVALID, Context, did_you_mean, key_path, named_items, parse_fields, shown
 
 ROLES = ("monitor", "operator", "engineer", "security_admin")
 SECURITY_POLICIES = ("Basic256Sha256", "Aes128_Sha256_RsaOaep", "Aes256_Sha256_RsaPss")
@@ -264,13 +264,11 @@ class VariantsRule:
     expect: str = "a mapping of variant names to {path, weight (percent), version}"
 
     def parse(self, node: Node, ctx: Context, path: str) -> Any:
-        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
-            return {}
-        mapping = as_mapping(node, ctx, path, self.expect)
-        if mapping is None:
+        items = named_items(node, ctx, path, self.expect, "variant name")
+        if items is None:
             return INVALID
         out: dict[str, VariantConfig] = {}
-        for name, key_node, value_node in mapping_items(mapping, ctx, path, "variant name"):
+        for name, key_node, value_node in items:
             where = key_path(path, name)
             if not MODEL_NAME.fullmatch(name) or name == MAIN_VARIANT:
                 ctx.error(key_node, where, "a variant name must start with a letter and hold at most 64 characters "
@@ -288,7 +286,7 @@ class VariantsRule:
             out[name] = dataclasses.replace(variant, resolved_path=resolved)
         total = sum(v.weight for v in out.values())
         if total > 100:
-            ctx.error(mapping, path, f"the variants' weights add up to {total:g} percent; expected at most 100 (the "
+            ctx.error(node, path, f"the variants' weights add up to {total:g} percent; expected at most 100 (the "
                       f"model's own path, variant '{MAIN_VARIANT}', serves what is left)")
             return INVALID
         return out
@@ -303,14 +301,12 @@ class AlarmSourcesRule:
     expect: str = "a mapping of source names to a mailbox name or an identity ('user:NAME', 'x509:THUMBPRINT')"
 
     def parse(self, node: Node, ctx: Context, path: str) -> Any:
-        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
-            return {}
-        mapping = as_mapping(node, ctx, path, self.expect)
-        if mapping is None:
+        items = named_items(node, ctx, path, self.expect, "source name")
+        if items is None:
             return INVALID
         out: dict[str, str] = {}
         first_line: dict[str, int] = {}
-        for name, key_node, value_node in mapping_items(mapping, ctx, path, "source name"):
+        for name, key_node, value_node in items:
             where = key_path(path, name)
             if not MODEL_NAME.fullmatch(name) or name in RESERVED_SOURCE_NAMES:
                 ctx.error(key_node, where, "a source name must start with a letter and hold at most 64 characters "

@@ -24,7 +24,7 @@ from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from ..sources.node_ref import NodeRef, NodeRefError, parse_browse_path, parse_node_id
 from .rules import ListOf, Scalar, boolean, choice, integer, is_host, number, optional, required, setting, text
-from .yaml_walk import INVALID, Context, as_mapping, key_path, mapping_items, parse_fields, shown
+from .yaml_walk import INVALID, Context, as_mapping, key_path, mapping_items, named_items, parse_fields, shown
 
 SOURCE_POLICIES = ("Basic256Sha256", "Aes128_Sha256_RsaOaep", "Aes256_Sha256_RsaPss", "None")
 SOURCE_MODES = ("SignAndEncrypt", "Sign", "None")
@@ -129,13 +129,11 @@ class WriteBackRule:
                    "('nsu=URI;s=NAME')")
 
     def parse(self, node: Node, ctx: Context, path: str) -> Any:
-        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
-            return {}
-        mapping = as_mapping(node, ctx, path, self.expect)
-        if mapping is None:
+        items = named_items(node, ctx, path, self.expect, "result field")
+        if items is None:
             return INVALID
         out: dict[str, str] = {}
-        for name, key_node, value_node in mapping_items(mapping, ctx, path, "result field"):
+        for name, key_node, value_node in items:
             where = key_path(path, name)
             if name not in WRITE_BACK_FIELDS:
                 ctx.error(key_node, where, f"expected one of {', '.join(WRITE_BACK_FIELDS)}, got {shown(name)}")
@@ -179,13 +177,11 @@ class FeedsRule:
     expect: str = "a mapping of feed names to {model, columns, window, stride, ...}"
 
     def parse(self, node: Node, ctx: Context, path: str) -> Any:
-        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
-            return {}
-        mapping = as_mapping(node, ctx, path, self.expect)
-        if mapping is None:
+        items = named_items(node, ctx, path, self.expect, "feed name")
+        if items is None:
             return INVALID
         out: dict[str, FeedConfig] = {}
-        for name, key_node, value_node in mapping_items(mapping, ctx, path, "feed name"):
+        for name, key_node, value_node in items:
             where = key_path(path, name)
             if not NAME.fullmatch(name) or name in ("default", "ClassIndex", "Label", "Confidence", "Time"):
                 ctx.error(key_node, where, "a feed name must start with a letter and hold at most 64 characters "

@@ -26,7 +26,7 @@ from typing import Any
 from yaml.nodes import Node, ScalarNode
 
 from .rules import MODEL_NAME, ListOf, Scalar, boolean, integer, number, optional, setting, required, text
-from .yaml_walk import INVALID, Context, as_mapping, key_path, mapping_items, parse_fields, shown
+from .yaml_walk import INVALID, Context, key_path, named_items, parse_fields, shown
 
 INPUT_TYPES = ("String", "Int32", "Double", "Boolean")
 FIELD_TYPES = ("String", "Int32", "Double", "Boolean", "enum")
@@ -118,13 +118,11 @@ def _only_for(cfg_nodes: dict[str, Node], ctx: Context, where: str, typ: str, al
 
 
 def _named_entries(node: Node, ctx: Context, path: str, noun: str, expect: str):
-    if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
-        return []
-    mapping = as_mapping(node, ctx, path, expect)
-    if mapping is None:
+    items = named_items(node, ctx, path, expect, noun)
+    if items is None:
         return None
     out = []
-    for name, key_node, value_node in mapping_items(mapping, ctx, path, noun):
+    for name, key_node, value_node in items:
         where = key_path(path, name)
         if not IEC_NAME.fullmatch(name) or len(name) > 64 or name in RESERVED_NAMES:
             ctx.error(key_node, where, f"a {noun} must be a PLC identifier: a letter, then letters, digits and "
@@ -242,13 +240,11 @@ class TasksRule:
     expect: str = "a mapping of task names to {prompt, inputs, output, max_tokens, temperature}"
 
     def parse(self, node: Node, ctx: Context, path: str) -> Any:
-        if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
-            return {}
-        mapping = as_mapping(node, ctx, path, self.expect)
-        if mapping is None:
+        items = named_items(node, ctx, path, self.expect, "task name")
+        if items is None:
             return INVALID
         out: dict[str, TaskConfig] = {}
-        for name, key_node, value_node in mapping_items(mapping, ctx, path, "task name"):
+        for name, key_node, value_node in items:
             where = key_path(path, name)
             if not MODEL_NAME.fullmatch(name):
                 ctx.error(key_node, where, "a task name must start with a letter and hold at most 64 characters "

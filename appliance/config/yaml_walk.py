@@ -148,6 +148,15 @@ def as_mapping(node: Node | None, ctx: Context, path: str, expect: str) -> Mappi
     return node
 
 
+def named_items(node: Node | None, ctx: Context, path: str, expect: str, noun: str) -> list[tuple[str, Node, Node]] | None:
+    """The (name, key node, value node) entries of a mapping of named entries (variants, sources, feeds, tasks):
+    [] for an empty one (null), None (the error reported) for anything but a mapping."""
+    if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
+        return []
+    mapping = as_mapping(node, ctx, path, expect)
+    return None if mapping is None else mapping_items(mapping, ctx, path, noun)
+
+
 @dataclass
 class Fields:
     """What one mapping gave for a dataclass: its valid values, the value node of every key present, and whether
