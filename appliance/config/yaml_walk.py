@@ -148,7 +148,8 @@ def as_mapping(node: Node | None, ctx: Context, path: str, expect: str) -> Mappi
     return node
 
 
-def named_items(node: Node | None, ctx: Context, path: str, expect: str, noun: str) -> list[tuple[str, Node, Node]] | None:
+def named_items(node: Node | None, ctx: Context, path: str, expect: str,
+                noun: str) -> list[tuple[str, Node, Node]] | None:
     """The (name, key node, value node) entries of a mapping of named entries (variants, sources, feeds, tasks):
     [] for an empty one (null), None (the error reported) for anything but a mapping."""
     if isinstance(node, ScalarNode) and ctx.scalar(node) is None:
