@@ -1,4 +1,3 @@
 """OPC UA edge inference appliance."""
 
 __version__ = "0.1.0"
-NAMESPACE_URI = "urn:opcua-inference-appliance"

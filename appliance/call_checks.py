@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from appliance.engine.llm_settings import MAX_PROMPT_BYTES, MAX_TEMPERATURE
-from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, InvalidArgument
+from core.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, InvalidArgument
 
 
 def check_samples(values, input_shape: Sequence[int], max_samples: int, first: int = 0) -> np.ndarray:
@@ -64,7 +64,7 @@ def check_options(options, first: int = 1) -> list[str]:
     """Choose's options as they will be tokenized (NFKC, LF line ends): 1 to CHOOSE_MAX_OPTIONS strings, each
     non-empty and at most CHOOSE_MAX_OPTION_CHARS characters, or InvalidArgument marking Options (argument
     `first`)."""
-    from appliance.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS
+    from core.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS
     from models.tokenizer import PromptRejected, normalize_prompt
     if isinstance(options, str) or not isinstance(options, (list, tuple)):
         raise InvalidArgument("Options must be an array of String", first, TYPE_MISMATCH)

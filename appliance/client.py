@@ -12,7 +12,7 @@ from asyncua.crypto import security_policies
 from asyncua.ua.ua_binary import struct_from_binary
 from cryptography import x509
 
-from . import NAMESPACE_URI
+from core.namespace import NAMESPACE_URI
 
 POLICY_CLASSES = {
     "Basic256Sha256": security_policies.SecurityPolicyBasic256Sha256,

@@ -16,14 +16,14 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from . import logs
-from .config import ApplianceConfig
+from core.config import ApplianceConfig
 from .device import on_gpu, resolve_device
 from .metrics import Metrics
-from .model_port import GenerativeModel, TensorModel
+from core.model_port import GenerativeModel, TensorModel
 from .model_specs import model_spec
-from .errors import DeadlineExceeded
+from core.errors import DeadlineExceeded
 from .supervision import SupervisedFacts, Supervision
-from .tasks import TaskSet
+from core.task_set import TaskSet
 from .systemd_loop import tell_systemd
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def certificate_names(config: ApplianceConfig) -> tuple[list[str], list[str]]:
 class Appliance:
     def __init__(self, config: ApplianceConfig):
         self.config = config
-        # the models as the UA layer reaches them (appliance.model_port), each answered by its worker (RemoteModel)
+        # the models as the UA layer reaches them (core.model_port), each answered by its worker (RemoteModel)
         self.services: dict[str, TensorModel | GenerativeModel] = {}
         self.variant_services: dict[str, dict[str, TensorModel | GenerativeModel]] = {}  # model -> {variant -> it}
         self.supervisors: list = []
@@ -299,7 +299,7 @@ class Appliance:
         list is re-read whenever its folders change anyway). Everything else needs a restart; the log says so."""
         notifier.reloading()
         try:
-            from .config import ConfigError, load_config
+            from core.config import ConfigError, load_config
             if self.config.source.startswith("<") or not Path(self.config.source).exists():
                 log.warning("reload: the built-in demo configuration has no file to re-read")
                 return

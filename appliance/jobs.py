@@ -16,8 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.errors import ApplianceError, Cancelled, EngineFailure, NotFound, ResourceUnavailable
-from appliance.tasks import TaskSet
+from core.errors import ApplianceError, Cancelled, EngineFailure, NotFound, ResourceUnavailable
+from core.task_set import TaskSet
 
 log = logging.getLogger(__name__)
 

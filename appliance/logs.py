@@ -12,7 +12,7 @@ class CorrelationFilter(logging.Filter):
     `correlation` (" [cid=...]" or "") for the text format."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from uaserver.session import correlation_id
+        from core.correlation import correlation_id
         cid = correlation_id.get()
         record.correlation_id = cid
         record.correlation = f" [cid={cid}]" if cid else ""

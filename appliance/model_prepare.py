@@ -21,7 +21,7 @@ def prepare(config, name: str) -> tuple[int, str]:
     from appliance.model_specs import model_spec
     from appliance.engine.llm_loading import prepare_model
     from appliance.engine.llm_settings import GenerativeSettings
-    from appliance.errors import ApplianceError
+    from core.errors import ApplianceError
 
     m = config.models.get(name)
     if m is None:

@@ -33,13 +33,13 @@ from pathlib import Path
 from asyncua import Server, ua
 from asyncua.common.xmlexporter import XmlExporter
 
-from uaserver.object_types import OBJECT_TYPES, type_path
+from core.object_types import OBJECT_TYPES, type_path
 from uaserver.server import ApplianceUaServer
 
-from . import NAMESPACE_URI
-from .alarm_names import DAEMON_ALARMS
-from .config import ApplianceConfig, ModelConfig
-from .model_port import ModelStatus
+from core.namespace import NAMESPACE_URI
+from core.alarm_names import DAEMON_ALARMS
+from core.config import ApplianceConfig, ModelConfig
+from core.model_port import ModelStatus
 from .model_store import ModelStore
 from .plc_types import PlcTypesError, onnx_shapes
 

@@ -15,10 +15,10 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from uaserver.object_types import declared_methods, model_type, task_type
+from core.object_types import declared_methods, model_type, task_type
 
-from . import NAMESPACE_URI
-from .config import ModelConfig
+from core.namespace import NAMESPACE_URI
+from core.config import ModelConfig
 
 PLCOPEN_NS = "http://www.plcopen.org/xml/tc6_0201"
 # OPC UA built-in type -> (IEC 61131-3 / TIA SCL name, PLCopen XML element)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import RateLimit, RateLimitsConfig
+from core.config import RateLimit, RateLimitsConfig
 
 ROLE_BUCKETS = ("monitor", "operator", "engineer", "security_admin")  # security.rate_limits' role keys
 MAX_TRACKED_CLIENTS = 10_000  # per-client buckets kept; see RateLimiter._client_bucket

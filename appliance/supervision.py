@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .alarm_names import DAEMON_ALARMS
-from .model_port import GenerativeModel, TensorModel
+from core.alarm_names import DAEMON_ALARMS
+from core.model_port import GenerativeModel, TensorModel
 
 
 class UaView(Protocol):

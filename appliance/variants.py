@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from .config import MAIN_VARIANT
+from core.config import MAIN_VARIANT
 
 log = logging.getLogger(__name__)
 

@@ -208,7 +208,7 @@ class Watchdog:
     def from_config(cls, backend: GpuBackend | None, cfg, *, metrics=None,
                     on_state: Callable[[str, str, str], None] | None = None,
                     on_fault: Callable[[str], None] | None = None) -> "Watchdog":
-        """From the YAML's `watchdog` section (appliance.config.WatchdogConfig)."""
+        """From the YAML's `watchdog` section (core.config.WatchdogConfig)."""
         return cls(backend, temperature_warning_c=cfg.temperature_warning_c,
                    temperature_critical_c=cfg.temperature_critical_c, memory_warning_ratio=cfg.memory_warning_ratio,
                    memory_critical_ratio=cfg.memory_critical_ratio,

@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
-    from appliance.config import resolve_builtin
+    from core.config import resolve_builtin
     from certs.pki import PKI
     from ports import free_ports, wait_port
 

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from appliance.config import RateLimit, RateLimitsConfig  # noqa: E402
+from core.config import RateLimit, RateLimitsConfig
 from appliance.drift import DriftDetector  # noqa: E402
 from appliance.rate_limit import RateLimiter  # noqa: E402
 from models.te_classifier import ONNX_PATH, load_te_test_windows  # noqa: E402

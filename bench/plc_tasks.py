@@ -70,7 +70,7 @@ def main() -> None:
     import logging
     logging.getLogger("asyncua").setLevel(logging.ERROR)  # a line per session (certificate, timeout) otherwise
 
-    from appliance.config import demo_config
+    from core.config import demo_config
     from appliance.users import UserStore
     from harness import RunningAppliance
     from plc_client import s7_call

@@ -56,14 +56,14 @@ FREE = ["What is a centrifugal pump?", "Why do electric motors overheat?", "What
 
 
 def default_model() -> Path:
-    from appliance.config.builtin import resolve_builtin
+    from core.config.builtin import resolve_builtin
     return resolve_builtin("smollm2")
 
 
 def workloads() -> dict[str, list[tuple[str, str | None]]]:
     """name -> [(prompt, grammar or None)]; four prompts each (the 4-sequence figure runs them at once)."""
-    from appliance.config import demo_config
-    from appliance.task_answers import schema_text
+    from core.config import demo_config
+    from core.task_answers import schema_text
     task = demo_config().models["assistant"].tasks["alarm-triage"]
     grammar = schema_text(task)
     return {

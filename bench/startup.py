@@ -190,8 +190,8 @@ def start_once(cmd: list[str], cwd: Path, log: Path, timeout: float = 600, gener
 def generate_call(args, appliance: Path, work: Path, config_args: list[str]):
     """(a call that times one Generate over OPC UA, the configuration, the generative model's name)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from appliance.config import load_config
-    from appliance.config.loader import demo_config
+    from core.config import load_config
+    from core.config.loader import demo_config
     prev = os.getcwd()
     os.chdir(work)  # the built-in demo's state directory is relative
     try:

@@ -59,7 +59,7 @@ CHOOSE_PROMPT = "Which equipment is this alarm about? Answer with one word.\nAla
 
 
 def default_model() -> Path:
-    from appliance.config.builtin import resolve_builtin
+    from core.config.builtin import resolve_builtin
     return resolve_builtin("smollm2")
 
 

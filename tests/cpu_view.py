@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.config.builtin import resolve_builtin
+from core.config.builtin import resolve_builtin
 from appliance.engine.llm_settings import GenerativeSettings
 from appliance.engine.weight_plan import cpu_paths
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from appliance.config import load_config
+from core.config import load_config
 from appliance.daemon import Appliance
 from ports import free_ports
 

@@ -12,7 +12,9 @@ import time
 
 import numpy as np
 
-from appliance.audit import GENESIS, AuditLog, DigestOf, digest, verify, verify_report, writer
+from appliance.audit import GENESIS, AuditLog, verify, verify_report, writer
+from core.audit_digest import DigestOf
+from core import audit_digest as digest
 from appliance.cli.audit import cmd_audit_verify
 from appliance.metrics import Metrics
 
@@ -384,7 +386,7 @@ def test_log_lines_about_a_call_carry_its_correlation_id_as_json():
     import logging
 
     from appliance.logs import CorrelationFilter, JsonFormatter
-    from uaserver.session import correlation_id
+    from core.correlation import correlation_id
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)

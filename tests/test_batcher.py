@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from appliance.engine.batcher import BatchPolicy, DynamicBatcher
-from appliance.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
+from core.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
 from appliance.metrics import Metrics
 
 RNG = np.random.default_rng(7)

@@ -102,7 +102,7 @@ def test_a_subject_without_its_ca_is_refused_by_the_configuration_check(plant):
 
 
 def test_a_subject_alone_is_enough_while_one_ca_is_trusted(tmp_path):
-    from appliance.config import load_config
+    from core.config import load_config
     state = tmp_path / "state"
     PKI(state).init(f"urn:{socket.gethostname()}:appliance", ["localhost"], ["127.0.0.1"])
     affine_model(tmp_path / "affine.onnx")
@@ -118,7 +118,7 @@ def test_a_subject_alone_is_enough_while_one_ca_is_trusted(tmp_path):
     ({"role": "operator", "issuer": "ab" * 20, "extra": 1}, "unknown key 'extra'"),
 ])
 def test_bad_bound_mappings_name_the_key(tmp_path, value, message):
-    from appliance.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
     affine_model(tmp_path / "affine.onnx")
     with pytest.raises(ConfigError) as e:
         load_config(_yaml(tmp_path, tmp_path / "state", {SUBJECT: value}))

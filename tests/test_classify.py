@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 
 from appliance.classify import ClassAlarms, Classified, ClassifierState, classify
-from appliance.config import demo_config
+from core.config import demo_config
 from models import te_classifier as te
 
 needs_data = pytest.mark.skipif(importlib.util.find_spec("bibmon") is None,

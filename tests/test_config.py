@@ -10,11 +10,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance import config as config_module
+from core import config as config_module
 from appliance.cli.serve import check_config_main
-from appliance.config import (
-    ApplianceConfig, ConfigError, EngineConfig, demo_config, demo_yaml_text, load_config, load_config_text,
-)
+from core.config import (ApplianceConfig, ConfigError, EngineConfig, demo_config, demo_yaml_text, load_config,
+                         load_config_text)
 
 CONFIGS = Path(__file__).parent / "data" / "configs"
 TE = "  te:\n    kind: tensor\n    path: builtin:te-classifier\n"  # a valid model, lines 2-4 after "models:"

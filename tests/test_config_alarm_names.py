@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config.checks import BUILTIN_ALARMS
+from core.config.checks import BUILTIN_ALARMS
 from appliance.supervision import SupervisedFacts, Supervision
 
 ROOT = Path(__file__).resolve().parents[1]

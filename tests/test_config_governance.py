@@ -7,7 +7,7 @@ import shutil
 import pytest
 from test_config import errors_of, load  # the same helpers: file t.yaml, every error placed
 
-from appliance.config import RateLimit, demo_config
+from core.config import RateLimit, demo_config
 from models.te_classifier import ONNX_PATH
 
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from appliance.config import ConfigError, demo_config, load_config_text
+from core.config import ConfigError, demo_config, load_config_text
 
 MODELS = ("models:\n"
           "  te:\n    kind: tensor\n    path: builtin:te-classifier\n"  # lines 2-4

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from appliance.cli import main
-from appliance.config import ConfigError, demo_config, load_config, load_config_text
-from appliance.task_answers import AnswerInvalid, json_schema, read_answer
+from core.config import ConfigError, demo_config, load_config, load_config_text
+from core.task_answers import AnswerInvalid, json_schema, read_answer
 
 GOOD = """\
 models:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from appliance.engine import tensor_backends as tb
-from appliance.errors import EngineFailure
+from core.errors import EngineFailure
 
 TE_ONNX = Path(__file__).resolve().parents[1] / "models" / "te_classifier" / "te_classifier.onnx"
 CPU_ONLY = ["CPUExecutionProvider"]

@@ -12,7 +12,7 @@ import pytest
 from asyncua import ua
 
 from appliance.cli import build_parser
-from appliance.config.docs import all_keys, render
+from core.config.docs import all_keys, render
 from harness import RunningAppliance
 from uaclient import run, session
 
@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = "urn:opcua-inference-appliance"
 # docs/notes-*.md are design notes as they were written: they name files of their time, some since deleted.
 MANUAL = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if not p.name.startswith("notes-"))]
-TOP_DIRS = ("appliance", "uaserver", "models", "kernels", "certs", "tests", "bench", "scripts", "image", "deploy",
-            "systemd", "docs", "tools")
+TOP_DIRS = ("core", "appliance", "uaserver", "models", "kernels", "certs", "tests", "bench", "scripts", "image",
+            "deploy", "systemd", "docs", "tools")
 
 
 def manual_text() -> str:
@@ -42,7 +42,7 @@ def test_the_manual_is_the_readme_and_one_file_per_task():
 def test_configuration_md_is_what_the_schema_generates():
     committed = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert committed == render(), ("docs/configuration.md differs from the schema: run "
-                                   "`python -m appliance.config.docs > docs/configuration.md`")
+                                   "`python -m core.config.docs > docs/configuration.md`")
 
 
 def test_every_yaml_key_of_the_schema_is_in_the_docs():

@@ -171,7 +171,7 @@ def test_the_vectorised_per_feature_search_equals_searchsorted_per_feature():
 def test_a_detector_is_built_from_the_models_yaml_and_refuses_a_reference_of_other_weights(tmp_path):
     import shutil
 
-    from appliance.config import demo_config, load_config_text
+    from core.config import demo_config, load_config_text
     model = demo_config().models["te-classifier"]
     detector = DriftDetector.for_model(model)
     assert (detector.window, detector.test, detector.threshold) == (100, "ks", 2.0)

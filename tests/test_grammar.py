@@ -23,7 +23,7 @@ from appliance.engine.sampling import apply_token_masks, make_generator, sample
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import FinishReason, Sequence
 from appliance.engine.slots import SlotManager
-from appliance.errors import InvalidArgument
+from core.errors import InvalidArgument
 from models.llama import KVCache, LlamaModel
 
 from test_llm_oracle import _smollm2_gguf

@@ -2,7 +2,7 @@
 (real loading, the engine thread, forward passes, masks, jump-forward) on the tiny random Llama, sampled at
 temperature 1 so that the answers wander wherever the masks let them.
 
-The subset is what a task's `output` compiles to (appliance/config's task schema): an object of fields in order,
+The subset is what a task's `output` compiles to (core/config's task schema): an object of fields in order,
 each an enum of strings, a Boolean, an Int32 or a Double with minimum and maximum, or a String with maxLength;
 some required, some optional; no other properties.
 """

@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from appliance.config import load_config_text
+from core.config import load_config_text
 
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from appliance.cli import main
-from appliance.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 from appliance.model_store import ModelStore, ModelStoreError
 from models.file_digest import content_digest
 from models.te_classifier import ONNX_PATH

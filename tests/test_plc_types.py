@@ -15,7 +15,7 @@ import pytest
 import xmlschema
 
 from appliance.cli import main
-from appliance.config import demo_config, load_config_text
+from core.config import demo_config, load_config_text
 from appliance.plc_types import PlcTypesError, model_methods, plcopen_xml, scl_source
 from models.te_classifier import ONNX_PATH
 

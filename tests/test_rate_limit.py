@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from appliance.config import RateLimit, RateLimitsConfig, load_config_text
+from core.config import RateLimit, RateLimitsConfig, load_config_text
 from appliance.rate_limit import RateLimiter
 
 

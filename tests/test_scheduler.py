@@ -4,7 +4,7 @@ from __future__ import annotations
 from appliance.engine.scheduler import Scheduler
 from appliance.engine.sequence import FinishReason, Sequence, SeqState
 from appliance.engine.slots import SlotManager
-from appliance.errors import DeadlineExceeded, InvalidArgument, ResourceUnavailable
+from core.errors import DeadlineExceeded, InvalidArgument, ResourceUnavailable
 
 EOS = 0
 

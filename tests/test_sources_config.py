@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TE_NODES = "\n".join(f"      n{i}: \"nsu=urn:te;s=TE.N{i}\"" for i in range(52))

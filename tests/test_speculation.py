@@ -253,7 +253,7 @@ def test_a_constrained_reply_with_speculation_is_the_plain_one():
 # ---- the YAML switch ---------------------------------------------------------------------------------------------
 
 def test_the_yaml_switch_is_read_and_a_wrong_value_is_named():
-    from appliance.config import ConfigError, load_config_text
+    from core.config import ConfigError, load_config_text
     base = "models:\n  llm:\n    kind: generative\n    path: builtin:smollm2\n"
     cfg = load_config_text(base, source="t.yaml")
     assert cfg.models["llm"].speculation == "off"

@@ -16,7 +16,7 @@ from appliance.engine.batcher import BatchPolicy
 from appliance.engine.tensor_backends import load_tensor_backend, usable_cores
 from appliance.engine.tensor_service import TensorModelService
 from models.file_digest import VERSION_CHARS, content_digest
-from appliance.errors import EngineFailure, InvalidArgument, NotReady
+from core.errors import EngineFailure, InvalidArgument, NotReady
 from appliance.metrics import Metrics
 
 N_IN, N_OUT = 8, 4

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from asyncua import ua
 
-from appliance.users import hash_password
+from core.password_hash import hash_password
 from harness import RunningAppliance
 from onnx_models import affine_model
 from uaclient import Events, call, field, floats, read, run, session, status_name

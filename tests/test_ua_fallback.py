@@ -15,7 +15,7 @@ from harness import RunningAppliance
 from onnx_models import affine_model
 from uaclient import call, floats, run, session, status_name
 
-from appliance.config import ConfigError, load_config_text
+from core.config import ConfigError, load_config_text
 
 
 def test_fallback_answers_for_a_failed_and_for_a_restarting_model(tmp_path):

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from asyncua import ua
 
-from appliance.config import MailboxConfig
-from appliance.users import hash_password
+from core.config import MailboxConfig
+from core.password_hash import hash_password
 from harness import RunningAppliance
 from onnx_models import affine_model
 from uaclient import run, session

@@ -9,7 +9,7 @@ import pytest
 from asyncua import ua
 
 from appliance.client import connect
-from appliance.config import ConfigError, load_config_text
+from core.config import ConfigError, load_config_text
 from attack_tools import close
 from harness import RunningAppliance
 from uaclient import arg_statuses, call, read, run, status_name

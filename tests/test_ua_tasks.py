@@ -69,7 +69,7 @@ def check_answer(r):
 def app(tmp_path_factory):
     d = tmp_path_factory.mktemp("ua_tasks")
     make_model_dir(d / "model", seed=3)
-    from appliance.users import hash_password
+    from core.password_hash import hash_password
     models = {"chat": {"kind": "generative", "path": str(d / "model"), "max_text_chars": 400,
                        "tasks": {"triage": TRIAGE, "tight": TIGHT}}}
     extra = {"engine": {"kv_slots": 4, "max_seq_len": 256, "max_new_tokens": 96, "prefill_chunk": 32},

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config import demo_config
+from core.config import demo_config
 from appliance.users import UserStore
 from harness import RunningAppliance
 from uaclient import run
@@ -28,7 +28,7 @@ def app(tmp_path_factory):
     demo = demo_config()
     # the demo's own YAML text of the model, tasks included, read back from the demo file
     import yaml
-    from appliance.config import demo_yaml_text
+    from core.config import demo_yaml_text
     model = yaml.safe_load(demo_yaml_text())["models"][MODEL]
     assert model["tasks"][TASK]["output"]  # the demo's definition, not one written here
     # the default engine.worker_timeout_s (5 s): an answer under a grammar must not stall the engine's liveness

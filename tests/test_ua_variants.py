@@ -15,7 +15,7 @@ import pytest
 from asyncua import ua
 
 from appliance.client import connect
-from appliance.config import ConfigError, load_config_text
+from core.config import ConfigError, load_config_text
 from appliance.variants import bucket, choose
 from attack_tools import SAMPLE, close, start_appliance
 from onnx_models import affine_model

@@ -10,7 +10,8 @@ import time
 import pytest
 
 from appliance.cli.users import PASSWORD_ENV, cmd_users
-from appliance.users import ROLES, UserError, UserStore, hash_password, is_password_hash, verify_password
+from appliance.users import ROLES, UserError, UserStore
+from core.password_hash import hash_password, is_password_hash, verify_password
 
 
 class FakeClock:

@@ -282,7 +282,7 @@ def test_actions_per_state():
 
 
 def test_thresholds_come_from_the_yaml():
-    from appliance.config import ConfigError, load_config_text
+    from core.config import ConfigError, load_config_text
     cfg = load_config_text("models: {m: {kind: tensor, path: builtin:te-classifier}}\n"
                            "watchdog: {temperature_warning_c: 70, temperature_critical_c: 75, "
                            "memory_critical_ratio: 0.97, temperature_hysteresis_c: 1, lost_after_failures: 2}\n")

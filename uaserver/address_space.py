@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from asyncua import Node, Server, ua
 
 from .method_table import ADMIN, MethodSpec
-from .object_types import (FOLDER, Member, ObjectTypeSpec, TypeBuilder, declared_methods, model_type, retype, set_array,
-                           task_mailbox_type, task_type, task_type_specs)
+from core.object_types import (FOLDER, Member, ObjectTypeSpec, declared_methods, model_type, task_mailbox_type,
+                               task_type, task_type_specs)
+from .type_builder import TypeBuilder, retype, set_array
 from .type_calls import TypeCalls, own_object_only
 
 V = ua.VariantType

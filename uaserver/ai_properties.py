@@ -24,7 +24,7 @@ from pathlib import Path
 
 from asyncua import ua
 
-from appliance.model_port import ModelStatus
+from core.model_port import ModelStatus
 
 V = ua.VariantType
 FORMATS = {".onnx": "ONNX", ".pt": "TorchScript", ".pth": "TorchScript", ".gguf": "GGUF",

@@ -13,11 +13,12 @@ import time
 
 from asyncua import ua
 
-from appliance.errors import OUT_OF_RANGE, InvalidArgument
-from appliance.model_port import CONVERSATION_PREFIX, GenerativeModel
+from core.errors import OUT_OF_RANGE, InvalidArgument
+from core.model_port import CONVERSATION_PREFIX, GenerativeModel
 
 from .asyncua_internals import ApplianceSession
-from .method_table import CONVERSATION_ID, CONVERSE_IN, GENERATE_OUT, MethodSpec
+from core.method_arguments import CONVERSATION_ID, CONVERSE_IN, GENERATE_OUT
+from .method_table import MethodSpec
 from .methods import CallContext, caller_identity, require_ready, require_type
 
 V = ua.VariantType

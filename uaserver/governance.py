@@ -10,14 +10,15 @@ from pathlib import Path
 
 from asyncua import ua
 
-from appliance.config import MAIN_VARIANT
+from core.config import MAIN_VARIANT
 from appliance.drift import DriftDetector
-from appliance.errors import INVALID, ApplianceError, InvalidArgument
-from appliance.model_port import ServedModel
+from core.errors import INVALID, ApplianceError, InvalidArgument
+from core.model_port import ServedModel
 from appliance.variants import Promotions, choose
 
 from .address_space import ApplianceNodes, write
-from .method_table import ADMIN, PROMOTE_IN, RELOAD_IN, RELOAD_OUT, MethodSpec
+from .method_table import ADMIN, MethodSpec
+from core.method_arguments import PROMOTE_IN, RELOAD_IN, RELOAD_OUT
 from .methods import CallContext, caller_identity, require_ready, require_type
 
 log = logging.getLogger(__name__)

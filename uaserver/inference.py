@@ -11,14 +11,14 @@ import asyncio
 
 from asyncua import ua
 
-from appliance.audit import DigestOf
-from appliance.model_port import GenerativeModel, InferResult, TensorModel
+from core.audit_digest import DigestOf
+from core.model_port import GenerativeModel, InferResult, TensorModel
 
 from .alarms import Alarms
 from .conversations import Conversations
 from .governance import Governance
-from .method_table import CLASSIFY_OUT, GENERATE_IN, GENERATE_OUT, INFER_IN, INFER_OUT, MethodSpec, generate_outputs, \
-    infer_outputs
+from core.method_arguments import CLASSIFY_OUT, GENERATE_IN, GENERATE_OUT, INFER_IN, INFER_OUT
+from .method_table import MethodSpec, generate_outputs, infer_outputs
 from .methods import CallContext, MethodHandlers, require_type
 
 V = ua.VariantType

@@ -13,17 +13,18 @@ import time
 
 from asyncua import Server, ua
 
-from appliance.audit import DigestOf
+from core.audit_digest import DigestOf
 from appliance.call_checks import check_generate, check_samples
-from appliance.errors import InvalidArgument, ResourceUnavailable
+from core.errors import InvalidArgument, ResourceUnavailable
 from appliance.jobs import Job, JobStore
-from appliance.model_port import GenerativeModel, TensorModel
-from appliance.tasks import TaskSet
+from core.model_port import GenerativeModel, TensorModel
+from core.task_set import TaskSet
 
 from .address_space import ApplianceNodes
 from .inference import Inference
-from .method_table import (GET_GENERATE_RESULT_OUT, GET_INFER_RESULT_OUT, GET_RESULT_IN, INFER_IN, JOB_ID,
-                           START_GENERATE_IN, MethodSpec, generate_outputs)
+from core.method_arguments import (GET_GENERATE_RESULT_OUT, GET_INFER_RESULT_OUT, GET_RESULT_IN, INFER_IN, JOB_ID,
+                                   START_GENERATE_IN)
+from .method_table import MethodSpec, generate_outputs
 from .methods import CallContext, MethodStatus, caller_identity, require_type
 
 log = logging.getLogger(__name__)

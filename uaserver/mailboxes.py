@@ -32,15 +32,15 @@ from asyncua import Node, Server, ua
 
 from typing import TYPE_CHECKING
 
-from appliance.audit import DigestOf
-from appliance.config import MailboxConfig
-from appliance.task_answers import ZERO as TASK_ZERO
+from core.audit_digest import DigestOf
+from core.config import MailboxConfig
+from core.task_answers import ZERO as TASK_ZERO
 
 from .asyncua_internals import ApplianceSession, write_together
 from .methods import CallContext, require_ready
 from .session import current_session
 
-from .method_table import TASK_TYPES
+from core.method_arguments import TASK_TYPES
 
 if TYPE_CHECKING:
     from .inference import Inference

@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 from asyncua import ua
 
-from appliance.audit import DigestOf
-from appliance.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
+from core.audit_digest import DigestOf
+from core.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, InvalidArgument, NotReady
 
 from .asyncua_internals import ApplianceSession
 from .audit_writer import AuditWriter
-from .session import correlation_id, current_audit_entry_id, current_session, new_correlation_id
+from core.correlation import correlation_id, new_correlation_id
+from .session import current_audit_entry_id, current_session
 from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)

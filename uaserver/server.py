@@ -18,10 +18,10 @@ from asyncua import ua
 from asyncua.crypto import security_policies
 from cryptography import x509
 
-from appliance import NAMESPACE_URI
-from appliance.model_port import GenerativeModel, TensorModel
+from core.namespace import NAMESPACE_URI
+from core.model_port import GenerativeModel, TensorModel
 from appliance.rate_limit import RateLimiter
-from appliance.tasks import TaskSet
+from core.task_set import TaskSet
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes
 from .ai_properties import AiProperties

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable
-from urllib.parse import urlparse
 
 from asyncua import Server, ua
 
 from certs.pki import PKI
-from certs.server_certificate import CertificateRefused, ServerCertificateStore, ServerIdentity, required_names
+from certs.server_certificate import CertificateRefused, ServerCertificateStore
 from certs.trust_list_update import ALL, TrustListFolders
 from certs.x509io import CertificateFormatError, parse_certificates, thumbprint, to_der
+
+from core.certificate_management import (CERTIFICATE_TYPE, DEFAULT_GROUP, SERVER_CONFIGURATION, TRUST_LIST,
+                                         server_identity)
 
 from .asyncua_internals import (channel_security_mode, close_channels_later, external_sessions, open_channels,
                                 present_certificate)
@@ -33,10 +34,6 @@ from .trust_list_file import MAX_TRUST_LIST_SIZE, READ, TrustListFile
 log = logging.getLogger(__name__)
 
 O = ua.ObjectIds
-SERVER_CONFIGURATION = ua.NodeId(O.ServerConfiguration)
-TRUST_LIST = ua.NodeId(O.ServerConfiguration_CertificateGroups_DefaultApplicationGroup_TrustList)
-DEFAULT_GROUP = ua.NodeId(O.ServerConfiguration_CertificateGroups_DefaultApplicationGroup)
-CERTIFICATE_TYPE = ua.NodeId(O.RsaSha256ApplicationCertificateType)
 ACCEPTED_TYPES = (ua.NodeId(), CERTIFICATE_TYPE, ua.NodeId(O.ApplicationCertificateType))
 CLOSE_CHANNELS_AFTER_S = 1.0  # a GDS needs about a second between the ApplyChanges answer and the channels' close
 RIGHT = "security_admin"
@@ -72,16 +69,6 @@ ARGUMENT_COUNTS = {"GetCertificates": 1,
                    "GetRejectedList": 0, "Open": 1, "Close": 1, "Read": 2, "Write": 2, "GetPosition": 1,
                    "SetPosition": 2, "OpenWithMasks": 1, "CloseAndUpdate": 1, "AddCertificate": 2,
                    "RemoveCertificate": 2}
-
-
-def server_identity(config) -> ServerIdentity:
-    """What a new server certificate must name: the ApplicationUri and the hosts clients dial (the endpoint's host,
-    the advertised host, the YAML's dns_names and ip_addresses); a server on 0.0.0.0 with none of them: the
-    host's own name."""
-    srv = config.server
-    names = required_names([urlparse(srv.endpoint).hostname or "", srv.advertised_host or "",
-                            *srv.dns_names, *srv.ip_addresses])
-    return ServerIdentity(srv.application_uri, names, (socket.gethostname(), socket.getfqdn()))
 
 
 class ServerConfiguration:

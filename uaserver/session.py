@@ -23,15 +23,6 @@ current_session: contextvars.ContextVar["ApplianceSession | None"] = contextvars
 
 # The client's RequestHeader.AuditEntryId of the Call being served (sanitised; "" when absent or dropped).
 current_audit_entry_id: contextvars.ContextVar[str] = contextvars.ContextVar("current_audit_entry_id", default="")
-# The appliance's correlation id of the call being served: in its audit record, its log lines and its exemplar.
-correlation_id: contextvars.ContextVar[str] = contextvars.ContextVar("correlation_id", default="")
-
-
-def new_correlation_id() -> str:
-    """128 random bits as 32 hex digits: made by the appliance, so a client cannot forge or predict one."""
-    return os.urandom(16).hex()
-
-
 def clean_audit_entry_id(value) -> str:
     """The contract: printable, at most 64 characters, else dropped."""
     if not isinstance(value, str) or not value or len(value) > 64 or not value.isprintable():

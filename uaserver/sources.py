@@ -20,13 +20,14 @@ import time
 import numpy as np
 from asyncua import Server, ua
 
-from appliance.errors import ApplianceError
+from core.errors import ApplianceError
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes, write
 from .alarms import Alarms
 from .governance import Governance
 from .methods import CallContext
-from .object_types import FOLDER, retype
+from core.object_types import FOLDER
+from .type_builder import retype
 
 log = logging.getLogger(__name__)
 V = ua.VariantType

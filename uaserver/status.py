@@ -1,7 +1,7 @@
 """The one place where engine reasons become OPC UA status codes (the contract's "Method results" table)."""
 from __future__ import annotations
 
-from appliance import errors
+from core import errors
 
 # engine reason -> the call's StatusCode name
 STATUS_FOR_REASON = {
@@ -12,7 +12,7 @@ STATUS_FOR_REASON = {
     errors.FAILED: "BadInternalError",
     errors.NOT_FOUND: "BadNotFound",
     errors.CANCELLED: "BadRequestCancelledByClient",
-    # a task's answer not complete under its schema within max_tokens / the context (appliance/task_answers.py)
+    # a task's answer not complete under its schema within max_tokens / the context (core/task_answers.py)
     "incomplete": "BadNoDataAvailable",
 }
 # what is wrong with an argument -> its InputArgumentResults entry

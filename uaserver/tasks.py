@@ -8,7 +8,7 @@
 
 A task's inputs are checked by type and bound (BadInvalidArgument with the argument's BadTypeMismatch or
 BadOutOfRange entry), put into its prompt template and sent as a one-shot turn (session "": no conversation) with the
-task's JSON Schema as the grammar (appliance/task_answers.py); the engine decodes under it, so a complete answer is
+task's JSON Schema as the grammar (core/task_answers.py); the engine decodes under it, so a complete answer is
 valid by construction and read back into typed output arguments (validated again: an invalid one is
 BadInternalError). An answer the engine could not complete (FinishReason length, context_full, deadline) is
 BadNoDataAvailable (BadTimeout past the call's deadline): no partial value is presented as Good.
@@ -25,17 +25,18 @@ import time
 
 from asyncua import ua
 
-from appliance.audit import DigestOf
+from core.audit_digest import DigestOf
 from appliance.call_checks import check_generate
-from appliance.config.tasks import TaskConfig
-from appliance.errors import INVALID, OUT_OF_RANGE, EngineFailure, InvalidArgument
-from appliance.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS, GenerateResult, GenerativeModel
-from appliance.task_answers import ZERO, AnswerIncomplete, AnswerInvalid, read_answer, schema_text
+from core.config.tasks import TaskConfig
+from core.errors import INVALID, OUT_OF_RANGE, EngineFailure, InvalidArgument
+from core.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS, GenerateResult, GenerativeModel
+from core.task_answers import ZERO, AnswerIncomplete, AnswerInvalid, read_answer, schema_text
 from models.tokenizer import PromptRejected, normalize_prompt
 
 from .inference import Inference
-from .method_table import (CHOOSE_IN, CHOOSE_OUT, GET_RESULT_IN, START_OUT, TASK_TYPES, MethodSpec,
-                           get_task_result_outputs, task_inputs, task_outputs)
+from core.method_arguments import (CHOOSE_IN, CHOOSE_OUT, GET_RESULT_IN, START_OUT, TASK_TYPES, get_task_result_outputs,
+                                   task_inputs, task_outputs)
+from .method_table import MethodSpec
 from .methods import CallContext, MethodStatus, caller_identity, require_type
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .digest import DigestOf
+from core.audit_digest import DigestOf
 from .records import FIELDS, GENESIS, chain_files, rotated, sha256_hex
 
 log = logging.getLogger("appliance.audit")

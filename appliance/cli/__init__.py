@@ -21,7 +21,7 @@ import argparse
 import logging
 import sys
 
-from ..config import ConfigError
+from core.config import ConfigError
 from . import audit, call, certs, models, nodeset, plc_types, serve, sources, users
 
 VERB_GROUPS = (serve, certs, users, call, models, sources, plc_types, nodeset, audit)  # the order `appliance --help` lists them

@@ -22,8 +22,7 @@ from cryptography.hazmat.primitives import serialization
 from certs.pki import PKI, PKIError
 from certs.server_certificate import CertificateRefused, ServerCertificateStore
 from certs.x509io import CertificateFormatError, parse_certificates, thumbprint, write_atomic
-from uaserver.server_configuration import (CERTIFICATE_TYPE, DEFAULT_GROUP, SERVER_CONFIGURATION,
-                                           server_identity)
+from core.certificate_management import CERTIFICATE_TYPE, DEFAULT_GROUP, SERVER_CONFIGURATION, server_identity
 
 from ..client import connect
 

@@ -5,12 +5,12 @@ import getpass
 import sys
 from pathlib import Path
 
-from ..config import DEFAULT_CONFIG_PATH
+from core.config import DEFAULT_CONFIG_PATH
 
 
 def load_config_arg(path: str | None):
     """--config FILE; without it the installed file if there is one, else the built-in demo."""
-    from ..config import demo_config, load_config
+    from core.config import demo_config, load_config
     if path:
         return load_config(path)
     if DEFAULT_CONFIG_PATH.exists():
@@ -29,7 +29,7 @@ def audit_admin(config, action: str, detail: str, code: int, event: str = "admin
     and two writers on one chain would break it."""
     if not config.audit.enabled:
         return
-    from uaserver.session import new_correlation_id
+    from core.correlation import new_correlation_id
 
     from ..audit import AuditLog
     log = AuditLog(Path(config.audit.path).with_name("admin.jsonl"), max_bytes=config.audit.max_bytes,

@@ -96,7 +96,7 @@ def _change(args, config) -> int:
 
 def _list_models(store, config, name: str | None) -> int:
     """Every configured model (and any other the store holds): its versions, or where it serves from."""
-    from ..config import BUILTIN_MODELS
+    from core.config import BUILTIN_MODELS
     names = [name] if name else sorted(set(store.names()) | set(config.models))
     for name in names:
         versions = store.versions(name)

@@ -26,7 +26,7 @@ def run_plc_types(args) -> int:
     model = config.models.get(args.model)
     if model is None:
         return fail(f"no model '{args.model}' in {config.source}; models: {', '.join(config.models)}")
-    from ..model_port import CHOOSE_MAX_OPTIONS
+    from core.model_port import CHOOSE_MAX_OPTIONS
     if not 1 <= args.choose_options <= CHOOSE_MAX_OPTIONS:
         return fail(f"--choose-options must be between 1 and {CHOOSE_MAX_OPTIONS}, got {args.choose_options}")
     try:

@@ -30,7 +30,7 @@ def run_check_config(args) -> int:
 
 def check_config_main(path: str) -> int:
     """`appliance check-config FILE`: 0 and an OK line, or 2 with every problem on stderr."""
-    from ..config import ConfigError, load_config
+    from core.config import ConfigError, load_config
     try:
         cfg = load_config(path, spelling=True)  # and every task's enum values against the model's tokenizer
     except ConfigError as e:
@@ -44,7 +44,7 @@ def check_config_main(path: str) -> int:
     names = ", ".join(cfg.models)
     count = len(cfg.models)
     print(f"OK: {path} ({count} model{'s' if count != 1 else ''}: {names})")
-    from ..config.checks import trust_list_notes
+    from core.config.checks import trust_list_notes
     for note in trust_list_notes(cfg):
         print(note, file=sys.stderr)
     return 0

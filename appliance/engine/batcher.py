@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from appliance.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
+from core.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
 from appliance.metrics import Metrics
 
 log = logging.getLogger(__name__)

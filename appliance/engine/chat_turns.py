@@ -11,7 +11,7 @@ from typing import Any
 
 from appliance.engine.sequence import FinishReason, Sequence
 from appliance.engine.slots import Acquired, Slot
-from appliance.errors import EngineFailure
+from core.errors import EngineFailure
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from appliance.engine.slots import Parked
-from appliance.model_port import CONVERSATION_PREFIX as PREFIX
+from core.model_port import CONVERSATION_PREFIX as PREFIX
 
 log = logging.getLogger(__name__)
 

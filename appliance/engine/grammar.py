@@ -18,7 +18,7 @@ import numpy as np
 
 import llguidance
 
-from appliance.errors import INVALID, InvalidArgument
+from core.errors import INVALID, InvalidArgument
 
 MAX_SCHEMA_CHARS = 64 * 1024  # a task's schema is a few hundred characters; far above any legitimate one
 SCHEMAS_KEPT = 64  # compiled schemas kept per engine (least recently used dropped first)

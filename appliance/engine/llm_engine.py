@@ -23,10 +23,10 @@ from appliance.engine.sequence import Sequence
 from appliance.engine.slots import SlotManager
 from appliance.engine.speculation import SpeculationSettings
 from appliance.engine.thread_reply import Reply
-from appliance.errors import (OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument,
-                             NotReady, ResourceUnavailable)
+from core.errors import (OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
+                         ResourceUnavailable)
 from appliance.metrics import Metrics
-from appliance.model_port import ChooseResult, GenerateResult
+from core.model_port import ChooseResult, GenerateResult
 
 log = logging.getLogger(__name__)
 

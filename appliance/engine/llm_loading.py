@@ -20,7 +20,7 @@ from appliance.engine.llm_settings import (ACTIVATIONS, COMPILE, DTYPES, MEMORY_
 from appliance.engine.slots import POLICIES
 from appliance.engine.thread_reply import Reply
 from appliance.engine.weight_plan import plan_weights
-from appliance.errors import ApplianceError, EngineFailure
+from core.errors import ApplianceError, EngineFailure
 
 log = logging.getLogger(__name__)
 

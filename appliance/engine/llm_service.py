@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from appliance.engine.sampling import request_seed
 from appliance.engine.sequence import Sequence
-from appliance.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
+from core.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
 from appliance.engine.liveness import Liveness
 from appliance.engine.llm_engine import EngineLoop
 from appliance.engine.llm_loading import (LoadedEngine, compile_in_background, in_fresh_thread, load_engine,
@@ -31,7 +31,7 @@ from appliance.call_checks import check_generate, check_options
 from appliance.engine.choose import ChooseRequest
 from appliance.engine.llm_settings import GenerativeSettings
 from appliance.engine.thread_reply import Reply
-from appliance.model_port import ChooseResult, GenerateResult
+from core.model_port import ChooseResult, GenerateResult
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
 

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from appliance.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
+from core.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
 from appliance.engine.prefix_index import Key, PrefixIndex
 from appliance.engine.sequence import FinishReason, Sequence, SeqState
 from appliance.engine.speculation import LookupDrafter, SpeculationSettings

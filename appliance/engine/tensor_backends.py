@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from appliance.errors import EngineFailure
+from core.errors import EngineFailure
 
 log = logging.getLogger(__name__)
 

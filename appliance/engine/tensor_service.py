@@ -18,7 +18,7 @@ import numpy as np
 from appliance.engine.batcher import BatchPolicy, DynamicBatcher
 from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
 from appliance.call_checks import check_samples
-from appliance.errors import ApplianceError, EngineFailure, NotReady
+from core.errors import ApplianceError, EngineFailure, NotReady
 from appliance.engine.liveness import Liveness
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics

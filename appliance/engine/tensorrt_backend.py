@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from appliance.engine.trt_cache import EngineCache, EngineKey, onnx_digest
-from appliance.errors import EngineFailure
+from core.errors import EngineFailure
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from appliance.engine.llm_settings import GenerativeSettings
-from appliance.errors import EngineFailure
+from core.errors import EngineFailure
 
 log = logging.getLogger(__name__)
 

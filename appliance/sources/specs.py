@@ -9,7 +9,7 @@ from .identity import SourceFiles
 
 
 def source_spec(src, state_dir: Path) -> p.SourceSpec:
-    """src: appliance.config SourceConfig."""
+    """src: core.config SourceConfig."""
     files = SourceFiles.of(state_dir, src.name)
     names = list(src.nodes)
     nodes = []
@@ -22,7 +22,7 @@ def source_spec(src, state_dir: Path) -> p.SourceSpec:
             queue_size=int(n.queue_size if n.queue_size is not None else src.queue_size),
             deadband=float(n.deadband if n.deadband is not None else src.deadband if src.deadband is not None
                            else -1.0)))
-    from .node_ref import parse_node_id
+    from core.node_ref import parse_node_id
     writes: list[str] = []  # the write-back NodeIds, each once
     for f in src.feeds.values():
         writes += [n for n in f.write_back.values() if n not in writes]

@@ -165,7 +165,7 @@ class Done(_Msg):
 
 class Failed(_Msg):
     id: int
-    reason: str  # appliance.errors reason
+    reason: str  # core.errors reason
     message: str
     index: int = 0
     kind: str = "out_of_range"

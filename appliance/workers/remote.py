@@ -1,4 +1,4 @@
-"""The serve process's model objects: appliance.model_port's interface, answered by the model's worker process.
+"""The serve process's model objects: core.model_port's interface, answered by the model's worker process.
 
 They count calls and latency (what a client saw, including the trip to the worker), say Loading (and refuse calls)
 from a worker's death until its replacement has loaded the model, and remember which generative sessions held state in a worker that died, so that each such session's next
@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from appliance.errors import EngineFailure, NotReady, ResourceUnavailable, without_paths
-from appliance.model_port import CONVERSATION_PREFIX, ChooseResult, GenerateResult, InferResult, ModelStatus
+from core.errors import EngineFailure, NotReady, ResourceUnavailable, without_paths
+from core.model_port import CONVERSATION_PREFIX, ChooseResult, GenerateResult, InferResult, ModelStatus
 from appliance.workers import protocol as p
 from appliance.workers.supervisor import WorkerSupervisor
 

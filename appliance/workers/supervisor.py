@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from appliance.cgroup_memory import MemoryCgroup, memory_cgroup
-from appliance.errors import ApplianceError, DeadlineExceeded, EngineFailure, NotReady, error_from
+from core.errors import ApplianceError, DeadlineExceeded, EngineFailure, NotReady, error_from
 from appliance.workers import protocol as p
 from appliance.workers.worker import MEMORY_EXIT
 
@@ -408,7 +408,7 @@ class WorkerSupervisor:
 
     async def call(self, message, deadline: float | None, on_progress=None):
         """Send a request (its `id` is set here) and wait for its answer until `deadline` (monotonic; None: no
-        limit); engine failures are raised as appliance.errors exceptions."""
+        limit); engine failures are raised as core.errors exceptions."""
         if not self.up or self._channel is None:
             raise NotReady("the model's worker is restarting")
         message.id = self._next_id()

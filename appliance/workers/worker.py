@@ -31,9 +31,9 @@ import numpy as np
 
 from appliance.engine.engine_metrics import EngineMetrics
 from appliance.engine.liveness import Liveness
-from appliance.errors import ApplianceError, InvalidArgument
+from core.errors import ApplianceError, InvalidArgument
 from appliance.logs import configure_logging
-from appliance.tasks import TaskSet
+from core.task_set import TaskSet
 from appliance.workers import protocol as p
 
 log = logging.getLogger("appliance.worker")

@@ -18,7 +18,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from certs.x509io import normalize_thumbprint
 
-from ..users import is_password_hash
+from ..password_hash import is_password_hash
 from .yaml_walk import (
     INVALID, Context, as_mapping, did_you_mean, key_path, mapping_items, node_kind, parse_fields, shown,
 )

@@ -14,13 +14,13 @@ The package, by role (each module imports only those above it):
     schema.py     every section, key, default and rule (ServerConfig, SecurityConfig, EngineConfig, ModelConfig, ...)
     checks.py     checks across settings: model files and labels, fallbacks, mailboxes, limits, max_samples
     loader.py     the whole file: sections, users, models, mailboxes, then the checks; the demo
-    docs.py       docs/configuration.md, written from the schema (`python -m appliance.config.docs`)
+    docs.py       docs/configuration.md, written from the schema (`python -m core.config.docs`)
 
-Other modules import from `appliance.config`, which re-exports the public names below.
+Other modules import from `core.config`, which re-exports the public names below.
 """
 from __future__ import annotations
 
-import importlib.metadata  # noqa: F401 - tests patch appliance.config.importlib.metadata (used by builtin.py)
+import importlib.metadata  # noqa: F401 - tests patch core.config.importlib.metadata (used by builtin.py)
 
 from .builtin import BUILTIN_MODELS, SMOLLM2_PACKAGE, resolve_builtin
 from .checks import CALL_OVERHEAD_BYTES, onnx_output_width, onnx_sample_floats

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
-from ..sources.node_ref import NodeRef, NodeRefError, parse_browse_path, parse_node_id
+from core.node_ref import NodeRef, NodeRefError, parse_browse_path, parse_node_id
 from .rules import ListOf, Scalar, boolean, choice, integer, is_host, number, optional, required, setting, text
 from .yaml_walk import INVALID, Context, as_mapping, key_path, mapping_items, named_items, parse_fields, shown
 

@@ -1,7 +1,7 @@
 """The one typed interface through which the OPC UA layer reaches a served model (whatever runs it).
 
 The serve process implements it with appliance.workers.remote (calls into the model's worker process); the UA
-layer uses nothing else of a model. Failures are appliance.errors exceptions carrying engine reasons.
+layer uses nothing else of a model. Failures are core.errors exceptions carrying engine reasons.
 """
 from __future__ import annotations
 
@@ -105,13 +105,13 @@ class GenerativeModel(ServedModel, Protocol):
         document valid under it, decoded under the schema's token mask with forced stretches fed as prefill
         (jump-forward). finish_reason "stop" means the document is complete; any other (length, context_full,
         deadline) means it is not, and no part of it is a valid answer. A schema the grammar engine cannot compile
-        raises appliance.errors.InvalidArgument (BadInvalidArgument)."""
+        raises core.errors.InvalidArgument (BadInvalidArgument)."""
 
     async def choose(self, prompt: str, options: list[str], deadline: float) -> ChooseResult:
         """Score each option as the assistant's whole reply to `prompt` (one user turn, no conversation): the sum
         of its tokens' log-probabilities, all options in batched forwards over the prompt's cache; deterministic.
         1 <= len(options) <= CHOOSE_MAX_OPTIONS, each non-empty and at most CHOOSE_MAX_OPTION_CHARS characters,
-        else appliance.errors.InvalidArgument (BadInvalidArgument) naming the option's index."""
+        else core.errors.InvalidArgument (BadInvalidArgument) naming the option's index."""
 
     async def reset(self, session: str) -> None:
         """Forget the session's conversation and give its slot back."""
