@@ -82,3 +82,27 @@ def check_options(options, first: int = 1) -> list[str]:
         except PromptRejected as e:
             raise InvalidArgument(f"Options[{i}]: {e}", first, INVALID) from None
     return out
+
+
+class CallChecks:
+    """The checks as the UA layer is handed them (core.services.CallChecks; the daemon builds one): the engine's
+    max_new_tokens bound, so StartGenerate, StartInfer and a task refuse at their start what the call would."""
+
+    def __init__(self, max_new_tokens: int):
+        self.max_new_tokens = max_new_tokens
+
+    def samples(self, values, input_shape: Sequence[int], max_samples: int, first: int = 0) -> np.ndarray:
+        return check_samples(values, input_shape, max_samples, first)
+
+    def generate(self, prompt, max_tokens, temperature, first: int = 0) -> str:
+        return check_generate(prompt, max_tokens, temperature, self.max_new_tokens, first)
+
+    def task_text(self, name: str, value: str, index: int) -> None:
+        """A task's String input under the prompt's own rule (control characters, bidi overrides), marked on its
+        argument."""
+        from models.tokenizer import PromptRejected, normalize_prompt
+        try:
+            normalize_prompt(value)
+        except PromptRejected as e:
+            raise InvalidArgument(f"{name}: {str(e).replace('the prompt holds', 'it holds')}", index, INVALID) \
+                from None

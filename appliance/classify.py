@@ -115,5 +115,12 @@ class ClassifierState:
         return SourceUpdate(result, source, raised, cleared, any_after - any_before, any_before - any_after)
 
 
+def classifier_states(config) -> dict[str, ClassifierState]:
+    """A ClassifierState for each tensor model with labels (what the daemon hands the UA server's alarms)."""
+    return {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence, m.alarm_on_results,
+                                  m.alarm_off_results, m.alarm_sources)
+            for name, m in config.models.items() if m.kind == "tensor" and m.labels}
+
+
 def _is_identity(value: str) -> bool:
     return value.startswith(("user:", "x509:"))

@@ -1,4 +1,7 @@
-"""`appliance serve`: wires configuration, PKI, engine services, OPC UA server and monitoring together.
+"""`appliance serve`: the appliance's one composition root. It reads the configuration once and builds every part
+from it: PKI, metrics, audit, accounts, watchdog, the model workers, the domain services the OPC UA server is
+handed (rate limiter, job store, variant routing, drift detectors, classifier states, call checks: ua_services),
+the OPC UA server itself, the sources client, monitoring HTTP. Nothing below builds a part from configuration.
 
 Start order: PKI (created on first start), metrics, audit, accounts, watchdog, OPC UA server (State Starting),
 monitoring HTTP, then the models load in the background; each turns Ready on its own. Stop order is the reverse,
@@ -17,14 +20,21 @@ from urllib.parse import urlparse
 
 from . import logs
 from core.config import ApplianceConfig
-from .device import on_gpu, resolve_device
-from .metrics import Metrics
-from core.model_port import GenerativeModel, TensorModel
-from .model_specs import model_spec
 from core.errors import DeadlineExceeded
-from .supervision import SupervisedFacts, Supervision
+from core.model_port import GenerativeModel, TensorModel
+from core.services import UaServices
 from core.task_set import TaskSet
+
+from .call_checks import CallChecks
+from .classify import classifier_states
+from .device import on_gpu, resolve_device
+from .jobs import JobStore
+from .metrics import Metrics
+from .model_specs import model_spec
+from .rate_limit import RateLimiter
+from .supervision import SupervisedFacts, Supervision
 from .systemd_loop import tell_systemd
+from .variants import VariantRouter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +64,22 @@ def certificate_names(config: ApplianceConfig) -> tuple[list[str], list[str]]:
     except OSError:
         pass
     return sorted(hostnames), sorted(ips)
+
+
+def ua_services(config: ApplianceConfig) -> UaServices:
+    """The domain services the OPC UA server is handed, each built from its part of the configuration (the NodeSet2
+    export builds the same, for the same address space)."""
+    from .drift import DriftDetector  # numpy only; a detector exists where a model has a drift reference
+    jobs = config.jobs
+    return UaServices(
+        rate_limiter=RateLimiter(config.security.rate_limits),
+        jobs=JobStore(max_per_client=jobs.max_per_client, result_ttl_s=jobs.result_ttl_s,
+                      max_wait_s=jobs.max_wait_ms / 1000.0),
+        variants=VariantRouter.for_config(config),
+        drift={name: d for name, m in config.models.items() if m.kind == "tensor"
+               and (d := DriftDetector.for_model(m)) is not None},
+        classifiers=classifier_states(config),
+        call_checks=CallChecks(config.engine.max_new_tokens))
 
 
 class Appliance:
@@ -192,7 +218,7 @@ class Appliance:
                 await sup.start()
         self.supervision.start()
         self.ua = ApplianceUaServer(cfg, pki=pki, trust_list=trust_list, user_store=users, services=self.services,
-                                    metrics=self.metrics, audit=self.audit, device=device, health=self.supervision.health,
+                                    domain=ua_services(cfg), metrics=self.metrics, audit=self.audit, device=device, health=self.supervision.health,
                                     supervision_alive=self.supervision.alive, alarms=self.supervision.alarms,
                                     variants=self.variant_services,
                                     certificate_changed=lambda: self._watch_certificate(pki))  # Part 12 ApplyChanges
@@ -311,7 +337,7 @@ class Appliance:
                 return
             configure_logging(new)
             if self.ua is not None:
-                self.ua.set_rate_limits(new.security.rate_limits)
+                self.ua.set_rate_limiter(RateLimiter(new.security.rate_limits))
             log.warning("configuration re-read from %s: logging and rate limits applied; other changes need a "
                         "restart", self.config.source)
         finally:
@@ -357,6 +383,26 @@ class Appliance:
             self.watchdog.backend.close()  # each backend's close handles its own errors
 
 
+SIGNAL_MEANING = {signal.SIGINT: "Ctrl-C will not drain calls before the appliance stops",
+                  signal.SIGTERM: "`systemctl stop` will not drain calls before the appliance stops",
+                  signal.SIGHUP: "`systemctl reload` will not re-read the configuration"}
+
+
+def install_signal_handlers(loop: asyncio.AbstractEventLoop, handlers: dict) -> list[signal.Signals]:
+    """Each signal's handler on the loop: signal -> (callback, *args). One that cannot be installed (a loop
+    outside the main thread, a platform without signals) is logged with what it costs, never silently absent.
+    Returns the signals whose handler is missing."""
+    missing = []
+    for sig, (callback, *args) in handlers.items():
+        try:
+            loop.add_signal_handler(sig, callback, *args)
+        except (NotImplementedError, RuntimeError, ValueError) as e:
+            missing.append(sig)
+            log.error("cannot install the %s handler (%s): %s", signal.Signals(sig).name, e,
+                      SIGNAL_MEANING.get(sig, "the signal keeps its default action"))
+    return missing
+
+
 def configure_logging(config: ApplianceConfig) -> None:
     logs.configure_logging(config.logging.level, config.logging.format)
 
@@ -377,15 +423,8 @@ async def serve(config: ApplianceConfig) -> int:
     def on_stop_signal() -> None:
         app.begin_stop()
         stop.set()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, on_stop_signal)
-        except (NotImplementedError, RuntimeError):
-            pass
-    try:
-        loop.add_signal_handler(signal.SIGHUP, app.reload_soon, notifier)
-    except (NotImplementedError, RuntimeError):
-        pass
+    install_signal_handlers(loop, {signal.SIGINT: (on_stop_signal,), signal.SIGTERM: (on_stop_signal,),
+                                   signal.SIGHUP: (app.reload_soon, notifier)})
     notifier.status("starting: PKI, OPC UA server, model workers")
     await app.start()
     # What start built (the address space, certificates, modules) lives as long as the process: an asyncua server's

@@ -71,6 +71,31 @@ class Promotions:
         self._promoted = promoted
 
 
+class VariantRouter:
+    """Which variant answers a caller (core.services.VariantRouting; the daemon builds one): the promoted one, else
+    the caller's sticky share of the configured weights. The caller's identity comes down with the question; the
+    variant's name goes back."""
+
+    def __init__(self, weights: dict[str, dict[str, float]], promotions: Promotions):
+        self.weights = weights  # model -> {variant -> percent}, file order; models without variants absent
+        self.promotions = promotions
+
+    @classmethod
+    def for_config(cls, config) -> "VariantRouter":
+        weights = {name: {v: c.weight for v, c in m.variants.items()} for name, m in config.models.items()
+                   if m.variants}
+        return cls(weights, Promotions(Path(config.server.state_dir) / "variants.json"))
+
+    def variants(self, model: str) -> tuple[str, ...]:
+        return tuple(self.weights.get(model, ()))
+
+    def variant_for(self, model: str, identity: str) -> str:
+        return self.promotions.get(model) or choose(identity, model, self.weights[model])
+
+    def promote(self, model: str, variant: str | None) -> None:
+        self.promotions.set(model, variant)
+
+
 def request_promote(config, model: str, variant: str, timeout_s: float = 30.0) -> tuple[bool, str]:
     """`appliance models promote`: Admin/PromoteVariant over OPC UA on loopback as the box's commissioning engineer
     (the certificate `appliance models deploy` uses). (done, what happened)."""

@@ -1,5 +1,7 @@
-"""asyncua's private parts live in the package uaserver/asyncua_internals/ only, which refuses to load with another
-asyncua version than the one it was written for (so an upgrade is one package to review)."""
+"""asyncua's private parts live in two fences only: the package uaserver/asyncua_internals/ (the server) and the
+module appliance/sources/asyncua_internals.py (the sources client's receive limits); each refuses to load with
+another asyncua version than the one they were written for (core/asyncua_version.py), so an upgrade is those two to
+review."""
 from __future__ import annotations
 
 import ast
@@ -9,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from core.asyncua_version import ASYNCUA_VERSION, AsyncuaVersionError, check_asyncua_version
 from uaserver import asyncua_internals
-from uaserver.asyncua_internals import ASYNCUA_VERSION, AsyncuaVersionError, check_asyncua_version
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLIC_ASYNCUA = {"asyncua", "asyncua.crypto", "asyncua.crypto.permission_rules", "asyncua.server.user_managers"}
+PUBLIC_ASYNCUA = {"asyncua", "asyncua.crypto", "asyncua.crypto.permission_rules", "asyncua.server.user_managers",
+                  # the client side's public modules: a struct's decoder, subscription events, the NodeSet2 exporter
+                  "asyncua.ua.ua_binary", "asyncua.common.subscription", "asyncua.common.xmlexporter"}
 
 
 def test_the_installed_version_is_the_one_it_was_written_for():
@@ -28,23 +32,28 @@ def test_another_version_is_refused_with_a_clear_error():
     message = str(info.value)
     assert "written for asyncua 2.1.0" in message and "asyncua 2.2.0 is installed" in message
     assert "pip install asyncua==2.1.0" in message and "uaserver/asyncua_internals/" in message
+    assert "appliance/sources/asyncua_internals.py" in message
 
 
-def test_importing_with_another_version_installed_fails_at_import():
+@pytest.mark.parametrize("module", ["uaserver.server", "appliance.sources.asyncua_internals"])
+def test_importing_with_another_version_installed_fails_at_import(module):
     code = ("import importlib.metadata as m\n"
             "real = m.version\n"
             "m.version = lambda name: '2.3.1' if name == 'asyncua' else real(name)\n"
-            "import uaserver.server\n")
+            f"import {module}\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     assert "AsyncuaVersionError" in result.stderr and "asyncua 2.3.1 is installed" in result.stderr
 
 
+FENCES = (ROOT / "uaserver" / "asyncua_internals", ROOT / "appliance" / "sources" / "asyncua_internals.py")
+
+
 def test_no_other_module_reaches_into_asyncua():
-    """Outside uaserver/asyncua_internals/: only asyncua's public API (no asyncua.server internals, no underscored
-    attributes of asyncua objects)."""
-    for path in sorted((ROOT / "uaserver").rglob("*.py")):
-        if "asyncua_internals" in path.relative_to(ROOT / "uaserver").parts:
+    """Outside the two fences: only asyncua's public API (no asyncua.server internals, no underscored attributes of
+    asyncua objects)."""
+    for path in sorted(p for top in ("core", "uaserver", "appliance", "certs") for p in (ROOT / top).rglob("*.py")):
+        if any(path == fence or fence in path.parents for fence in FENCES):
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

@@ -1,114 +1,59 @@
-"""The import rules of the developers' guide, read from the source (ast), so a new module is held to them at once:
-models/ and kernels/ import nothing from appliance/ or uaserver/, and no import cycle joins appliance/ modules,
-counting every import that runs (module level and inside functions; `if TYPE_CHECKING:` blocks never run)."""
+"""The import rules of the developers' guide, read from the source (ast, by tools/import_graph.py), so a new module is
+held to them at once, counting every import that runs (module level and inside functions; `if TYPE_CHECKING:` blocks
+never run):
+- core/ (what both rooms share) imports nothing of appliance/ or uaserver/;
+- uaserver/ (the OPC UA server) imports nothing of appliance/: the daemon builds what the server uses and hands it in;
+- appliance/ imports nothing of uaserver/ but where it constructs the server (ALLOWED below, each with its reason);
+  the CLI is a client (asyncua's client and core's contract), the log filter and the workers know nothing of OPC UA;
+- models/ and kernels/ import nothing from appliance/, uaserver/ or core/;
+- no import cycle joins appliance/ modules."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tools.import_graph import ROOT, cycles, imported_modules, imported_packages, module_name, package_edges, \
+    runtime_imports
+
+# appliance/ modules that may import uaserver/, and why
+ALLOWED = {
+    "appliance/daemon.py": "the composition root: it constructs the OPC UA server and hands it its services",
+    "appliance/nodeset_export.py": "the NodeSet2 file is the server's own address space, built by the server's own "
+                                   "code without listening, so that the export and the running box cannot differ",
+}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def offending(edges: dict[tuple[str, str], list[str]], importer: str, imported: str,
+              allowed: dict[str, str] | None = None) -> list[str]:
+    return [w for w in edges.get((importer, imported), []) if w.rsplit(":", 1)[0] not in (allowed or {})]
 
 
-def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run: all of them but those under `if TYPE_CHECKING:`."""
-    found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+def test_core_imports_neither_room():
+    edges = package_edges()
+    bad = offending(edges, "core", "appliance") + offending(edges, "core", "uaserver")
+    assert not bad, "core/ is beneath appliance/ and uaserver/: " + ", ".join(bad)
 
 
-def imported_modules(path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` that the file imports (relative imports resolved; `from pkg import sub` names the
-    submodule, `from pkg import name` the package)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name in known}
-            continue
-        base = node.module or ""
-        if node.level:
-            parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-            base = ".".join(parts + ([base] if base else []))
-        for alias in node.names:
-            if f"{base}.{alias.name}" in known:
-                found.add(f"{base}.{alias.name}")
-            elif base in known:
-                found.add(base)
-    return found - {name}
+def test_uaserver_imports_nothing_of_appliance():
+    bad = offending(package_edges(), "uaserver", "appliance")
+    assert not bad, ("the daemon builds what the server uses and hands it in (core/services.py): "
+                     + ", ".join(bad))
 
 
-def top_packages(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+def test_appliance_imports_uaserver_only_where_it_constructs_the_server():
+    edges = package_edges()
+    assert edges[("appliance", "uaserver")], "the daemon constructs the server: the graph is read"
+    bad = offending(edges, "appliance", "uaserver", ALLOWED)
+    assert not bad, "appliance/ reaches uaserver/ only to construct it (ALLOWED): " + ", ".join(bad)
+    for path in ALLOWED:
+        assert (ROOT / path).exists(), f"ALLOWED names {path}, which does not exist"
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def connect(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph[v]):
-            if w not in index:
-                connect(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            connect(v)
-    return found
-
-
-def test_models_and_kernels_import_nothing_from_appliance_or_uaserver():
-    offenders = []
-    for package in ("models", "kernels"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            bad = top_packages(path) & {"appliance", "uaserver"}
-            if bad:
-                offenders.append(f"{path.relative_to(ROOT)} imports {', '.join(sorted(bad))}")
-    assert not offenders, "offline tools belong in tools/, engine code takes plain values: " + "; ".join(offenders)
+def test_models_and_kernels_import_nothing_from_the_appliance():
+    edges = package_edges()
+    bad = [w for lower in ("models", "kernels") for upper in ("appliance", "uaserver", "core")
+           for w in edges.get((lower, upper), [])]
+    assert not bad, "offline tools belong in tools/, engine code takes plain values: " + ", ".join(bad)
 
 
 def test_no_import_cycle_among_appliance_modules():
@@ -120,7 +65,19 @@ def test_no_import_cycle_among_appliance_modules():
         " -> ".join(c) for c in found)
 
 
-def test_the_cycle_finder_sees_a_cycle_hidden_in_a_function():
+def test_the_reader_sees_imports_hidden_in_functions(tmp_path):
     tree = ast.parse("import os\n\ndef f():\n    from . import b\n\nif TYPE_CHECKING:\n    from . import c\n")
     assert [type(n).__name__ for n in runtime_imports(tree)] == ["Import", "ImportFrom"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    relative = ROOT / "uaserver" / "server.py"  # `from .alarms import ...` is uaserver's own
+    assert "uaserver" in {top for top, _ in imported_packages(relative)}
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text("def f():\n    from appliance.jobs import JobStore\n    import uaserver.server\n")
+    assert [top for top, _ in imported_packages(hidden)] == ["appliance", "uaserver"]
+
+
+def test_the_graph_counts_statements_per_file():
+    edges = package_edges()
+    assert all(":" in w for where in edges.values() for w in where)
+    assert sum(len(w) for (a, b), w in edges.items() if a == "appliance" and b == "core") > 10
+    assert Path(ROOT / "tools" / "import_graph.py").exists()

@@ -43,10 +43,10 @@ def runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
 
 def absolute_module(node: ast.ImportFrom, path: Path) -> str:
     """The module a `from ... import` statement names, relative imports resolved."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     base = node.module or ""
     if node.level:
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
         base = ".".join(parts + ([base] if base else []))
     return base

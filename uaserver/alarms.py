@@ -1,16 +1,17 @@
 """The alarms: `Alarms/...` Booleans and their Part 9 conditions changed in one place (set_alarm), the class alarms
-that classifier results drive (per source, debounced: appliance/classify.py), and the condition methods
-(Acknowledge, AddComment, Enable, Disable, ConditionRefresh, ConditionRefresh2) that SCADA calls.
+that classifier results drive (per source, debounced: the classifier states the daemon builds, appliance/classify.py),
+and the condition methods (Acknowledge, AddComment, Enable, Disable, ConditionRefresh, ConditionRefresh2) that SCADA
+calls.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 
 from asyncua import Server, ua
 
-from appliance.classify import Classified, ClassifierState
+from core.services import Classified, Classifier
 
 from .address_space import ApplianceNodes, write
 from .conditions import (CONDITION_REFRESH, CONDITION_REFRESH2, METHODS, AlarmConditions, ConditionError,
@@ -25,15 +26,8 @@ AUDIT_EVENT = {"Acknowledge": "alarm_acknowledged", "AddComment": "alarm_comment
                "Disable": "alarm_disabled"}
 
 
-def classifiers_of(config) -> dict[str, ClassifierState]:
-    """A ClassifierState for each tensor model with labels."""
-    return {name: ClassifierState(m.labels, m.alarm_class_indices, m.alarm_confidence, m.alarm_on_results,
-                                  m.alarm_off_results, m.alarm_sources)
-            for name, m in config.models.items() if m.kind == "tensor" and m.labels}
-
-
 class Alarms:
-    def __init__(self, classifiers: dict[str, ClassifierState], *, metrics, emit_event: Callable[..., None]):
+    def __init__(self, classifiers: Mapping[str, Classifier], *, metrics, emit_event: Callable[..., None]):
         self.classifiers = classifiers
         self.metrics = metrics
         self.emit_event = emit_event

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Mapping
 
 from asyncua import ua
 
 from core.config import MAIN_VARIANT
-from appliance.drift import DriftDetector
 from core.errors import INVALID, ApplianceError, InvalidArgument
 from core.model_port import ServedModel
-from appliance.variants import Promotions, choose
+from core.services import DriftWatch, VariantRouting
 
 from .address_space import ApplianceNodes, write
 from .method_table import ADMIN, MethodSpec
@@ -38,18 +36,16 @@ def public_reason(message: str) -> str:
 
 class Governance:
     def __init__(self, config, services: dict[str, ServedModel], variants: dict[str, dict[str, ServedModel]],
-                 *, request_timeout_s: float, metrics, emit_event: Callable[..., None]):
+                 *, routing: VariantRouting, drift: Mapping[str, DriftWatch], request_timeout_s: float, metrics,
+                 emit_event: Callable[..., None]):
         self.config = config
         self.services = services
         self.variants = variants  # model -> {variant name -> its served model}
-        self.variant_weights = {name: {v: c.weight for v, c in m.variants.items()}
-                                for name, m in config.models.items() if m.variants}
-        self.promotions = Promotions(Path(config.server.state_dir) / "variants.json")
+        self.routing = routing  # which variant answers a caller, and promotions (the daemon's)
         self.request_timeout_s = request_timeout_s
         self.metrics = metrics
         self.emit_event = emit_event
-        self.drift = {name: d for name, m in config.models.items() if m.kind == "tensor"
-                      and (d := DriftDetector.for_model(m)) is not None}
+        self.drift = drift  # tensor model -> its drift detector (the daemon's)
         self._drift_published: dict[str, str] = {}  # model -> the state last published
 
     def method_specs(self) -> list[MethodSpec]:
@@ -94,10 +90,9 @@ class Governance:
     def variant_of(self, svc: ServedModel, ctx: CallContext) -> ServedModel:
         """The A/B variant that serves this caller (sticky: a hash of its identity), or the promoted one; the
         model's own weights when it has no variants, or when the chosen variant is not Ready."""
-        weights = self.variant_weights.get(svc.name)
-        if not weights:
+        if not self.routing.variants(svc.name):
             return svc
-        name = self.promotions.get(svc.name) or choose(caller_identity(ctx.session), svc.name, weights)
+        name = self.routing.variant_for(svc.name, caller_identity(ctx.session))
         model = self.variants[svc.name].get(name) if name != MAIN_VARIANT else None
         if model is not None and model.status().state != "Ready":
             ctx.detail = f"variant {name} is not Ready: answered by {MAIN_VARIANT}"
@@ -161,12 +156,12 @@ class Governance:
         if model not in self.services:
             raise InvalidArgument("no model of that name", 0, INVALID)
         ctx.model, ctx.event = model, "promote"
-        known = self.variant_weights.get(model)
+        known = self.routing.variants(model)
         if not known:
             raise InvalidArgument("the model has no variants", 0, INVALID)
         if variant and variant != MAIN_VARIANT and variant not in known:
             raise InvalidArgument("no variant of that name", 1, INVALID)
-        self.promotions.set(model, variant or None)
+        self.routing.promote(model, variant or None)
         ctx.detail = (f"all traffic of {model} to variant {variant}" if variant
                       else f"{model} back to its configured split")
         log.warning("Admin/PromoteVariant: %s", ctx.detail)

@@ -1,7 +1,7 @@
 """Jobs over OPC UA: StartInfer / StartGenerate answer a JobId at once, Get...Result waits at most WaitMs, CancelJob,
 ReleaseJob; a JobResultReady event (JobId, Model) on the model's object when a result is there (OPC 40100 style).
 
-Start checks its arguments exactly as the synchronous call does (appliance/call_checks.py), so only a call that could
+Start checks its arguments exactly as the synchronous call does (the daemon's CallChecks, appliance/call_checks.py), so only a call that could
 run gets a JobId. A job belongs to the caller's identity and its model (appliance/jobs.py keeps them); it is bounded
 by `jobs.timeout_s`, not by the synchronous request deadline: a generation job that reaches it ends Done with the
 text so far and FinishReason `deadline`.
@@ -14,10 +14,9 @@ import time
 from asyncua import Server, ua
 
 from core.audit_digest import DigestOf
-from appliance.call_checks import check_generate, check_samples
 from core.errors import InvalidArgument, ResourceUnavailable
-from appliance.jobs import Job, JobStore
 from core.model_port import GenerativeModel, TensorModel
+from core.services import CallChecks, Job, Jobs
 from core.task_set import TaskSet
 
 from .address_space import ApplianceNodes
@@ -34,13 +33,13 @@ START_OUT = [JOB_ID]
 
 
 class JobMethods:
-    def __init__(self, config, services: dict, inference: Inference):
+    def __init__(self, config, services: dict, inference: Inference, store: Jobs, checks: CallChecks):
         self.config = config
         self.services = services
         self.inference = inference
-        jobs = config.jobs
-        self.store = JobStore(max_per_client=jobs.max_per_client, result_ttl_s=jobs.result_ttl_s,
-                              max_wait_s=jobs.max_wait_ms / 1000.0, on_ready=self._ready)
+        self.store = store  # the daemon's JobStore; its results are announced here
+        store.on_ready = self._ready
+        self.checks = checks
         self._events: dict[str, object] = {}  # model -> the event generator of JobResultReady on its object
         self._event_tasks = TaskSet(log, "JobResultReady event")
 
@@ -79,7 +78,7 @@ class JobMethods:
             ctx.input_digest = DigestOf(samples)
             model = inference.governance.route(svc, ctx)
             st = model.status()
-            check_samples(samples, st.input_shape, st.max_samples)  # refused now, as Infer would refuse it
+            self.checks.samples(samples, st.input_shape, st.max_samples)  # refused now, as Infer would refuse it
             deadline = self._bound()
             classifier = alarms.classifiers.get(svc.name)
             source = classifier.source_of(identity=ctx.session.identity) if classifier is not None else ""
@@ -101,7 +100,7 @@ class JobMethods:
             conversation = require_type(args[0], 0, (V.String,), array=False) or ""
             prompt, max_tokens, temperature = inference.generate_args(args, 1)
             # refused now, as Generate would refuse it (whether it fits the context is known once it runs)
-            check_generate(prompt, max_tokens, temperature, self.config.engine.max_new_tokens, first=1)
+            self.checks.generate(prompt, max_tokens, temperature, first=1)
             ctx.input_digest = DigestOf(prompt)
             key = conversations.key(ctx, conversation, svc.name, 0) if conversation else ctx.session.key
             model = inference.governance.route(svc, ctx)  # the variant or fallback Generate would meet

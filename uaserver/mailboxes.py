@@ -58,7 +58,7 @@ class MailboxAnswer:
     model_version: str
     output: list[float] | None = None  # tensor
     text: str | None = None  # generative
-    classified: Any = None  # appliance.classify.Classified for models with labels
+    classified: Any = None  # core.services.Classified for models with labels
     fields: dict[str, Any] | None = None  # a task's: its output fields (typed values)
     finish_reason: str = ""
 

@@ -140,7 +140,7 @@ class MethodHandlers:
         self.max_array_length = max_array_length
         self.max_string_length = max_string_length
         self.request_timeout_s = request_timeout_s
-        self.rate_limiter = rate_limiter  # appliance.rate_limit.RateLimiter, checked before any engine work
+        self.rate_limiter = rate_limiter  # core.services.RateLimits (the daemon's), checked before any engine work
         self.in_flight = 0  # calls being handled now
         self.draining = False  # shutting down: new calls answer BadInvalidState
         # Audit records are written in order by one thread: hashing, JSON and the periodic fsync stay off the

@@ -1,5 +1,7 @@
 """The appliance's OPC UA server: secure endpoints only, the contract's address space, and the feature modules wired
-together. The engine's models are passed in; the server never runs inference itself.
+together. The engine's models and the domain services (rate limiter, job store, variant routing, drift detectors,
+classifier states, call checks: core/services.py) are passed in by the daemon; the server builds none of them and
+never runs inference itself.
 
 Where things are: the call path in inference.py (Infer, Classify, Generate) and methods.py (the wrapper every method
 runs through); jobs in job_methods.py, conversations and session slots in conversations.py, mailboxes in
@@ -20,12 +22,12 @@ from cryptography import x509
 
 from core.namespace import NAMESPACE_URI
 from core.model_port import GenerativeModel, TensorModel
-from appliance.rate_limit import RateLimiter
+from core.services import RateLimits, UaServices
 from core.task_set import TaskSet
 
 from .address_space import AddressSpaceBuilder, ApplianceNodes
 from .ai_properties import AiProperties
-from .alarms import Alarms, classifiers_of
+from .alarms import Alarms
 from .asyncua_internals import (AppServer, ChannelGuard, advertise_host, configure_limits, external_sessions,
                                 install_session_factory, listening_port)
 from .conversations import Conversations
@@ -61,7 +63,7 @@ MODES = {"SignAndEncrypt": ua.MessageSecurityMode.SignAndEncrypt, "Sign": ua.Mes
 
 class ApplianceUaServer:
     def __init__(self, config, *, pki, trust_list, user_store, services: dict[str, TensorModel | GenerativeModel],
-                 metrics=None, audit=None, device: str = "cpu", health: Callable[[], dict] | None = None,
+                 domain: UaServices, metrics=None, audit=None, device: str = "cpu", health: Callable[[], dict] | None = None,
                  supervision_alive: Callable[[], bool] | None = None,
                  alarms: Callable[[], dict[str, bool]] | None = None,
                  variants: dict[str, dict[str, TensorModel | GenerativeModel]] | None = None,
@@ -82,22 +84,22 @@ class ApplianceUaServer:
         self.handlers = MethodHandlers(metrics=metrics, audit=audit, max_array_length=limits.max_array_length,
                                        max_string_length=min(limits.max_string_length, 16 * 1024),
                                        request_timeout_s=config.engine.request_timeout_s,
-                                       rate_limiter=RateLimiter(config.security.rate_limits),
+                                       rate_limiter=domain.rate_limiter,
                                        audit_on_failure=config.audit.on_failure,
                                        audit_queue_size=config.audit.queue_size,
                                        engineers_manage_certificates=config.security.engineers_manage_certificates)
-        self.governance = Governance(config, services, variants or {},
+        self.governance = Governance(config, services, variants or {}, routing=domain.variants, drift=domain.drift,
                                      request_timeout_s=config.engine.request_timeout_s, metrics=metrics,
                                      emit_event=self.emit_event)
-        self.alarms = Alarms(classifiers_of(config), metrics=metrics, emit_event=self.emit_event)
+        self.alarms = Alarms(domain.classifiers, metrics=metrics, emit_event=self.emit_event)
         self.conversations = Conversations(services, self.governance.all_models, self.governance.arms,
                                            config.engine.conversation_ttl_s, self.handlers.event)
         self.inference = Inference(services, self.handlers, self.governance, self.alarms, self.conversations)
         self.sources = SourceObjects(config, services, self.governance, self.alarms,
                                      config.engine.request_timeout_s, metrics)
         self.sources.audit_event = self.handlers.event
-        self.jobs = JobMethods(config, services, self.inference)
-        self.tasks = TaskMethods(config, services, self.inference, self.jobs)
+        self.jobs = JobMethods(config, services, self.inference, domain.jobs, domain.call_checks)
+        self.tasks = TaskMethods(config, services, self.inference, self.jobs, domain.call_checks)
         self.mailboxes: Mailboxes | None = None
         self.ai = AiProperties(config)
         self.publisher = Publisher(services, Sources(health or (lambda: NO_GPU), supervision_alive or (lambda: True),
@@ -226,9 +228,10 @@ class ApplianceUaServer:
         """The audit log cannot be written now (Alarms/AuditLogFailed)."""
         return self.handlers.audit_failing()
 
-    def set_rate_limits(self, rate_limits) -> None:
-        """Apply `security.rate_limits` anew (SIGHUP's reload): from the next call on."""
-        self.handlers.set_rate_limits(RateLimiter(rate_limits))
+    def set_rate_limiter(self, rate_limiter: RateLimits) -> None:
+        """Apply `security.rate_limits` anew (SIGHUP's reload: the daemon builds the new limiter): from the next call
+        on."""
+        self.handlers.set_rate_limits(rate_limiter)
 
     async def drain(self, timeout_s: float, answer_overdue: Callable[[], None]) -> int:
         """Stop taking calls (new ones answer BadInvalidState) and wait up to timeout_s for those in flight; if some

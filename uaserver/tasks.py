@@ -26,12 +26,11 @@ import time
 from asyncua import ua
 
 from core.audit_digest import DigestOf
-from appliance.call_checks import check_generate
 from core.config.tasks import TaskConfig
 from core.errors import INVALID, OUT_OF_RANGE, EngineFailure, InvalidArgument
 from core.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS, GenerateResult, GenerativeModel
+from core.services import CallChecks
 from core.task_answers import ZERO, AnswerIncomplete, AnswerInvalid, read_answer, schema_text
-from models.tokenizer import PromptRejected, normalize_prompt
 
 from .inference import Inference
 from core.method_arguments import (CHOOSE_IN, CHOOSE_OUT, GET_RESULT_IN, START_OUT, TASK_TYPES, get_task_result_outputs,
@@ -44,7 +43,7 @@ V = ua.VariantType
 JOB_ANSWER_GRACE_S = 10.0  # past a task job's bound, how long the engine has to answer
 
 
-def task_values(task: TaskConfig, args: tuple) -> dict:
+def task_values(task: TaskConfig, args: tuple, checks: CallChecks) -> dict:
     """The inputs' values from the call's arguments: each of its declared type and within its bounds."""
     values = {}
     for i, (name, cfg) in enumerate(task.inputs.items()):
@@ -59,11 +58,7 @@ def task_values(task: TaskConfig, args: tuple) -> dict:
             if len(value) > cfg.effective_max_length:
                 raise InvalidArgument(f"{name} holds {len(value)} characters; at most {cfg.effective_max_length} "
                                       "are allowed", i, OUT_OF_RANGE)
-            try:  # the prompt's own rule (control characters, bidi overrides), marked on this argument
-                normalize_prompt(value)
-            except PromptRejected as e:
-                raise InvalidArgument(f"{name}: {str(e).replace('the prompt holds', 'it holds')}", i, INVALID) \
-                    from None
+            checks.task_text(name, value, i)  # the prompt's own rule (control characters, bidi overrides)
         elif cfg.type in ("Int32", "Double"):
             if cfg.type == "Double" and not math.isfinite(value):
                 raise InvalidArgument(f"{name} is not finite", i, OUT_OF_RANGE)
@@ -90,11 +85,12 @@ def incomplete_reason(r: GenerateResult) -> str:
 
 
 class TaskMethods:
-    def __init__(self, config, services: dict, inference: Inference, jobs):
+    def __init__(self, config, services: dict, inference: Inference, jobs, checks: CallChecks):
         self.config = config
         self.services = services
         self.inference = inference
         self.jobs = jobs  # job_methods.JobMethods: its store keeps task jobs beside the model's other jobs
+        self.checks = checks  # the daemon's CallChecks: a task's prompt is refused as Generate would refuse it
         self.tasks = {name: m.tasks for name, m in config.models.items() if m.kind == "generative" and m.tasks}
         self.schemas = {(model, t): schema_text(task) for model, ts in self.tasks.items() for t, task in ts.items()}
 
@@ -117,9 +113,9 @@ class TaskMethods:
 
     def prepare(self, svc: GenerativeModel, task: TaskConfig, ctx: CallContext, args: tuple):
         """Check the inputs, render the prompt, choose the answering model: (model, prompt)."""
-        values = task_values(task, args)
+        values = task_values(task, args, self.checks)
         prompt = task.prompt_for(values)
-        check_generate(prompt, task.effective_max_tokens, task.temperature, self.config.engine.max_new_tokens)
+        self.checks.generate(prompt, task.effective_max_tokens, task.temperature)
         ctx.input_digest = DigestOf(prompt)
         return self.inference.governance.route(svc, ctx), prompt
 
@@ -200,7 +196,7 @@ class TaskMethods:
                     option.encode("utf-8")
                 except UnicodeEncodeError:
                     raise InvalidArgument("an option is not valid UTF-8", 1, INVALID) from None
-            check_generate(prompt, 1, 0.0, self.config.engine.max_new_tokens)
+            self.checks.generate(prompt, 1, 0.0)
             ctx.input_digest = DigestOf(json.dumps([prompt, *options], ensure_ascii=False))
             model = self.inference.governance.route(svc, ctx)
             r = await model.choose(prompt, list(options), self.inference.handlers.deadline())

@@ -72,7 +72,7 @@ def check_trusted(spec: p.SourceSpec, presented: bytes) -> None:
 async def connect(spec: p.SourceSpec, on_violation: Callable[[str], None] = lambda reason: None,
                   check_certificate: bool = True) -> Client:
     """A connected, activated client (the caller disconnects it); SourceProblem when it cannot be had."""
-    from uaserver.asyncua_internals.client_limits import limit_client_receive
+    from .asyncua_internals import limit_client_receive
     if check_certificate:
         check_trusted(spec, await server_certificate(spec))
     client = Client(spec.endpoint, timeout=spec.timeout_s, watchdog_intervall=max(1.0, spec.timeout_s))

@@ -1,7 +1,8 @@
 """Everything of the appliance that reaches into asyncua's private parts, in this one package.
 
-Written for asyncua ASYNCUA_VERSION exactly: importing this package with another version installed raises
-AsyncuaVersionError naming both, so that an upgrade of asyncua is one package to review (and `pyproject.toml` pins it).
+Written for asyncua ASYNCUA_VERSION exactly (core/asyncua_version.py): importing this package with another version
+installed raises AsyncuaVersionError naming both, so that an upgrade of asyncua is this package and the sources
+client's one module (appliance/sources/asyncua_internals.py) to review (and `pyproject.toml` pins it).
 
 What is here, module by module, and which asyncua internals each relies on:
 1. decoding: the decoder's nesting limit (patches asyncua.ua.ua_binary's decoders and their caches), and the Call
@@ -41,28 +42,7 @@ The package's modules import asyncua's internals only after the version check be
 """
 from __future__ import annotations
 
-import importlib.metadata
-
-ASYNCUA_VERSION = "2.1.0"
-
-
-class AsyncuaVersionError(ImportError):
-    """The installed asyncua is not the version the appliance's asyncua internals were written for."""
-
-
-def check_asyncua_version(installed: str | None = None) -> None:
-    """Raise AsyncuaVersionError unless asyncua ASYNCUA_VERSION is installed (or `installed` is it, for tests)."""
-    if installed is None:
-        try:
-            installed = importlib.metadata.version("asyncua")
-        except importlib.metadata.PackageNotFoundError:
-            installed = "none"
-    if installed != ASYNCUA_VERSION:
-        raise AsyncuaVersionError(
-            f"the appliance's OPC UA server was written for asyncua {ASYNCUA_VERSION}, but asyncua {installed} is "
-            f"installed: install asyncua=={ASYNCUA_VERSION} (`pip install asyncua=={ASYNCUA_VERSION}`), or review "
-            "uaserver/asyncua_internals/ against the new version and change ASYNCUA_VERSION there")
-
+from core.asyncua_version import check_asyncua_version
 
 # Before anything of asyncua's internals is imported: a moved or renamed module should not be the first error seen.
 check_asyncua_version()
@@ -83,7 +63,6 @@ from .certificates import (  # noqa: E402
 from .sessions import MIN_PUBLISHING_INTERVAL_MS, ApplianceSession  # noqa: E402
 
 __all__ = [
-    "ASYNCUA_VERSION", "AsyncuaVersionError", "check_asyncua_version",
     "SIGNATURE_ERRORS", "ChannelGuard", "install_message_hmac", "leaf_certificate",
     "DEFAULT_MAX_NESTING_DEPTH", "NestingTooDeep", "call_parameters_from_binary", "install_nesting_limit",
     "max_nesting_depth", "request_header_from_binary", "response_to_binary",

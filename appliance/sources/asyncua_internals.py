@@ -3,10 +3,17 @@ the limits it announced in Hello with whatever the server acknowledges, so a hos
 "no limit" and send a message as large as it likes. After the connection is up, the connection's limits are set back
 to ours (TransportLimits of UASocketProtocol._connection), a chunk announcing more than a chunk may hold is refused
 from its header before its body is buffered (UASocketProtocol._process_received_data), and `on_violation(reason)`
-hears of every refusal (the socket is closed by asyncua then, or here)."""
+hears of every refusal (the socket is closed by asyncua then, or here).
+
+The sources client's fence around asyncua's private parts (the server's is uaserver/asyncua_internals/): written for
+core/asyncua_version.py's ASYNCUA_VERSION and refusing to load with another."""
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from core.asyncua_version import check_asyncua_version
+
+check_asyncua_version()
 
 CHUNK_BYTES = 65535  # the ReceiveBufferSize asyncua's client announces in Hello
 
