@@ -13,10 +13,9 @@ import time
 import numpy as np
 
 from appliance.audit import GENESIS, AuditLog, verify, verify_report, writer
-from core.audit_digest import DigestOf
-from core import audit_digest as digest
 from appliance.cli.audit import cmd_audit_verify
 from appliance.metrics import Metrics
+from core.audit_digest import DigestOf, digest
 
 
 def write(log: AuditLog, n: int, start: int = 0) -> None:
