@@ -19,7 +19,7 @@ from core.model_port import CONVERSATION_PREFIX, GenerativeModel
 from .asyncua_internals import ApplianceSession
 from core.method_arguments import CONVERSATION_ID, CONVERSE_IN, GENERATE_OUT
 from .method_table import MethodSpec
-from .methods import CallContext, caller_identity, require_ready, require_type
+from .methods import CallContext, require_ready, require_type
 
 V = ua.VariantType
 
@@ -52,7 +52,7 @@ class Conversations:
         that opens a session per call continues it; another identity's same id is another conversation."""
         if not (1 <= len(conversation) <= 64) or not all(32 <= ord(ch) < 127 for ch in conversation):
             raise InvalidArgument("ConversationId must be 1-64 printable ASCII characters", index, OUT_OF_RANGE)
-        owner = hashlib.sha256(f"{caller_identity(ctx.session)}\0{conversation}".encode()).hexdigest()[:32]
+        owner = hashlib.sha256(f"{ctx.caller}\0{conversation}".encode()).hexdigest()[:32]
         key = f"{CONVERSATION_PREFIX}{owner}"
         self._last_use[key] = (model, time.monotonic())
         return key

@@ -17,7 +17,7 @@ from core.services import DriftWatch, VariantRouting
 from .address_space import ApplianceNodes, write
 from .method_table import ADMIN, MethodSpec
 from core.method_arguments import PROMOTE_IN, RELOAD_IN, RELOAD_OUT
-from .methods import CallContext, caller_identity, require_ready, require_type
+from .methods import CallContext, require_ready, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -92,7 +92,7 @@ class Governance:
         model's own weights when it has no variants, or when the chosen variant is not Ready."""
         if not self.routing.variants(svc.name):
             return svc
-        name = self.routing.variant_for(svc.name, caller_identity(ctx.session))
+        name = self.routing.variant_for(svc.name, ctx.caller)
         model = self.variants[svc.name].get(name) if name != MAIN_VARIANT else None
         if model is not None and model.status().state != "Ready":
             ctx.detail = f"variant {name} is not Ready: answered by {MAIN_VARIANT}"

@@ -24,7 +24,7 @@ from .inference import Inference
 from core.method_arguments import (GET_GENERATE_RESULT_OUT, GET_INFER_RESULT_OUT, GET_RESULT_IN, INFER_IN, JOB_ID,
                                    START_GENERATE_IN)
 from .method_table import MethodSpec, generate_outputs
-from .methods import CallContext, MethodStatus, caller_identity, require_type
+from .methods import CallContext, MethodStatus, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -89,7 +89,7 @@ class JobMethods:
                 if classifier is not None:
                     await alarms.classified(svc.name, r.output, source)
                 return r
-            job = self.store.start(caller_identity(ctx.session), svc.name, "infer", run)
+            job = self.store.start(ctx.caller, svc.name, "infer", run)
             return [ua.Variant(job.id, V.UInt32)]
         return body
 
@@ -118,7 +118,7 @@ class JobMethods:
             if on_session:  # counted before the session can close
                 conversations.job_started(model, key)
             try:
-                job = self.store.start(caller_identity(ctx.session), svc.name, "generate", run)
+                job = self.store.start(ctx.caller, svc.name, "generate", run)
             except ResourceUnavailable:
                 if on_session:
                     conversations.job_ended(model, key)
@@ -130,7 +130,7 @@ class JobMethods:
         async def body(ctx: CallContext, args):
             job_id = self.inference.handlers.uint32(args[0], 0)
             wait_ms = self.inference.handlers.uint32(args[1], 1)
-            job = await self.store.wait(caller_identity(ctx.session), name, job_id, wait_ms / 1000.0)
+            job = await self.store.wait(ctx.caller, name, job_id, wait_ms / 1000.0)
             if job.kind not in ("infer", "generate"):  # a task's job: its GetTaskResult answers it (uaserver/tasks.py)
                 raise MethodStatus("BadNotFound")
             if isinstance(job.error, InvalidArgument):
@@ -157,9 +157,9 @@ class JobMethods:
         async def body(ctx: CallContext, args):
             job_id = self.inference.handlers.uint32(args[0], 0)
             if release:
-                self.store.release(caller_identity(ctx.session), name, job_id)
+                self.store.release(ctx.caller, name, job_id)
             else:
-                self.store.cancel(caller_identity(ctx.session), name, job_id)
+                self.store.cancel(ctx.caller, name, job_id)
             return []
         return body
 

@@ -22,7 +22,7 @@ from core.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, In
 from .asyncua_internals import ApplianceSession
 from .audit_writer import AuditWriter
 from core.correlation import correlation_id, new_correlation_id
-from .session import current_audit_entry_id, current_session
+from .session import caller_identity, current_audit_entry_id, current_session
 from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,9 @@ class MethodStatus(Exception):
 
 @dataclass
 class CallContext:
+    """One call as it travels down: who calls (the session, and `caller`, its identity taken once when the call
+    arrives), what it asks, and what the layers below record about its answer (variant, fallback, digests)."""
+
     session: ApplianceSession | None
     method: str
     model: str = ""
@@ -73,6 +76,11 @@ class CallContext:
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0  # when the answer was ready (0: not yet)
     status_text: str = ""  # why a refused call was refused, for the engineer: no paths or other internals
+    caller: str = ""  # client certificate + user: what jobs, conversations, variants and rate limits key on
+
+    def __post_init__(self) -> None:
+        if not self.caller:
+            self.caller = caller_identity(self.session)
 
 
 class TextedResult(ua.CallMethodResult):
@@ -192,7 +200,7 @@ class MethodHandlers:
                 if self.draining:
                     raise NotReady("the appliance is shutting down")
                 require_role(ctx.session, role, self.rights)
-                if self.rate_limiter is not None and not self._within_rate(ctx.session):
+                if self.rate_limiter is not None and not self._within_rate(ctx):
                     status, ctx.event = "BadTooManyOperations", "rate_limited"
                     return status_result(status)
                 if self.audit_on_failure == "refuse" and self.audit_failing():
@@ -237,9 +245,9 @@ class MethodHandlers:
                 correlation_id.reset(cid)
         return callback
 
-    def _within_rate(self, session: ApplianceSession) -> bool:
-        role = session.role or "monitor"
-        if self.rate_limiter.allow(role, caller_identity(session)):
+    def _within_rate(self, ctx: CallContext) -> bool:
+        role = ctx.session.role or "monitor"
+        if self.rate_limiter.allow(role, ctx.caller):
             return True
         if self.metrics is not None:
             self.metrics.rate_limited.labels(role).inc()
@@ -309,13 +317,6 @@ class MethodHandlers:
         if math.isnan(value) or math.isinf(value):
             raise InvalidArgument("the value is not finite", index, OUT_OF_RANGE)
         return value
-
-
-def caller_identity(session: ApplianceSession | None) -> str:
-    """Who calls, beyond the session: client certificate + user. Jobs, conversations and rate limits key on it."""
-    if session is None:
-        return ""
-    return f"{session.client_thumbprint}/{session.identity}"
 
 
 def require_ready(model) -> None:

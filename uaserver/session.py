@@ -49,6 +49,13 @@ class ApplianceUser(User):
     identity: str = "anonymous"  # "x509:<thumbprint>" | "user:<name>" | "anonymous"
 
 
+def caller_identity(session: ApplianceSession | None) -> str:
+    """Who calls, beyond the session: client certificate + user. Jobs, conversations and rate limits key on it."""
+    if session is None:
+        return ""
+    return f"{session.client_thumbprint}/{session.identity}"
+
+
 def random_node_id() -> ua.NodeId:
     return ua.NodeId(os.urandom(32), 0, ua.NodeIdType.ByteString)
 

@@ -36,7 +36,7 @@ from .inference import Inference
 from core.method_arguments import (CHOOSE_IN, CHOOSE_OUT, GET_RESULT_IN, START_OUT, TASK_TYPES, get_task_result_outputs,
                                    task_inputs, task_outputs)
 from .method_table import MethodSpec
-from .methods import CallContext, MethodStatus, caller_identity, require_type
+from .methods import CallContext, MethodStatus, require_type
 
 log = logging.getLogger(__name__)
 V = ua.VariantType
@@ -152,7 +152,7 @@ class TaskMethods:
 
             async def run(on_progress):
                 return await self.answer(svc.name, model, task, prompt, job_ctx, deadline, finish_by)
-            job = self.jobs.store.start(caller_identity(ctx.session), svc.name, task_job_kind(task.name), run)
+            job = self.jobs.store.start(ctx.caller, svc.name, task_job_kind(task.name), run)
             return [ua.Variant(job.id, V.UInt32)]
         return body
 
@@ -161,7 +161,7 @@ class TaskMethods:
             handlers = self.inference.handlers
             job_id = handlers.uint32(args[0], 0)
             wait_ms = handlers.uint32(args[1], 1)
-            owner = caller_identity(ctx.session)
+            owner = ctx.caller
             if self.jobs.store.get(owner, svc.name, job_id).kind != task_job_kind(task.name):
                 raise MethodStatus("BadNotFound")  # another task's or a Generate job: not this task's (no wait)
             job = await self.jobs.store.wait(owner, svc.name, job_id, wait_ms / 1000.0)

@@ -19,12 +19,8 @@ Reads the InternalServer's registry of client sessions (_external_sessions) and 
 """
 from __future__ import annotations
 
+from ..session import caller_identity  # who a session is for the bound: as the rate limits count it
 from .sessions import ApplianceSession
-
-
-def caller_identity(session: ApplianceSession) -> str:
-    """Who a session is for the bound: its client certificate and its user (methods.caller_identity's key)."""
-    return f"{session.client_thumbprint}/{session.identity}"
 
 
 def open_sessions(iserver) -> list[ApplianceSession]:
