@@ -316,6 +316,8 @@ def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
     samples = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
+        if not count.isdigit():  # a frame name with a line break in it (py-spy writes what the code object holds)
+            continue
         frames = [f.split(" (")[0] + " " + f.rsplit("/", 1)[-1].rstrip(")") for f in stack.split(";")]
         n = int(count)
         samples += n
