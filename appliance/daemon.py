@@ -1,7 +1,7 @@
 """`appliance serve`: the appliance's one composition root. It reads the configuration once and builds every part
 from it: PKI, metrics, audit, accounts, watchdog, the model workers, the domain services the OPC UA server is
 handed (rate limiter, job store, variant routing, drift detectors, classifier states, call checks: ua_services),
-the OPC UA server itself, the sources client, monitoring HTTP. Nothing below builds a part from configuration.
+the OPC UA server itself, the sources client, monitoring HTTP. What it hands a part to builds none itself.
 
 Start order: PKI (created on first start), metrics, audit, accounts, watchdog, OPC UA server (State Starting),
 monitoring HTTP, then the models load in the background; each turns Ready on its own. Stop order is the reverse,
@@ -18,13 +18,13 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
-from . import logs
 from core.config import ApplianceConfig
 from core.errors import DeadlineExceeded
 from core.model_port import GenerativeModel, TensorModel
 from core.services import UaServices
 from core.task_set import TaskSet
 
+from . import logs
 from .call_checks import CallChecks
 from .classify import classifier_states
 from .device import on_gpu, resolve_device
