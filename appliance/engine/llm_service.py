@@ -96,7 +96,8 @@ class GenerativeModelService(ModelStatus):
             try:
                 engine = await in_fresh_thread(load_engine, self.name, self.path, self.settings, self.version_label,
                                                None)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - start never raises: the model is Failed with the reason
+                self._log_load_exception("load", exc)
                 self._load_failed(load_failure_reason(exc))
                 return
             self._engine = engine
@@ -117,7 +118,8 @@ class GenerativeModelService(ModelStatus):
             try:
                 engine = await in_fresh_thread(load_engine, self.name, self.path, self.settings, self.version_label,
                                                self._engine)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed reload keeps the old weights serving; logged
+                self._log_load_exception("reload", exc)
                 reason = load_failure_reason(exc)
                 log.error("model %s reload failed: %s", self.name, reason)
                 if self._engine is None:

@@ -93,7 +93,7 @@ class TensorModelService(ModelStatus):
             try:
                 self._loaded = await asyncio.to_thread(self._load)
             except Exception as exc:  # noqa: BLE001 - start never raises: the model is Failed with the reason
-                _log_unexpected(self.name, "load", exc)
+                self._log_load_exception("load", exc)
                 self._load_failed(_reason(exc))
                 return
             self.failure_reason = None
@@ -114,7 +114,7 @@ class TensorModelService(ModelStatus):
                 if self._loaded is not None:
                     _check_same_shapes(self._loaded.backend, loaded.backend)
             except Exception as exc:  # noqa: BLE001 - any failed reload leaves the old weights serving; logged
-                _log_unexpected(self.name, "reload", exc)
+                self._log_load_exception("reload", exc)
                 reason = _reason(exc)
                 log.error("model %s reload failed, %s: %s", self.name,
                           "old weights keep serving" if self._loaded else "still not loaded", reason)
@@ -202,13 +202,6 @@ def _check_same_shapes(old: TensorBackend, new: TensorBackend) -> None:
         raise EngineFailure(f"the new weights change the sample shapes ({list(old.input_shape)} -> "
                             f"{list(new.input_shape)}, {list(old.output_shape)} -> {list(new.output_shape)}); "
                             "restart the appliance to serve a model of another shape")
-
-
-def _log_unexpected(model: str, what: str, exc: BaseException) -> None:
-    """Our own errors and unreadable files say what went wrong in their reason; anything else is a surprise whose
-    traceback belongs in the log (the reason shown to clients holds only its type)."""
-    if not isinstance(exc, (ApplianceError, OSError)):
-        log.error("model %s: unexpected failure in %s", model, what, exc_info=exc)
 
 
 def _reason(exc: BaseException) -> str:
