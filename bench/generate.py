@@ -4,10 +4,10 @@ llama.cpp vs HF transformers generate() vs the bare matmul limit, in one run.
     python bench/generate.py [--model PATH] [--quick] [--weights auto,auto+compiled,float32] [--batches 1,4,8,16]
                              [--new-tokens N] [--kl-tokens 2048] [--no-llama-cpp] [--no-hf] [--service]
 
---weights: our paths, comma-separated (models/path_choice.py): `auto` (the appliance's own choice, measured on this
+--weights: our paths, comma-separated (loader/path_choice.py): `auto` (the appliance's own choice, measured on this
 CPU now and printed with every path's figures), or a path as `blocks/int8/avx512vnni`, `blocks/float32/avx2`,
 `blocks/float32/torch` (torch's int4 op; `int4-torch` for short), `float32`, `bfloat16`; `+compiled` decodes through
-the compiled step (models/compiled_decode.py).
+the compiled step (loader/compiled_decode.py).
 
 llama.cpp (the column appears when `bash scripts/setup-bench.sh` installed llama-cpp-python) runs the same GGUF
 file, the same prompt tokens and the same number of sequences greedily in one process run with ours
@@ -121,7 +121,7 @@ def default_model() -> Path | None:
 def load(path: Path | None, dtype: torch.dtype):
     """(config, tensors, prompts as token lists, label, tokenizer or None)."""
     if path is not None:
-        from models.weights import load_weights
+        from loader.weights import load_weights
         w = load_weights(path, torch.float32)
         tok = w.tokenizer
         prompts = [tok.turn_tokens([], q, None) for q in QUESTIONS]
@@ -242,9 +242,9 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
 def build(path: Path | None, fmt: str, cfg, tensors, slots: int, scratch: Path):
     """(model, KV dtype, label) of one of our paths (see the module's doc); `auto` as the appliance resolves it here,
     measured now (its record printed)."""
-    from models import path_build
-    from models.path_choice import PathName
-    from models.weights import load_weights
+    from loader import path_build
+    from loader.path_choice import PathName
+    from loader.weights import load_weights
     if fmt == "auto":
         if path is None:
             return LlamaModel(cfg, tensors), torch.float32, "auto=float32"
@@ -314,7 +314,7 @@ def main() -> None:
         cache = KVCache(model.config, max(batches), max(map(len, prompts)) + new + 8, kv_dtype)
         compiled = None
         if fmt.endswith("+compiled"):
-            from models.compiled_decode import CompiledDecode
+            from loader.compiled_decode import CompiledDecode
             compiled = CompiledDecode(model, cache, Path.home() / ".cache" / "opcua-appliance" / "inductor")
             compiled.compile()
             print(f"{name}: decode step compiled in {compiled.compile_seconds:.1f} s", flush=True)
@@ -451,7 +451,7 @@ def isa_banner(isa: str) -> str:
     """"ISA avx2 (emulated) on AMD EPYC ...: ours avx2, torch AVX2, compiled step avx2/x86-64-v3": what every figure
     of the run ran under, and the real CPU; exits where --isa asks for instructions this CPU lacks."""
     from kernels import cpu_quant
-    from models.compiled_decode import inductor_isa
+    from loader.compiled_decode import inductor_isa
     try:
         cpu = cpu_quant.cpu_info()
         ours = ", ".join(cpu.isas) or "none"
@@ -512,8 +512,8 @@ def teacher_forced_steps(model: LlamaModel, ids: list[int], kv_dtype: torch.dtyp
 
 def accuracy_table(fp32: LlamaModel, tokenizer, models: dict, lcpp, n: int) -> dict[str, tuple[float, float, float]]:
     """name -> (mean KL to our fp32 path, perplexity, top-1 agreement) over n teacher-forced tokens."""
-    from models import path_build
-    from models.path_choice import mean_kl
+    from loader import path_build
+    from loader.path_choice import mean_kl
     ids = kl_text_ids(tokenizer, n)
     target = torch.tensor(ids[1:])
 

@@ -43,7 +43,7 @@ import torch
 kind, path = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 if kind == "mapped":
-    from models.weights import load_weights
+    from loader.weights import load_weights
     w = load_weights(__import__("pathlib").Path(path), torch.float32)
     total = sum(t.numel() for t in w.tensors.values())
 else:
@@ -59,7 +59,7 @@ def export_hf_dir(gguf: Path, out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from models.weights import load_weights
+    from loader.weights import load_weights
     w = load_weights(gguf, torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in w.tensors.items()}

@@ -505,7 +505,7 @@ def kernels(isa: str, activations: str = "int8", build_dir: Path | None = None) 
 
 
 def best(activations: str = "int8", build_dir: Path | None = None) -> CpuKernels:
-    """The first ISA of ISAS this CPU runs (tests and benchmarks; the engine measures, see models/path_choice)."""
+    """The first ISA of ISAS this CPU runs (tests and benchmarks; the engine measures, see loader/path_choice)."""
     reasons = []
     for isa in ISAS:
         try:

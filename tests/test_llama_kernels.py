@@ -10,7 +10,7 @@ import triton  # noqa: E402,F401 - a test dependency (pyproject [test]): missing
 from tiny_llm import make_model_dir  # noqa: E402
 
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 
 
 def greedy(model: LlamaModel, prompts: list[list[int]], slots: list[int], steps: int):

@@ -14,7 +14,7 @@ from appliance.engine.sequence import Sequence  # noqa: E402
 from appliance.engine.slots import SlotManager  # noqa: E402
 from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 from tiny_llm import make_model_dir  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""engine.weights: auto chooses by measuring on the CPU it runs on (models/path_choice.py, models/path_build.py,
+"""engine.weights: auto chooses by measuring on the CPU it runs on (loader/path_choice.py, loader/path_build.py,
 appliance/engine/weight_plan.py): the choice follows the timings (forced through the `measure` seam, never by
 sleeping), approximate paths must meet the accuracy bar, the choice and its figures are recorded beside the weight
 cache and read back at the next start, and Backend, appliance_model_info and the status page show it, with the
@@ -20,8 +20,9 @@ from appliance.engine.llm_settings import GenerativeSettings
 from appliance.metrics import weight_format_of
 from kernels import cpu_quant
 from kernels_here import cpu_here, runnable_isas
-from models import path_choice, quant
-from models.path_choice import PathName
+from loader import path_choice
+from models import quant
+from loader.path_choice import PathName
 from test_quantized import write_kquant_gguf
 
 
@@ -82,7 +83,7 @@ def forced(fastest: str, seen: list | None = None):
 
 
 def candidates_here(path: Path, tmp: Path) -> list[str]:
-    from models.weight_cache import gguf_tensor_types
+    from loader.weight_cache import gguf_tensor_types
     types = gguf_tensor_types(path, tmp / "weights")
     try:
         isas = cpu_quant.cpu_info(tmp / "kernels").isas

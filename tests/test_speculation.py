@@ -67,7 +67,7 @@ from appliance.engine.sequence import Sequence  # noqa: E402
 from appliance.engine.slots import SlotManager  # noqa: E402
 from appliance.engine.token_turns import TokenTurns  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 
 
 def copying_prompts(vocab: int, n: int, seed: int) -> dict[str, list[int]]:

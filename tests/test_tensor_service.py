@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from appliance.engine.batcher import BatchPolicy
 from appliance.engine.tensor_backends import load_tensor_backend, usable_cores
 from appliance.engine.tensor_service import TensorModelService
-from models.file_digest import VERSION_CHARS, content_digest
+from loader.file_digest import VERSION_CHARS, content_digest
 from appliance.errors import EngineFailure, InvalidArgument, NotReady
 from appliance.metrics import Metrics
 

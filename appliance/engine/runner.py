@@ -22,7 +22,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, graphs: bool | None = None, compiled=None):
         """graphs: decode steps as CUDA graphs (None: when the model decodes through the fused kernels on CUDA;
         True on a CPU runs the same padded buffers eagerly, for tests). compiled: a CompiledDecode
-        (models/compiled_decode.py) that decode steps go through once it is ready."""
+        (loader/compiled_decode.py) that decode steps go through once it is ready."""
         self.model = model
         self.cache = cache
         self.compiled = compiled

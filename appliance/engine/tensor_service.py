@@ -22,7 +22,7 @@ from appliance.errors import ApplianceError, EngineFailure, NotReady
 from appliance.engine.liveness import Liveness
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
-from models.file_digest import VERSION_CHARS, content_digest
+from loader.file_digest import VERSION_CHARS, content_digest
 
 log = logging.getLogger(__name__)
 

@@ -347,7 +347,7 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def _forked_children_end_with_the_worker() -> None:
-    """A process this worker forks (the decode step's compiler, models/compiled_decode.py, or a helper a library
+    """A process this worker forks (the decode step's compiler, loader/compiled_decode.py, or a helper a library
     forks) ends with the planned stop and with the worker: fork keeps the worker's ignored SIGTERM and SIGINT (and
     exec keeps an ignored signal ignored, for the compiler's own g++) but drops PR_SET_PDEATHSIG, so such a child
     outlived a `systemctl stop` (which then waited TimeoutStopSec) and a kill -9 of serve (a core busy for

@@ -1,4 +1,4 @@
-"""Building a model file's weights along one path (models/path_choice.py), and deciding the path for
+"""Building a model file's weights along one path (loader/path_choice.py), and deciding the path for
 `engine.weights: auto` by measuring (at the first load of a file on a machine, or at `appliance models prepare`).
 
 `decide` loads the file's blocks once (through the weight cache: the layout the kernels read, mapped), times every
@@ -17,8 +17,9 @@ from typing import Any, Callable
 import torch
 
 from kernels import cpu_quant
-from models import path_choice, quant, weight_cache
-from models.path_choice import PathName, Record, StepMatmuls
+from loader import path_choice, weight_cache
+from loader.path_choice import PathName, Record, StepMatmuls
+from models import quant
 
 log = logging.getLogger(__name__)
 
