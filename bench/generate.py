@@ -450,13 +450,13 @@ def main() -> None:
 def isa_banner(isa: str) -> str:
     """"ISA avx2 (emulated) on AMD EPYC ...: ours avx2, torch AVX2, compiled step avx2/x86-64-v3": what every figure
     of the run ran under, and the real CPU; exits where --isa asks for instructions this CPU lacks."""
-    from kernels import cpu_quant
+    from kernels import cpu_build, cpu_isa
     from loader.compiled_decode import inductor_isa
     try:
-        cpu = cpu_quant.cpu_info()
+        cpu = cpu_isa.cpu_info()
         ours = ", ".join(cpu.isas) or "none"
         brand = cpu.brand
-    except cpu_quant.KernelsUnavailable as exc:
+    except cpu_build.KernelsUnavailable as exc:
         import platform
         cpu, ours, brand = None, f"none ({exc})", platform.processor()
     if isa not in ("native", "none") and cpu is not None and isa not in cpu.isas:
@@ -471,11 +471,11 @@ def isa_banner(isa: str) -> str:
 
 
 def avxvnni_stands_in() -> bool:
-    """Whether our avxvnni kernels run here as the EVEX stand-in (kernels/cpu_quant.py): no AVX-VNNI on this CPU."""
-    from kernels import cpu_quant
+    """Whether our avxvnni kernels run here as the EVEX stand-in (kernels/cpu_isa.py): no AVX-VNNI on this CPU."""
+    from kernels import cpu_build, cpu_isa
     try:
-        return cpu_quant.cpu_info().stands_in("avxvnni")
-    except cpu_quant.KernelsUnavailable:
+        return cpu_isa.cpu_info().stands_in("avxvnni")
+    except cpu_build.KernelsUnavailable:
         return False
 
 

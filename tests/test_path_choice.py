@@ -18,7 +18,7 @@ import test_gguf
 from appliance.engine.llm_loading import load_engine
 from appliance.engine.llm_settings import GenerativeSettings
 from appliance.metrics import weight_format_of
-from kernels import cpu_quant
+from kernels import cpu_build, cpu_isa, cpu_quant
 from kernels_here import cpu_here, runnable_isas
 from loader import path_choice
 from models import quant
@@ -86,8 +86,8 @@ def candidates_here(path: Path, tmp: Path) -> list[str]:
     from loader.weight_cache import gguf_tensor_types
     types = gguf_tensor_types(path, tmp / "weights")
     try:
-        isas = cpu_quant.cpu_info(tmp / "kernels").isas
-    except cpu_quant.KernelsUnavailable as exc:
+        isas = cpu_isa.cpu_info(tmp / "kernels").isas
+    except cpu_build.KernelsUnavailable as exc:
         if "x86-64" not in str(exc):
             raise  # a cpuid probe that does not build is a broken build, not a CPU without our kernels
         isas = []
@@ -172,7 +172,7 @@ def test_real_measurement_on_a_k_quant_file_records_every_path_s_figures(tmp_pat
     assert all(t[0] > 0 and t[1] > 0 for t in record.timings_ms.values())
     assert f": {record.chosen}" in engine.backend
     assert used_path(engine) == record.chosen
-    assert record.cpu == cpu_quant.cpu_info().brand if record.cpu != "unknown" else True
+    assert record.cpu == cpu_isa.cpu_info().brand if record.cpu != "unknown" else True
 
 
 def test_without_our_kernels_backend_says_why(q4_file, tmp_path, monkeypatch):
@@ -203,8 +203,8 @@ def test_avxvnni_named_on_a_cpu_with_avx512_vnni_only_runs_the_evex_stand_in(q4_
 
 
 def test_no_compiler_and_no_prebuilt_library_is_named_too(q4_file, tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_quant, "SOURCE_DIR", tmp_path / "nothing-prebuilt")
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", tmp_path / "nothing-prebuilt")
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
     engine = load_engine("m", q4_file, settings(tmp_path), None, None, measure=forced("float32"))
@@ -327,7 +327,7 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import torch
 from appliance.engine.llm_service import GenerativeModelService
 from appliance.engine.llm_settings import GenerativeSettings
-from kernels import cpu_quant
+from kernels import cpu_build, cpu_isa, cpu_quant
 
 async def main():
     svc = GenerativeModelService("m", sys.argv[2], GenerativeSettings(
@@ -337,7 +337,7 @@ async def main():
     reply = await svc.generate("s", "hello pump", 6, 0.0, time.monotonic() + 300)
     print(json.dumps({"state": svc.state, "backend": svc.backend_name, "tokens": reply.token_count,
                       "capability": torch.backends.cpu.get_cpu_capability(),
-                      "isas": cpu_quant.cpu_info().isas}))
+                      "isas": cpu_isa.cpu_info().isas}))
     await svc.stop()
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

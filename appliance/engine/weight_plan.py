@@ -41,7 +41,7 @@ class WeightPlan:
 class CpuPaths:
     paths: list  # loader.path_choice.PathName: the paths the settings allow on this CPU (several: measured)
     notes: list[str]  # what Backend says about anything faster that is unavailable
-    cpu: Any  # kernels.cpu_quant.CpuInfo, or None where our kernels cannot run
+    cpu: Any  # kernels.cpu_isa.CpuInfo, or None where our kernels cannot run
     types: dict[str, str]  # GGUF tensor name -> its type
     weights: str  # the `weights` setting, `auto` narrowed to the file's dtype for a float file
 
@@ -49,7 +49,7 @@ class CpuPaths:
 def cpu_paths(path: Path, s: GenerativeSettings) -> CpuPaths:
     """The paths plan_weights chooses among on this CPU (cpuid, the file's tensor types, the settings), without
     loading anything: what tests/cpu_view.py reports for a process under the unit's sandbox."""
-    from kernels import cpu_quant
+    from kernels import cpu_isa
     from loader import path_choice
     from models import quant
 
@@ -64,7 +64,7 @@ def cpu_paths(path: Path, s: GenerativeSettings) -> CpuPaths:
     if without_kernel:
         notes.append(f"no kernel for {', '.join(without_kernel)}: those matrices requantized to Q8_0")
     layer_types = {t for n, t in types.items() if n not in HEAD_GGUF_NAMES}
-    cpu, isas, why = cpu_quant.usable_isas(Path(s.cpu_kernel_dir) if s.cpu_kernel_dir else None)
+    cpu, isas, why = cpu_isa.usable_isas(Path(s.cpu_kernel_dir) if s.cpu_kernel_dir else None)
     if why:
         notes.append(f"our kernels unavailable: {why}")
     elif cpu is not None and s.quant_kernels not in isas and cpu.stands_in(s.quant_kernels):
