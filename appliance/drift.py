@@ -226,7 +226,8 @@ class DriftDetector:
     """Sliding-window drift state of one model; `update` after each Infer/Classify call with its inputs and
     probabilities. Score: the largest per-feature PSI (or KS) divided by that feature's natural level (the score
     between two stretches of the reference data, see appliance/drift_reference.py's natural_levels), so 1 means
-    "as different as normal operation is from itself". The score is computed once the window is full (fewer samples make PSI noisy)."""
+    "as different as normal operation is from itself". The score is computed once the window is full (fewer
+    samples make PSI noisy)."""
 
     def __init__(self, reference: dict | None, window: int = 100, test: str = "ks", threshold: float = 2.0,
                  adwin_delta: float = 0.002, clock=None):
