@@ -328,7 +328,7 @@ def test_a_cpu_worker_keeps_triton_out_and_still_compiles(case):
     code = f"""
 import math, sys
 from appliance.workers import protocol as p
-from appliance.workers.worker import keep_triton_out
+from appliance.workers.os_setup import keep_triton_out
 keep_triton_out([p.ModelSpec("m", "generative", "x", None, {{"device": "{'cuda:0' if case == 'cuda' else 'cpu'}"}})])
 import torch, torch._inductor
 step = torch.compile(lambda x: (x * 2).sin().sum())
