@@ -93,11 +93,11 @@ _limit_isa(_isa_from_argv(sys.argv[1:]))
 
 import torch  # noqa: E402
 
-from appliance.engine.runner import ModelRunner  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 from cpu_kernels import read_bandwidth  # noqa: E402  (bench/cpu_kernels.py)
@@ -214,8 +214,8 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
     """n concurrent Generate calls (one session each) -> best tokens/s per n."""
     import asyncio
 
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
 
     async def run() -> dict:
         svc = GenerativeModelService("bench", path, GenerativeSettings(
@@ -248,8 +248,8 @@ def build(path: Path | None, fmt: str, cfg, tensors, slots: int, scratch: Path):
     if fmt == "auto":
         if path is None:
             return LlamaModel(cfg, tensors), torch.float32, "auto=float32"
-        from appliance.engine.llm_settings import GenerativeSettings
-        from appliance.engine.weight_plan import plan_weights
+        from appliance.engine.llm.settings import GenerativeSettings
+        from appliance.engine.llm.weight_plan import plan_weights
         plan = plan_weights(path, GenerativeSettings(kv_slots=slots, weight_cache_dir=str(scratch / "weights")),
                             "cpu")
         print(f"auto: {plan.backend}")
@@ -396,7 +396,7 @@ def main() -> None:
     if args.service and path is not None:
         del models, fp32  # one model in memory at a time
         # A fresh process: this one's main thread has run torch, and its idle OpenMP team would slow the engine
-        # thread (see llm_loading.in_fresh_thread); the daemon's main thread runs no torch.
+        # thread (see llm/loading.py in_fresh_thread); the daemon's main thread runs no torch.
         import multiprocessing
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             service = pool.apply(bench_service, (path, "float32", args.threads, batches, new, repeats))

@@ -19,12 +19,12 @@ transformers = pytest.importorskip("transformers")
 
 from arch_models import (PHI3_ORIGINAL, VARIANTS, architecture, byte_level_vocab, hf_model,  # noqa: E402
                          sentencepiece_vocab, write_gguf)
-from appliance.engine.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
 from hf_oracle import hf_greedy  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 from models.rope import angle_tables  # noqa: E402
@@ -265,7 +265,7 @@ def tokenizer_with_template(written, variant, template, tmp_path):
 def test_phi3_template_ending_a_conversation_with_eos_continues_turn_by_turn(written, tmp_path):
     """Phi-3 writes <|endoftext|> after a finished conversation and <|end|> after every reply: the slot gets
     "<|end|>\\n" after a reply, the next turn follows it, and <|end|> stops a reply."""
-    from appliance.engine.chat_turns import ChatTurns
+    from appliance.engine.llm.chat_turns import ChatTurns
     tok, _ = tokenizer_with_template(written, "phi3", PHI3_STYLE, tmp_path)
     end = tok.encode("<|end|>")
     assert len(end) == 1 and tok.assistant_suffix_tokens()[:1] == end
@@ -304,8 +304,8 @@ def test_qwen3_template_that_rewrites_earlier_replies_continues_turn_by_turn(wri
 def test_phi3_gguf_served_end_to_end_gives_transformers_reply(written, tmp_path):
     """The GGUF through the service (loader, SentencePiece tokenizer, its chat template, scheduler, runner): two
     turns of one session; the first reply is transformers' greedy continuation of the same prompt tokens."""
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
     hf, _ = written["phi3"]
     tok, path = tokenizer_with_template(written, "phi3", PHI3_STYLE, tmp_path)
     stops = tok.eos_token_ids | tok.end_of_turn_ids()

@@ -13,9 +13,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from appliance.engine.choose import best  # noqa: E402
-from appliance.engine.llm_service import GenerativeModelService  # noqa: E402
-from appliance.engine.llm_settings import GenerativeSettings  # noqa: E402
+from appliance.engine.llm.choose import best  # noqa: E402
+from appliance.engine.llm.service import GenerativeModelService  # noqa: E402
+from appliance.engine.llm.settings import GenerativeSettings  # noqa: E402
 from appliance.errors import InvalidArgument  # noqa: E402
 from appliance.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS  # noqa: E402
 

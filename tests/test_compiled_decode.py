@@ -18,11 +18,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from appliance.engine.runner import ModelRunner  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
 from loader.compiled_decode import CompiledDecode, CompileUnavailable  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from loader.weights import load_weights  # noqa: E402
@@ -247,7 +247,7 @@ def test_another_kind_of_model_in_the_same_process_gets_its_own_package(model_di
 
 
 def test_a_failed_compile_leaves_decode_eager(model_dir, monkeypatch, caplog):
-    from appliance.engine.llm_loading import compile_decode
+    from appliance.engine.llm.loading import compile_decode
     model, kv_dtype = build(model_dir, "float32")
     cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
     compiled = CompiledDecode(model, cache)
@@ -350,8 +350,8 @@ def test_auto_compiles_in_the_background_after_ready_and_decode_switches_over(mo
     import threading
     import time as clock
 
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
 
     caplog.set_level("WARNING")
 

@@ -180,3 +180,26 @@ def test_loader_imports_nothing_from_appliance_or_uaserver():
                  for path in sorted((ROOT / "loader").rglob("*.py"))
                  if (bad := top_packages(path) & {"appliance", "uaserver"})]
     assert not offenders, "loader/ sits beneath the appliance: " + "; ".join(offenders)
+
+
+def test_the_engine_paths_stand_apart():
+    """appliance/engine/ holds two paths (tensor/, llm/) that share only the modules beside them (model status,
+    liveness, metrics): neither path imports the other, and the shared modules import neither."""
+    files = {module_name(p): p for p in (ROOT / "appliance" / "engine").rglob("*.py")}
+    offenders = []
+    for name, path in sorted(files.items()):
+        path_of = name.split(".")[2] if name.count(".") >= 3 else None  # "tensor" | "llm" | None (shared)
+        for target in sorted(imported_modules(path, set(files))):
+            target_path = target.split(".")[2] if target.count(".") >= 3 else None
+            if target_path is not None and target_path != path_of:
+                offenders.append(f"{name} imports {target}")
+    assert {"appliance.engine.tensor.service", "appliance.engine.llm.service"} <= set(files)  # the tree is read
+    assert not offenders, "the tensor and the language-model paths meet only in the shared modules: " + "; ".join(
+        offenders)
+
+
+def test_a_worker_enters_each_engine_path_through_its_service():
+    engine = {module_name(p) for p in (ROOT / "appliance" / "engine").rglob("*.py")}
+    entered = {target for path in (ROOT / "appliance" / "workers").rglob("*.py")
+               for target in imported_modules(path, engine) if target.count(".") >= 3}
+    assert entered == {"appliance.engine.tensor.service", "appliance.engine.llm.service"}, sorted(entered)

@@ -12,8 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from appliance.engine.llm_service import GenerativeModelService  # noqa: E402
-from appliance.engine.llm_settings import GenerativeSettings  # noqa: E402
+from appliance.engine.llm.service import GenerativeModelService  # noqa: E402
+from appliance.engine.llm.settings import GenerativeSettings  # noqa: E402
 from appliance.errors import (INVALID, OUT_OF_RANGE, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,  # noqa: E402
                               ResourceUnavailable)
 from appliance.metrics import Metrics  # noqa: E402

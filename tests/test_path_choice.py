@@ -1,5 +1,5 @@
 """engine.weights: auto chooses by measuring on the CPU it runs on (loader/path_choice.py, loader/path_build.py,
-appliance/engine/weight_plan.py): the choice follows the timings (forced through the `measure` seam, never by
+appliance/engine/llm/weight_plan.py): the choice follows the timings (forced through the `measure` seam, never by
 sleeping), approximate paths must meet the accuracy bar, the choice and its figures are recorded beside the weight
 cache and read back at the next start, and Backend, appliance_model_info and the status page show it, with the
 reason wherever our kernels cannot be had."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import test_gguf
-from appliance.engine.llm_loading import load_engine
-from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.llm.loading import load_engine
+from appliance.engine.llm.settings import GenerativeSettings
 from appliance.metrics import weight_format_of
 from kernels import cpu_build, cpu_isa, cpu_quant
 from kernels_here import cpu_here, runnable_isas
@@ -303,7 +303,7 @@ def test_a_decode_step_compiled_on_this_box_before_is_compiled_at_ready_on_every
     """engine.compile: auto. The first start of a model on a box that was never prepared compiles in the background
     (and writes its package); every later start loads the package before load_engine returns, i.e. before Ready:
     the box never serves eager decode while a compile takes a core. `prepare` does the first compile."""
-    from appliance.engine.llm_loading import compile_in_background, prepare_model
+    from appliance.engine.llm.loading import compile_in_background, prepare_model
     s = GenerativeSettings(**{**settings(tmp_path).__dict__, "compile": "auto", "weights": "blocks",
                               "activations": "float32", "compile_cache_dir": str(tmp_path / "inductor")})
     first = load_engine("m", q4_file, s, None, None)
@@ -325,8 +325,8 @@ NO_AVX2_PROCESS = """
 import asyncio, json, logging, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import torch
-from appliance.engine.llm_service import GenerativeModelService
-from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.llm.service import GenerativeModelService
+from appliance.engine.llm.settings import GenerativeSettings
 from kernels import cpu_build, cpu_isa, cpu_quant
 
 async def main():

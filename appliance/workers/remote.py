@@ -178,6 +178,6 @@ class RemoteModel:
 
     def _worker_lost(self) -> None:
         # A Converse conversation is not lost: its engine wrote every answered turn to the state directory
-        # (appliance/engine/conversation_files.py) and the new worker recalls it. A UA session's slot is gone.
+        # (appliance/engine/llm/conversation_files.py) and the new worker recalls it. A UA session's slot is gone.
         self._sessions_lost |= {s for s in self._sessions_with_state if not s.startswith(CONVERSATION_PREFIX)}
         self._sessions_with_state = set()

@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from appliance.engine.batcher import BatchPolicy, DynamicBatcher
-from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
+from appliance.engine.tensor.batcher import BatchPolicy, DynamicBatcher
+from appliance.engine.tensor.backends import TensorBackend, load_tensor_backend
 from appliance.call_checks import check_samples
 from appliance.errors import ApplianceError, EngineFailure, NotReady
 from appliance.engine.liveness import Liveness
@@ -35,6 +35,21 @@ class _Loaded:
 
 class TensorModelService(ModelStatus):
     kind = "tensor"
+
+    @classmethod
+    def from_settings(cls, name: str, path: Path, s: dict, *, threads: int, version_label: str | None, metrics,
+                      on_event, liveness: Liveness, inline: bool) -> "TensorModelService":
+        """The path's entry, as a worker builds it from the settings the serve process sent (ModelSpec.settings)."""
+        policy = BatchPolicy(max_batch_size=s["max_batch_size"], max_queue_delay_s=s["max_queue_delay_s"],
+                             max_queue_size=s["max_queue_size"])
+        tensorrt = None
+        if s["backend"] == "tensorrt":
+            from appliance.engine.tensor.tensorrt_backend import TensorRtSettings
+            tensorrt = TensorRtSettings(cache_dir=Path(s["tensorrt_cache_dir"]), max_batch_size=s["max_batch_size"],
+                                        fp16=s["tensorrt_fp16"])
+        return cls(name, Path(path), backend=s["backend"], device=s["device"], threads=threads,
+                   version_label=version_label, max_samples=s["max_samples"], policy=policy, metrics=metrics,
+                   on_event=on_event, liveness=liveness, inline=inline, tensorrt=tensorrt)
 
     def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
                  max_samples: int, policy: BatchPolicy, metrics: Metrics | None,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.engine.trt_cache import EngineCache, EngineKey, onnx_digest
+from appliance.engine.tensor.trt_cache import EngineCache, EngineKey, onnx_digest
 from appliance.errors import EngineFailure
 
 log = logging.getLogger(__name__)

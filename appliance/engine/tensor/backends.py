@@ -382,7 +382,7 @@ def _load_tensorrt_or_fallback(path: Path, device: str, threads: int,
         log.warning("TensorRT not used for %s: %s; serving with %s", path.name, reason, fallback.name)
         fallback.note = f"TensorRT not used: {reason}"
         return fallback
-    from appliance.engine.tensorrt_backend import load_tensorrt
+    from appliance.engine.tensor.tensorrt_backend import load_tensorrt
     try:
         engine = load_tensorrt(path, device if device.startswith("cuda") else "cuda:0", fallback.input_shape,
                                not fallback.one_at_a_time, settings)
@@ -395,4 +395,4 @@ def _load_tensorrt_or_fallback(path: Path, device: str, threads: int,
 
 
 if TYPE_CHECKING:
-    from appliance.engine.tensorrt_backend import TensorRtSettings
+    from appliance.engine.tensor.tensorrt_backend import TensorRtSettings

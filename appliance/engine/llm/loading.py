@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from appliance.cgroup_memory import memory_cgroup
-from appliance.engine.llm_settings import (ACTIVATIONS, COMPILE, DTYPES, MEMORY_HEADROOM, QUANT_KERNELS, WEIGHTS,
+from appliance.engine.llm.settings import (ACTIVATIONS, COMPILE, DTYPES, MEMORY_HEADROOM, QUANT_KERNELS, WEIGHTS,
                                            GenerativeSettings)
-from appliance.engine.slots import POLICIES
-from appliance.engine.thread_reply import Reply
-from appliance.engine.weight_plan import plan_weights
+from appliance.engine.llm.slots import POLICIES
+from appliance.engine.llm.thread_reply import Reply
+from appliance.engine.llm.weight_plan import plan_weights
 from appliance.errors import ApplianceError, EngineFailure
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.llm.settings import GenerativeSettings
 from appliance.errors import EngineFailure
 
 log = logging.getLogger(__name__)
