@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from appliance.engine.llm_settings import MAX_PROMPT_BYTES, MAX_TEMPERATURE
+from appliance.engine.llm.settings import MAX_PROMPT_BYTES, MAX_TEMPERATURE
 from core.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, InvalidArgument
 
 

@@ -169,7 +169,7 @@ class Metrics:
 
 
 def weight_format_of(backend: str) -> str:
-    """The weight format a generative model's Backend names (appliance/engine/weight_plan.py writes
+    """The weight format a generative model's Backend names (appliance/engine/llm/weight_plan.py writes
     "<device> <format>: <how>", e.g. "cpu Q4_K+Q6_K/int8: ..."); "" for backends that name none (tensor models)."""
     head, sep, _ = backend.partition(": ")
     device, _, fmt = head.partition(" ")

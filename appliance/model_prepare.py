@@ -1,7 +1,7 @@
 """`appliance models prepare NAME`: make a generative model's every start serve at full speed from Ready.
 
 It runs, on this box and with the YAML's engine settings, what the first start would otherwise do on the way:
-measures the weight paths this CPU can run and records the choice (appliance/engine/weight_plan.py), writes the
+measures the weight paths this CPU can run and records the choice (appliance/engine/llm/weight_plan.py), writes the
 chosen weights in their kernel layout to the weight cache, and compiles the decode step into its package
 (engine.compile). The Debian package's postinst may call it; a deploy of a new version may too. It prints the
 Backend the model will show, and the measured figures.
@@ -19,8 +19,8 @@ def prepare(config, name: str) -> tuple[int, str]:
     """(exit status, what to print)."""
     from appliance.device import resolve_device
     from appliance.model_specs import model_spec
-    from appliance.engine.llm_loading import prepare_model
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.loading import prepare_model
+    from appliance.engine.llm.settings import GenerativeSettings
     from core.errors import ApplianceError
 
     m = config.models.get(name)

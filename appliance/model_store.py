@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from models.file_digest import VERSION_CHARS, content_digest
+from loader.file_digest import VERSION_CHARS, content_digest
 
 _VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 LINKS = ("current", "previous", "candidate")  # names a version cannot take
@@ -41,7 +41,7 @@ class ModelStoreError(Exception):
 @dataclass(frozen=True)
 class VersionInfo:
     version: str
-    digest: str  # models/file_digest.content_digest of the version's files
+    digest: str  # loader/file_digest.content_digest of the version's files
     deployed_at: str
     source: str
     serving: bool

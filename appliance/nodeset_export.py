@@ -115,7 +115,7 @@ def served_version(model: ModelConfig, state_dir: Path) -> str:
         return store.serving_version(model.name) or ""
     path = model.resolved_path
     if model.is_tensor and path is not None and path.is_file():
-        from models.file_digest import content_digest
+        from loader.file_digest import content_digest
         return content_digest(path)[:VERSION_CHARS]
     return ""
 

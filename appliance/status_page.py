@@ -89,7 +89,7 @@ STATE_CLASS = {"Ready": "ok", "Loading": "warn", "Starting": "warn", "Degraded":
 
 def _backend(backend: str) -> str:
     """A generative model's weight format in bold, then how it was chosen (measured figures, anything faster that
-    was not available and why): appliance/engine/weight_plan.py writes "<device> <format>: <how>"."""
+    was not available and why): appliance/engine/llm/weight_plan.py writes "<device> <format>: <how>"."""
     from appliance.metrics import weight_format_of
     fmt = weight_format_of(backend)
     if not fmt:

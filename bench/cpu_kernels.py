@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels import cpu_layout, cpu_quant  # noqa: E402
+from kernels import cpu_build, cpu_isa, cpu_layout, cpu_quant, cpu_torch_ops  # noqa: E402
 from models import quant  # noqa: E402
 
 SHAPES = {"smollm2": [(960, 576, "qkv"), (3072, 576, "gate_up"), (576, 1536, "down")],
@@ -93,7 +93,7 @@ def _timed(fn) -> float:
 def isa_flags(isa: str) -> list[str]:
     """The compiler flags of our `isa` library as the engine builds it here: avxvnni on a CPU without AVX-VNNI is the
     EVEX stand-in (its VEX form would stop this CPU with an illegal instruction)."""
-    return cpu_quant.AVXVNNI_EVEX_FLAGS if cpu_quant.cpu_info().stands_in(isa) else cpu_quant.ISA_FLAGS[isa]
+    return cpu_build.AVXVNNI_EVEX_FLAGS if cpu_isa.cpu_info().stands_in(isa) else cpu_build.ISA_FLAGS[isa]
 
 
 def isa_ceiling(isa: str, threads: int, directory: Path) -> float | None:
@@ -102,8 +102,8 @@ def isa_ceiling(isa: str, threads: int, directory: Path) -> float | None:
     if isa == "amx":
         return None
     out = directory / f"isa_ceiling_{isa}.so"
-    subprocess.run([cpu_quant.compiler(), str(Path(__file__).with_name("isa_ceiling.c")), "-o", str(out),
-                    *cpu_quant.COMMON, *isa_flags(isa)], check=True)
+    subprocess.run([cpu_build.compiler(), str(Path(__file__).with_name("isa_ceiling.c")), "-o", str(out),
+                    *cpu_build.COMMON, *isa_flags(isa)], check=True)
     fn = ctypes.CDLL(str(out)).isa_ceiling_gmacs
     fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int]
     return fn(50_000_000, threads)
@@ -120,15 +120,15 @@ def build_before(ref: str, isa: str, directory: Path) -> str:
         (src / name).write_bytes(subprocess.run(["git", "-C", str(root), "show", f"{ref}:kernels/cpu/{name}"],
                                                 capture_output=True, check=True).stdout)
     out = directory / f"quant_{isa}-before.so"
-    subprocess.run([cpu_quant.compiler(), str(src / f"quant_{isa}.c"), "-o", str(out),
-                    *cpu_quant.COMMON, *isa_flags(isa)], check=True)
+    subprocess.run([cpu_build.compiler(), str(src / f"quant_{isa}.c"), "-o", str(out),
+                    *cpu_build.COMMON, *isa_flags(isa)], check=True)
     return str(out)
 
 
 def attention_main(args) -> None:
     import tempfile
-    info = cpu_quant.cpu_info()
-    if not cpu_quant.torch_ops():
+    info = cpu_isa.cpu_info()
+    if not cpu_torch_ops.torch_ops():
         raise SystemExit("our kernels' torch operators cannot be built here")
     isa = args.isa or info.isas[0]
     op = torch.ops.quant_cpu.decode_attention.default
@@ -157,7 +157,7 @@ def attention_main(args) -> None:
 
 def step_main(args) -> None:
     import tempfile
-    info = cpu_quant.cpu_info()
+    info = cpu_isa.cpu_info()
     isas = [args.isa] if args.isa else info.isas
     for isa in isas:
         if isa not in info.isas:
@@ -244,7 +244,7 @@ def main() -> None:
         attention_main(args)
         return
     args.rows = args.rows or "1,4,16,64"
-    info = cpu_quant.cpu_info()
+    info = cpu_isa.cpu_info()
     kernels = {isa: cpu_quant.kernels(isa, "int8") for isa in info.isas}
     print(f"{info.brand}, {args.threads} threads, our ISAs: {', '.join(info.isas)}")
     paths = [f"{isa}/{act}" for isa in kernels for act in ("int8", "float32")]

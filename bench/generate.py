@@ -4,10 +4,10 @@ llama.cpp vs HF transformers generate() vs the bare matmul limit, in one run.
     python bench/generate.py [--model PATH] [--quick] [--weights auto,auto+compiled,float32] [--batches 1,4,8,16]
                              [--new-tokens N] [--kl-tokens 2048] [--no-llama-cpp] [--no-hf] [--service]
 
---weights: our paths, comma-separated (models/path_choice.py): `auto` (the appliance's own choice, measured on this
+--weights: our paths, comma-separated (loader/path_choice.py): `auto` (the appliance's own choice, measured on this
 CPU now and printed with every path's figures), or a path as `blocks/int8/avx512vnni`, `blocks/float32/avx2`,
 `blocks/float32/torch` (torch's int4 op; `int4-torch` for short), `float32`, `bfloat16`; `+compiled` decodes through
-the compiled step (models/compiled_decode.py).
+the compiled step (loader/compiled_decode.py).
 
 llama.cpp (the column appears when `bash scripts/setup-bench.sh` installed llama-cpp-python) runs the same GGUF
 file, the same prompt tokens and the same number of sequences greedily in one process run with ours
@@ -93,11 +93,11 @@ _limit_isa(_isa_from_argv(sys.argv[1:]))
 
 import torch  # noqa: E402
 
-from appliance.engine.runner import ModelRunner  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 from cpu_kernels import read_bandwidth  # noqa: E402  (bench/cpu_kernels.py)
@@ -121,7 +121,7 @@ def default_model() -> Path | None:
 def load(path: Path | None, dtype: torch.dtype):
     """(config, tensors, prompts as token lists, label, tokenizer or None)."""
     if path is not None:
-        from models.weights import load_weights
+        from loader.weights import load_weights
         w = load_weights(path, torch.float32)
         tok = w.tokenizer
         prompts = [tok.turn_tokens([], q, None) for q in QUESTIONS]
@@ -214,8 +214,8 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
     """n concurrent Generate calls (one session each) -> best tokens/s per n."""
     import asyncio
 
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
 
     async def run() -> dict:
         svc = GenerativeModelService("bench", path, GenerativeSettings(
@@ -242,14 +242,14 @@ def bench_service(path: Path, dtype_name: str, threads: int, batches: list[int],
 def build(path: Path | None, fmt: str, cfg, tensors, slots: int, scratch: Path):
     """(model, KV dtype, label) of one of our paths (see the module's doc); `auto` as the appliance resolves it here,
     measured now (its record printed)."""
-    from models import path_build
-    from models.path_choice import PathName
-    from models.weights import load_weights
+    from loader import path_build
+    from loader.path_choice import PathName
+    from loader.weights import load_weights
     if fmt == "auto":
         if path is None:
             return LlamaModel(cfg, tensors), torch.float32, "auto=float32"
-        from appliance.engine.llm_settings import GenerativeSettings
-        from appliance.engine.weight_plan import plan_weights
+        from appliance.engine.llm.settings import GenerativeSettings
+        from appliance.engine.llm.weight_plan import plan_weights
         plan = plan_weights(path, GenerativeSettings(kv_slots=slots, weight_cache_dir=str(scratch / "weights")),
                             "cpu")
         print(f"auto: {plan.backend}")
@@ -314,7 +314,7 @@ def main() -> None:
         cache = KVCache(model.config, max(batches), max(map(len, prompts)) + new + 8, kv_dtype)
         compiled = None
         if fmt.endswith("+compiled"):
-            from models.compiled_decode import CompiledDecode
+            from loader.compiled_decode import CompiledDecode
             compiled = CompiledDecode(model, cache, Path.home() / ".cache" / "opcua-appliance" / "inductor")
             compiled.compile()
             print(f"{name}: decode step compiled in {compiled.compile_seconds:.1f} s", flush=True)
@@ -396,7 +396,7 @@ def main() -> None:
     if args.service and path is not None:
         del models, fp32  # one model in memory at a time
         # A fresh process: this one's main thread has run torch, and its idle OpenMP team would slow the engine
-        # thread (see llm_loading.in_fresh_thread); the daemon's main thread runs no torch.
+        # thread (see llm/loading.py in_fresh_thread); the daemon's main thread runs no torch.
         import multiprocessing
         with multiprocessing.get_context("spawn").Pool(1) as pool:
             service = pool.apply(bench_service, (path, "float32", args.threads, batches, new, repeats))
@@ -450,13 +450,13 @@ def main() -> None:
 def isa_banner(isa: str) -> str:
     """"ISA avx2 (emulated) on AMD EPYC ...: ours avx2, torch AVX2, compiled step avx2/x86-64-v3": what every figure
     of the run ran under, and the real CPU; exits where --isa asks for instructions this CPU lacks."""
-    from kernels import cpu_quant
-    from models.compiled_decode import inductor_isa
+    from kernels import cpu_build, cpu_isa
+    from loader.compiled_decode import inductor_isa
     try:
-        cpu = cpu_quant.cpu_info()
+        cpu = cpu_isa.cpu_info()
         ours = ", ".join(cpu.isas) or "none"
         brand = cpu.brand
-    except cpu_quant.KernelsUnavailable as exc:
+    except cpu_build.KernelsUnavailable as exc:
         import platform
         cpu, ours, brand = None, f"none ({exc})", platform.processor()
     if isa not in ("native", "none") and cpu is not None and isa not in cpu.isas:
@@ -471,11 +471,11 @@ def isa_banner(isa: str) -> str:
 
 
 def avxvnni_stands_in() -> bool:
-    """Whether our avxvnni kernels run here as the EVEX stand-in (kernels/cpu_quant.py): no AVX-VNNI on this CPU."""
-    from kernels import cpu_quant
+    """Whether our avxvnni kernels run here as the EVEX stand-in (kernels/cpu_isa.py): no AVX-VNNI on this CPU."""
+    from kernels import cpu_build, cpu_isa
     try:
-        return cpu_quant.cpu_info().stands_in("avxvnni")
-    except cpu_quant.KernelsUnavailable:
+        return cpu_isa.cpu_info().stands_in("avxvnni")
+    except cpu_build.KernelsUnavailable:
         return False
 
 
@@ -512,8 +512,8 @@ def teacher_forced_steps(model: LlamaModel, ids: list[int], kv_dtype: torch.dtyp
 
 def accuracy_table(fp32: LlamaModel, tokenizer, models: dict, lcpp, n: int) -> dict[str, tuple[float, float, float]]:
     """name -> (mean KL to our fp32 path, perplexity, top-1 agreement) over n teacher-forced tokens."""
-    from models import path_build
-    from models.path_choice import mean_kl
+    from loader import path_build
+    from loader.path_choice import mean_kl
     ids = kl_text_ids(tokenizer, n)
     target = torch.tensor(ids[1:])
 

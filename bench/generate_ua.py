@@ -43,7 +43,7 @@ import torch
 kind, path = sys.argv[1], sys.argv[2]
 t0 = time.perf_counter()
 if kind == "mapped":
-    from models.weights import load_weights
+    from loader.weights import load_weights
     w = load_weights(__import__("pathlib").Path(path), torch.float32)
     total = sum(t.numel() for t in w.tensors.values())
 else:
@@ -59,7 +59,7 @@ def export_hf_dir(gguf: Path, out: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from models.weights import load_weights
+    from loader.weights import load_weights
     w = load_weights(gguf, torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.contiguous() for k, v in w.tensors.items()}
@@ -104,8 +104,8 @@ def child_load(kind: str, path: Path) -> dict:
 
 
 async def direct(model_dir: Path, n: int, max_tokens: int) -> tuple[float, float]:
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
     settings = GenerativeSettings(kv_slots=max(n, 1), max_seq_len=1024, max_new_tokens=max_tokens,
                                   slot_policy="evict_lru", prefill_chunk=256, dtype="float32", device="cpu",
                                   threads=0, seed=0, max_text_chars=16382, system_prompt=None, top_p=0.95,

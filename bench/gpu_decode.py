@@ -61,11 +61,11 @@ def engine_model(hf, dtype, kernels: str = "auto"):
 def greedy_runner(model, prompts, new_tokens) -> list[list[int]]:
     """The serving path: Scheduler + ModelRunner, decode through the kernels as CUDA graphs (the runner's default on
     CUDA with the kernels; eager buffers in the CPU dry run)."""
-    from appliance.engine.runner import ModelRunner
-    from appliance.engine.scheduler import Scheduler
-    from appliance.engine.sequence import Sequence
-    from appliance.engine.slots import SlotManager
-    from appliance.engine.token_turns import TokenTurns, run_to_end
+    from appliance.engine.llm.runner import ModelRunner
+    from appliance.engine.llm.scheduler import Scheduler
+    from appliance.engine.llm.sequence import Sequence
+    from appliance.engine.llm.slots import SlotManager
+    from appliance.engine.llm.token_turns import TokenTurns, run_to_end
 
     b = len(prompts)
     sched = Scheduler(SlotManager(b, MAX_SEQ), TokenTurns({str(i): p for i, p in enumerate(prompts)}),

@@ -16,8 +16,8 @@ require_cuda("TensorRT")
 
 import numpy as np  # noqa: E402
 
-from appliance.engine.tensor_backends import load_tensor_backend, tensorrt_unavailable_reason  # noqa: E402
-from appliance.engine.tensorrt_backend import TensorRtSettings  # noqa: E402
+from appliance.engine.tensor.backends import load_tensor_backend, tensorrt_unavailable_reason  # noqa: E402
+from appliance.engine.tensor.tensorrt_backend import TensorRtSettings  # noqa: E402
 
 ONNX = ROOT / "models" / "te_classifier" / "te_classifier.onnx"
 

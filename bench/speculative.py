@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.engine.llm_service import GenerativeModelService  # noqa: E402
-from appliance.engine.llm_settings import GenerativeSettings  # noqa: E402
+from appliance.engine.llm.service import GenerativeModelService  # noqa: E402
+from appliance.engine.llm.settings import GenerativeSettings  # noqa: E402
 
 LLAMA_CPP_DIR = Path(__file__).resolve().parent / ".llama-cpp" / "native"
 

@@ -119,8 +119,8 @@ def direct_generate(config, model: str, tokens: int, repeats: int = 1) -> float:
     import asyncio
 
     from appliance.device import resolve_device
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
     from appliance.model_specs import model_spec
     m = config.models[model]
     spec = model_spec(m, config.engine, resolve_device(config.engine.device).split(" ")[0],

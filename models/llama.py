@@ -17,7 +17,7 @@ and through kernels/dequant_matmul.py's Triton kernel on a GPU (models/gpu_linea
                      kernels where `kernels` says so
     forward_mixed()  prefill chunks and decode rows in one pass over the weights
     decode_graphs()  decode steps through the fused kernels as CUDA graphs (models/cuda_graphs.py)
-The compiled decode step (models/compiled_decode.py) runs the same forward.
+The compiled decode step (loader/compiled_decode.py) runs the same forward.
 """
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ def concat_rows(parts: list[BlockMatrix]) -> BlockMatrix:
 
 def _adjacent_view(parts: list[BlockMatrix]) -> torch.Tensor | None:
     """The parts' data as one view when they lie back to back in one storage (the weight cache stores q/k/v and
-    gate/up so, models/weight_cache.py): fused without a copy, still a view of the mapped file (a 1B model's
+    gate/up so, loader/weight_cache.py): fused without a copy, still a view of the mapped file (a 1B model's
     gate/up copies were 300 MB of private memory per worker). None when they do not."""
     first = parts[0].data  # concat_rows checked one format and one K: every part's records are alike
     if not all(p.data.is_contiguous() for p in parts):
@@ -205,7 +205,7 @@ def _(data, type_name, n, k, ids, library, isa):
 
 # torch's CPU int4 matmul as an op a compiled graph keeps whole (Inductor's own lowering of it adds a tensor of its
 # own, the group size, which a package whose tensors are all handed over at load does not have). Registered with the
-# dispatcher directly: a torch.library.custom_op imports torch._dynamo at its first call (models/compiled_decode.py).
+# dispatcher directly: a torch.library.custom_op imports torch._dynamo at its first call (loader/compiled_decode.py).
 _OPS = torch.library.Library("quant", "FRAGMENT")
 _OPS.define("torch_int4_mm(Tensor x, Tensor packed, Tensor scales_zeros) -> Tensor")
 _OPS.impl("torch_int4_mm", lambda x, packed, scales_zeros: torch_internals.int4_matmul(x, packed, GROUP, scales_zeros),

@@ -1,56 +1,26 @@
 """The language model's tokenizer plus its chat template: text <-> token ids, and the tokens of one chat turn.
 
 Built from a HF `tokenizer.json` (+ `tokenizer_config.json` / `chat_template.jinja`) or from GGUF metadata
-(`tokenizer.ggml.*`): byte-level BPE ("gpt2": Llama 3, SmolLM2, Qwen) or a SentencePiece vocabulary with scores
-("llama": Llama 2, Phi-3), built as transformers builds them from a GGUF (integrations/gguf), offline. The chat template is rendered the way HF does: a sandboxed jinja2
-environment with trim_blocks/lstrip_blocks, `raise_exception`, `strftime_now` and a `tojson` that keeps unicode.
-
-The template comes from a model file, so it is untrusted: it renders in jinja2's ImmutableSandboxedEnvironment (no
-attribute starting with '_', no mutation of the messages, no file loader), within a time limit (a tracer on the
-template's own frames stops a loop that runs too long), with size limits on `*`, `**`, `%`/format widths and the
-output; every failure is a ChatTemplateError. What a user typed goes through `normalize_prompt` first (NFKC, control
-characters refused).
+(`tokenizer.ggml.*`, its vocabulary built by models/gguf_vocab.py). The chat template comes from a model file, so it
+is untrusted: it renders in models/chat_template.py's sandbox, and every failure is a ChatTemplateError. What a user
+typed goes through `normalize_prompt` first (NFKC, control characters refused).
 """
 from __future__ import annotations
 
-import datetime
-import functools
 import json
-import re
-import sys
-import time
 import unicodedata
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer
 
-GGUF_TOKEN_TYPE_CONTROL = 3
-GGUF_TOKEN_TYPE_USER_DEFINED = 4
+from models.chat_template import RENDER_TIMEOUT_S, ChatTemplateError, compile_template, render_limited
+from models.gguf_vocab import build_byte_level_bpe, build_sentencepiece_bpe
 
-# llama.cpp's `tokenizer.ggml.pre` names whose split differs from GPT-2's regex (which ByteLevel applies itself).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLIT_BY_GGUF_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-                      "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 # Stands in for the user's text to find where a template puts it (private-use characters: in no real prompt).
 _CONTENT_MARKER = "\ue000content\ue001"
 _REPLY_MARKER = "\ue002reply\ue003"
 
-RENDER_TIMEOUT_S = 1.0  # a chat template renders in well under 10 ms; a template that runs 1 s is hostile or broken
-MAX_RENDER_CHARS = 1 << 20  # longest rendering: a whole conversation of max_seq_len tokens is ~10-50k characters
-MAX_POWER_EXPONENT = 4096  # `**` beyond this is refused (2 ** 10 ** 9 would compute for minutes)
-_HUGE_WIDTH = re.compile(r"%[-+ #0]*\*|%[-+ #0]*\d{7,}|\{[^{}]*:[^{}]*\d{7,}")  # %9999999s, %*s, {:>9999999}
 # Characters refused in a prompt: control characters other than tab/newline/carriage return (a PLC that sends them
 # has a bug, and stripping would change the text silently), bidirectional overrides and isolates ("Trojan Source":
 # text that displays differently from what the model reads), and private-use characters (no meaning to a model;
@@ -58,16 +28,9 @@ _HUGE_WIDTH = re.compile(r"%[-+ #0]*\*|%[-+ #0]*\d{7,}|\{[^{}]*:[^{}]*\d{7,}")  
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
 
+
 class PromptRejected(ValueError):
     """A prompt that is refused; the message names the first offending character and its position (no internals)."""
-
-
-class ChatTemplateError(jinja2.exceptions.TemplateError):
-    """The chat template failed, was refused by the sandbox or ran past a limit; the message says which."""
-
-
-class ChatTemplateSecurityError(ChatTemplateError, jinja2.sandbox.SecurityError):
-    """The sandbox refused something the template tried (an internal attribute, a mutation, a huge size)."""
 
 
 def normalize_prompt(text: str) -> str:
@@ -99,7 +62,7 @@ class ChatTokenizer:
         # A twin that reads special-token text as plain text, for what a user typed (see turn_tokens).
         self._literal = Tokenizer.from_str(tokenizer.to_str())
         self._literal.encode_special_tokens = True
-        self._template = _compile_template(self.chat_template) if self.chat_template else None
+        self._template = compile_template(self.chat_template) if self.chat_template else None
         self.render_timeout_s = RENDER_TIMEOUT_S
         self._reply_end_cache: tuple[tuple[int, ...], str] | None = None
         self._special_cache: set[int] | None = None
@@ -277,99 +240,6 @@ class ChatTokenizer:
         return self._reply_end_cache
 
 
-def build_byte_level_bpe(tokens: list[str], merges: list[tuple[str, str]], token_types: list[int],
-                         pre: str | None = None) -> Tokenizer:
-    """A GPT-2-style byte-level BPE `tokenizers.Tokenizer` from a GGUF vocabulary, as transformers builds it:
-    CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens."""
-    alphabet = _byte_alphabet()
-    spelling = _bytes_to_unicode()
-    # Tokens stored as raw text (outside the byte alphabet) are respelled in it, as transformers does.
-    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-             for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False))
-    split = _SPLIT_BY_GGUF_PRE.get(pre or "")
-    if split:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    # A "control" token spelled outside the byte alphabet is a llama.cpp mislabel: skip it (transformers does).
-    special = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, token_types)
-               if ty == GGUF_TOKEN_TYPE_CONTROL and set(t) <= alphabet]
-    if special:
-        tok.add_special_tokens(special)
-    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types)
-            if ty == GGUF_TOKEN_TYPE_USER_DEFINED and t in vocab]
-    if user:
-        tok.add_tokens(user)
-    return tok
-
-
-def build_sentencepiece_bpe(tokens: list[str], scores: list[float], token_types: list[int],
-                            merges: list[tuple[str, str]] | None, phi3: bool = False,
-                            prefix_space: bool = True) -> Tokenizer:
-    """A SentencePiece BPE vocabulary as GGUF stores it ("▁" for spaces, <0xXX> byte tokens, a score per token)
-    as transformers builds it from a GGUF: BPE with byte fallback, merges recovered from the scores when the file
-    has none, a "▁" prefix (Metaspace for Llama; for Phi-3 a normalizer, as transformers' phi3_tokenizer: the
-    two differ only on text that starts with spaces), CONTROL tokens special, USER_DEFINED ones added."""
-    vocab = {t: i for i, t in enumerate(tokens)}
-    if merges is None:
-        merges = _merges_from_scores(vocab, dict(zip(tokens, scores)))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
-    if phi3:
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                     prepend_scheme="first" if prefix_space else "never",
-                                                     split=False)
-    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix_space or phi3 else []))
-    special = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, token_types)
-               if ty == GGUF_TOKEN_TYPE_CONTROL]
-    if special:
-        tok.add_special_tokens(special)
-    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types)
-            if ty == GGUF_TOKEN_TYPE_USER_DEFINED]
-    if user:
-        tok.add_tokens(user)
-    return tok
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Every split of a token into two tokens of the vocabulary is a merge, ranked by the merged token's score
-    (best first), ties by the pieces' lengths: transformers' generate_merges, which a GGUF's SentencePiece
-    vocabulary (no merges stored) goes through."""
-    merges = []
-    for merged, score in scores.items():
-        local = [(merged[:i], merged[i:], score) for i in range(1, len(merged))
-                 if merged[:i] in vocab and merged[i:] in vocab]
-        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(a, b) for a, b, _ in merges]
-
-
-@lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
-@lru_cache(maxsize=1)
-def _byte_alphabet() -> frozenset[str]:
-    return frozenset(_bytes_to_unicode().values())
-
-
 def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised as {"content": ...}
         return value.get("content")
@@ -381,112 +251,3 @@ def _template_from_config(value: Any) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         return named.get("default") or next(iter(named.values()), None)
     return value if isinstance(value, str) else None
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
-    # jinja's own tojson HTML-escapes; HF's keeps the text as is.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-class _LimitedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The immutable sandbox, plus size limits on the operations that allocate in one step."""
-
-    intercepted_binops = frozenset({"*", "**", "%"})
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "*":
-            for seq, n in ((left, right), (right, left)):
-                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDER_CHARS:
-                    raise jinja2.sandbox.SecurityError(f"a repetition of more than {MAX_RENDER_CHARS} items")
-        if operator == "**" and isinstance(right, (int, float)) and abs(right) > MAX_POWER_EXPONENT:
-            raise jinja2.sandbox.SecurityError(f"an exponent above {MAX_POWER_EXPONENT}")
-        if operator == "%" and isinstance(left, str) and _HUGE_WIDTH.search(left):
-            raise jinja2.sandbox.SecurityError("a format width of a million characters or more")
-        return super().call_binop(context, operator, left, right)
-
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-        _check_arguments((*args, *kwargs.values()))
-        return super().call(__context, __obj, *args, **kwargs)
-
-    def wrap_str_format(self, value):
-        if isinstance(getattr(value, "__self__", None), str):  # "{:>999999999}".format: the width is in the str
-            _check_arguments((value.__self__,))
-        return super().wrap_str_format(value)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # filters are called directly by the compiled template (not through `call`): check their arguments too
-        self.filters = {name: _checked_filter(f) for name, f in self.filters.items()}
-
-
-def _check_arguments(values) -> None:
-    for value in values:
-        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RENDER_CHARS:
-            raise jinja2.sandbox.SecurityError(f"an argument above {MAX_RENDER_CHARS} (e.g. a width)")
-        if isinstance(value, str) and _HUGE_WIDTH.search(value):
-            raise jinja2.sandbox.SecurityError("a format width of a million characters or more")
-
-
-def _checked_filter(f):
-    @functools.wraps(f)  # keeps jinja's pass_context / pass_environment marks
-    def checked(*args, **kwargs):
-        _check_arguments((*args, *kwargs.values()))
-        return f(*args, **kwargs)
-    return checked
-
-
-def render_limited(template: jinja2.Template, timeout_s: float, context: dict) -> str:
-    """Render within `timeout_s` seconds and MAX_RENDER_CHARS characters; ChatTemplateError otherwise.
-
-    The time limit is a tracer on this thread that sees only the template's own compiled frames (filename
-    "<template>"): each line they run checks the clock, so a loop of any depth stops at the deadline, and Python
-    code outside the template runs untraced. One C-level step cannot be interrupted; the size limits above keep
-    each such step small."""
-    deadline = time.monotonic() + timeout_s
-
-    def in_template(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise ChatTemplateError(f"chat template: rendering took longer than {timeout_s:g} s")
-        return in_template
-
-    def on_call(frame, event, arg):
-        return in_template if frame.f_code.co_filename == "<template>" else None
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        parts, size = [], 0
-        for part in template.generate(**context):
-            size += len(part)
-            if size > MAX_RENDER_CHARS:
-                raise ChatTemplateError(f"chat template: the rendering exceeds {MAX_RENDER_CHARS} characters")
-            parts.append(part)
-        return "".join(parts)
-    except ChatTemplateError:
-        raise
-    except jinja2.sandbox.SecurityError as e:
-        raise ChatTemplateSecurityError(f"chat template: {e.message or 'refused by the sandbox'}") from None
-    except jinja2.exceptions.TemplateError as e:  # raise_exception(), undefined names
-        raise ChatTemplateError(f"chat template: {e.message or type(e).__name__}") from None
-    except RecursionError:
-        raise ChatTemplateError("chat template: recursion too deep") from None
-    except Exception as e:  # e.g. 1/0 or a TypeError inside the template: the template is broken
-        raise ChatTemplateError(f"chat template: {type(e).__name__}: {e}") from None
-    finally:
-        sys.settrace(previous)
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    env = _LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _checked_filter(_tojson)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)

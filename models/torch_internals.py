@@ -9,7 +9,7 @@ another torch than TORCH_VERSION (pyproject pins it), so a torch upgrade is one 
 - torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise: oneDNN's packed fp32/bf16 linear
   (models/llama.py, models/packed_rows.py)
 - torch._inductor (config, cpp_builder, exc, aoti_compile_and_package) and torch._C._aoti.AOTIModelPackageLoader:
-  the decode step compiled ahead of time and its package loaded (models/compiled_decode.py)
+  the decode step compiled ahead of time and its package loaded (loader/compiled_decode.py)
 
 The compiler's modules are imported inside the functions that use them: importing torch._inductor costs about
 70 MB and a second, and a serving process that only loads a package never needs them.

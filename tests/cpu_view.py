@@ -1,6 +1,6 @@
 """Prints, as JSON, what a process sees of this machine's CPU and memory and what the appliance chooses from it:
 torch's CPU capability, whether our AVX2 kernels may run, the weight paths `weights: auto` chooses among for the demo
-language model (the loader's own appliance.engine.weight_plan.cpu_paths: an import that fails fails the run, never a
+language model (the loader's own appliance.engine.llm.weight_plan.cpu_paths: an import that fails fails the run, never a
 fallback of its own), and the memory figures the KV-cache check reads. tests/test_systemd_unit.py runs it in a plain shell and
 under a /proc mounted with the unit's own ProtectProc= / ProcSubset= values, and compares.
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from core.config.builtin import resolve_builtin
-from appliance.engine.llm_settings import GenerativeSettings
-from appliance.engine.weight_plan import cpu_paths
+from appliance.engine.llm.settings import GenerativeSettings
+from appliance.engine.llm.weight_plan import cpu_paths
 
 
 def weights_choice(cache: Path) -> dict:

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_quant
+from kernels import cpu_build, cpu_isa, cpu_quant
 
 
-def cpu_here(build_dir: Path | None = None) -> cpu_quant.CpuInfo:
+def cpu_here(build_dir: Path | None = None) -> cpu_isa.CpuInfo:
     """This CPU from cpuid; a skip on a CPU that is not x86-64, a failure where the cpuid probe does not build."""
     try:
-        return cpu_quant.cpu_info(build_dir)
-    except cpu_quant.KernelsUnavailable as exc:
+        return cpu_isa.cpu_info(build_dir)
+    except cpu_build.KernelsUnavailable as exc:
         if "x86-64" in str(exc):
             pytest.skip(str(exc))
         pytest.fail(f"our kernels' cpuid probe cannot run here: {exc}")
@@ -24,10 +24,10 @@ def runnable_isas(build_dir: Path | None = None) -> list[str]:
     """The ISAs this CPU runs (the avxvnni stand-in included), fastest first; a skip naming what the CPU lacks when
     it runs none, or when APPLIANCE_CPU_KERNELS=0 switches them off."""
     info = cpu_here(build_dir)
-    _info, _isas, why = cpu_quant.usable_isas(build_dir)
+    _info, _isas, why = cpu_isa.usable_isas(build_dir)
     if why is not None:
         pytest.skip(f"{info.described}: {why}")
-    return [isa for isa in cpu_quant.ISAS if isa in info.isas or info.stands_in(isa)]
+    return [isa for isa in cpu_build.ISAS if isa in info.isas or info.stands_in(isa)]
 
 
 def runnable_kernels(activations: str = "int8", build_dir: Path | None = None,
@@ -37,7 +37,7 @@ def runnable_kernels(activations: str = "int8", build_dir: Path | None = None,
     for isa in runnable_isas(build_dir):
         try:
             out[isa] = cpu_quant.kernels(isa, activations, build_dir)
-        except cpu_quant.KernelsUnavailable as exc:
+        except cpu_build.KernelsUnavailable as exc:
             pytest.fail(f"our {isa} kernels, which this CPU runs, are not available: {exc}")
     if torch_ops:
         require_torch_ops(next(iter(out.values())))
@@ -51,7 +51,7 @@ def best_kernels(activations: str = "int8", build_dir: Path | None = None,
     isa = cpu_here(build_dir).isas[0]
     try:
         kern = cpu_quant.kernels(isa, activations, build_dir)
-    except cpu_quant.KernelsUnavailable as exc:
+    except cpu_build.KernelsUnavailable as exc:
         pytest.fail(f"our {isa} kernels, which this CPU runs, are not available: {exc}")
     if torch_ops:
         require_torch_ops(kern)

@@ -19,16 +19,16 @@ transformers = pytest.importorskip("transformers")
 
 from arch_models import (PHI3_ORIGINAL, VARIANTS, architecture, byte_level_vocab, hf_model,  # noqa: E402
                          sentencepiece_vocab, write_gguf)
-from appliance.engine.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
 from hf_oracle import hf_greedy  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 from models.rope import angle_tables  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 
 LOGIT_TOLERANCE = 1e-4
 PAD = 0
@@ -193,7 +193,7 @@ def test_triton_kernels_give_the_eager_tokens(written, variant):
 
 def test_compiled_decode_gives_the_eager_tokens_for_qwen3(written, tmp_path):
     """The compiled step is the same forward traced: Qwen3's per-head norms and own head_dim go through it."""
-    from models.compiled_decode import CompiledDecode
+    from loader.compiled_decode import CompiledDecode
     _, path = written["qwen3"]
     w = load_weights(path, torch.float32)
     model = LlamaModel(w.config, w.tensors)
@@ -265,7 +265,7 @@ def tokenizer_with_template(written, variant, template, tmp_path):
 def test_phi3_template_ending_a_conversation_with_eos_continues_turn_by_turn(written, tmp_path):
     """Phi-3 writes <|endoftext|> after a finished conversation and <|end|> after every reply: the slot gets
     "<|end|>\\n" after a reply, the next turn follows it, and <|end|> stops a reply."""
-    from appliance.engine.chat_turns import ChatTurns
+    from appliance.engine.llm.chat_turns import ChatTurns
     tok, _ = tokenizer_with_template(written, "phi3", PHI3_STYLE, tmp_path)
     end = tok.encode("<|end|>")
     assert len(end) == 1 and tok.assistant_suffix_tokens()[:1] == end
@@ -304,8 +304,8 @@ def test_qwen3_template_that_rewrites_earlier_replies_continues_turn_by_turn(wri
 def test_phi3_gguf_served_end_to_end_gives_transformers_reply(written, tmp_path):
     """The GGUF through the service (loader, SentencePiece tokenizer, its chat template, scheduler, runner): two
     turns of one session; the first reply is transformers' greedy continuation of the same prompt tokens."""
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
     hf, _ = written["phi3"]
     tok, path = tokenizer_with_template(written, "phi3", PHI3_STYLE, tmp_path)
     stops = tok.eos_token_ids | tok.end_of_turn_ids()
@@ -351,7 +351,7 @@ def test_matrices_of_different_formats_in_one_layer_multiply_apart(written, tmp_
     into one matrix: each multiplies on its own (RowStack), eagerly and in the compiled step, with the fused
     layer's numbers."""
     from models import quant
-    from models.compiled_decode import CompiledDecode
+    from loader.compiled_decode import CompiledDecode
     from models.llama import RowStack
     _, path = written["qwen2"]
     w = load_weights(path, torch.float32)

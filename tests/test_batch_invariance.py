@@ -11,13 +11,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from appliance.engine.runner import ModelRunner  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 from kernels_here import best_kernels  # noqa: E402
 from tiny_llm import make_model_dir  # noqa: E402
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from appliance.engine.batcher import BatchPolicy, DynamicBatcher
+from appliance.engine.tensor.batcher import BatchPolicy, DynamicBatcher
 from core.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
 from appliance.metrics import Metrics
 

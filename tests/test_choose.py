@@ -13,11 +13,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from appliance.engine.choose import best  # noqa: E402
-from appliance.engine.llm_service import GenerativeModelService  # noqa: E402
-from appliance.engine.llm_settings import GenerativeSettings  # noqa: E402
-from core.errors import InvalidArgument
-from core.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS
+from appliance.engine.llm.choose import best  # noqa: E402
+from appliance.engine.llm.service import GenerativeModelService  # noqa: E402
+from appliance.engine.llm.settings import GenerativeSettings  # noqa: E402
+from core.errors import InvalidArgument  # noqa: E402
+from core.model_port import CHOOSE_MAX_OPTION_CHARS, CHOOSE_MAX_OPTIONS  # noqa: E402
 
 from tiny_llm import make_model_dir  # noqa: E402
 

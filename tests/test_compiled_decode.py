@@ -1,4 +1,4 @@
-"""The decode step compiled ahead of time (models/compiled_decode.py) against the eager forward it replaces: the
+"""The decode step compiled ahead of time (loader/compiled_decode.py) against the eager forward it replaces: the
 same greedy tokens for 8 sequences of different lengths decoded together, one package for every batch and length,
 the package loaded (not compiled again) by the next process and by a reload, the compiler kept out of the serving
 process, and the eager path serving where compiling fails."""
@@ -18,14 +18,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from appliance.engine.runner import ModelRunner  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
-from models.compiled_decode import CompiledDecode, CompileUnavailable  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
+from loader.compiled_decode import CompiledDecode, CompileUnavailable  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 from tiny_llm import make_model_dir  # noqa: E402
 
 SEQS = 8
@@ -150,9 +150,9 @@ def test_one_package_serves_every_batch_size_and_length(model_dir, float32_packa
 SECOND_PROCESS = """
 import json, sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
-from models.compiled_decode import CompiledDecode
+from loader.compiled_decode import CompiledDecode
 from models.llama import KVCache, LlamaModel
-from models.weights import load_weights
+from loader.weights import load_weights
 from kernels import cpu_quant
 kernels = cpu_quant.library() if sys.argv[4] == "int4+avx2" else None
 w = load_weights(sys.argv[2], torch.float32, "int4" if kernels else None)
@@ -167,9 +167,9 @@ print(json.dumps({"built": compiled.built, "seconds": compiled.compile_seconds})
 COMPILER_STAYS_OUT = """
 import json, sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
-from models.compiled_decode import CompiledDecode
+from loader.compiled_decode import CompiledDecode
 from models.llama import KVCache, LlamaModel
-from models.weights import load_weights
+from loader.weights import load_weights
 w = load_weights(sys.argv[2], torch.float32)
 model = LlamaModel(w.config, w.tensors)
 compiled = CompiledDecode(model, KVCache(w.config, 4, 64, torch.float32), sys.argv[3])
@@ -247,7 +247,7 @@ def test_another_kind_of_model_in_the_same_process_gets_its_own_package(model_di
 
 
 def test_a_failed_compile_leaves_decode_eager(model_dir, monkeypatch, caplog):
-    from appliance.engine.llm_loading import compile_decode
+    from appliance.engine.llm.loading import compile_decode
     model, kv_dtype = build(model_dir, "float32")
     cache = KVCache(model.config, SEQS, MAX_SEQ, kv_dtype)
     compiled = CompiledDecode(model, cache)
@@ -328,7 +328,7 @@ def test_a_cpu_worker_keeps_triton_out_and_still_compiles(case):
     code = f"""
 import math, sys
 from appliance.workers import protocol as p
-from appliance.workers.worker import keep_triton_out
+from appliance.workers.os_setup import keep_triton_out
 keep_triton_out([p.ModelSpec("m", "generative", "x", None, {{"device": "{'cuda:0' if case == 'cuda' else 'cpu'}"}})])
 import torch, torch._inductor
 step = torch.compile(lambda x: (x * 2).sin().sum())
@@ -350,8 +350,8 @@ def test_auto_compiles_in_the_background_after_ready_and_decode_switches_over(mo
     import threading
     import time as clock
 
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
 
     caplog.set_level("WARNING")
 
@@ -441,9 +441,9 @@ def test_the_step_s_loops_are_generated_for_the_threads_it_serves_with(model_dir
 CAPPED_PROCESS = """
 import json, sys, torch
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
-from models.compiled_decode import CompiledDecode, inductor_isa
+from loader.compiled_decode import CompiledDecode, inductor_isa
 from models.llama import KVCache, LlamaModel
-from models.weights import load_weights
+from loader.weights import load_weights
 w = load_weights(sys.argv[2], torch.float32)
 model = LlamaModel(w.config, w.tensors)
 compiled = CompiledDecode(model, KVCache(w.config, 4, 64, torch.float32), sys.argv[3])
@@ -476,7 +476,7 @@ def test_a_step_compiled_under_aten_cpu_capability_avx2_holds_no_avx512(model_di
                                   check=True).stdout
             assert "ymm" in text  # AVX2's vectors are used
             assert "zmm" not in text, name
-    from models.compiled_decode import inductor_isa
+    from loader.compiled_decode import inductor_isa
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX2"):  # this process: the CPU's own capability
         model, kv_dtype = build(model_dir, "float32")
         native = CompiledDecode(model, KVCache(model.config, 4, 64, torch.float32), tmp_path / "inductor")

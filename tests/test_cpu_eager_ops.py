@@ -94,7 +94,7 @@ def test_a_ragged_prefill_packed_gives_every_row_what_the_padded_one_gives(tmp_p
     the logits and the cache cells it gives padded to the longest: bit for bit (int8 activations are quantized per
     row, and attention, norms and SiLU work per token); a mixed step of new prompts and decode rows the same."""
     from models.llama import KVCache, LlamaModel
-    from models.weights import load_weights
+    from loader.weights import load_weights
     from test_quantized import write_kquant_gguf
     kernels = best_kernels("int8", torch_ops=True)
     path = tmp_path / "k.gguf"

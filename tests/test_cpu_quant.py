@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_layout, cpu_quant
+from kernels import cpu_build, cpu_isa, cpu_layout, cpu_quant
 from kernels.cpu_layout import random_blocks
 from kernels_here import best_kernels, cpu_here, runnable_isas, runnable_kernels
 from models import quant
@@ -268,16 +268,16 @@ def test_features_come_from_cpuid_and_agree_with_the_kernel_s_view():
 
 def test_an_isa_the_cpu_lacks_is_refused_with_the_reason(monkeypatch):
     real = cpu_here()
-    monkeypatch.setattr(cpu_quant, "_cpu", [cpu_quant.CpuInfo(real.brand, frozenset({"avx2", "fma", "f16c",
+    monkeypatch.setattr(cpu_isa, "_cpu", [cpu_isa.CpuInfo(real.brand, frozenset({"avx2", "fma", "f16c",
                                                                                        "os_avx"}))])
-    with pytest.raises(cpu_quant.KernelsUnavailable, match="avx512vnni"):
+    with pytest.raises(cpu_build.KernelsUnavailable, match="avx512vnni"):
         cpu_quant.kernels("avx512vnni")
-    monkeypatch.setattr(cpu_quant, "_cpu", [cpu_quant.CpuInfo(real.brand, frozenset())])
+    monkeypatch.setattr(cpu_isa, "_cpu", [cpu_isa.CpuInfo(real.brand, frozenset())])
     assert cpu_quant.library() is None
 
 
 def test_a_library_is_built_once_per_directory_and_reused(tmp_path, isas, monkeypatch):
-    monkeypatch.setattr(cpu_quant, "default_build_dir", lambda: tmp_path / "user-cache")
+    monkeypatch.setattr(cpu_build, "default_build_dir", lambda: tmp_path / "user-cache")
     isa = next(iter(isas))
     first = cpu_quant.kernels(isa, "int8", tmp_path)
     built = list(tmp_path.glob(f"quant_{isa}-*.so"))
@@ -290,39 +290,39 @@ def test_a_library_is_built_once_per_directory_and_reused(tmp_path, isas, monkey
 
 
 def test_no_compiler_means_no_kernels_and_the_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_quant, "SOURCE_DIR", tmp_path / "src")  # nothing prebuilt there
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", tmp_path / "src")  # nothing prebuilt there
     (tmp_path / "src").mkdir()
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))  # and no gcc either
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
-    with pytest.raises(cpu_quant.KernelsUnavailable, match="no C compiler"):
-        cpu_quant.cpu_info(tmp_path / "build")
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
+    with pytest.raises(cpu_build.KernelsUnavailable, match="no C compiler"):
+        cpu_isa.cpu_info(tmp_path / "build")
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
     monkeypatch.setenv("APPLIANCE_CPU_KERNELS", "0")
-    with pytest.raises(cpu_quant.KernelsUnavailable, match="switched off"):
+    with pytest.raises(cpu_build.KernelsUnavailable, match="switched off"):
         cpu_quant.kernels("avx2")
 
 
 def test_libraries_shipped_beside_the_sources_need_no_compiler(tmp_path, monkeypatch):
-    """The Debian package builds them at package time (python -m kernels.cpu_quant); the box may have no cc."""
+    """The Debian package builds them at package time (python -m kernels.cpu_build); the box may have no cc."""
     shipped = tmp_path / "src"
     shipped.mkdir()
-    for f in cpu_quant.SOURCE_DIR.iterdir():
+    for f in cpu_build.SOURCE_DIR.iterdir():
         if f.suffix in (".c", ".h", ".cpp"):
             (shipped / f.name).write_bytes(f.read_bytes())
-    monkeypatch.setattr(cpu_quant, "SOURCE_DIR", shipped)
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", shipped)
     runnable_isas()  # a skip only where this CPU runs none of them; a library that does not compile fails below
-    built = cpu_quant.build_all(shipped)
+    built = cpu_build.build_all(shipped)
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler from here on
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
     kern = best_kernels("int8", tmp_path / "state-cache")
     assert kern.path in {str(p) for p in built} and not (tmp_path / "state-cache").exists()
 
 
-def uncapped_cpu(monkeypatch) -> cpu_quant.CpuInfo:
+def uncapped_cpu(monkeypatch) -> cpu_isa.CpuInfo:
     """This CPU as cpuid reports it (no APPLIANCE_CPU_ISA cap), read afresh; a skip where our kernels cannot run."""
-    monkeypatch.delenv(cpu_quant.ISA_CAP_ENV, raising=False)
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    monkeypatch.delenv(cpu_isa.ISA_CAP_ENV, raising=False)
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
     return cpu_here()
 
 
@@ -333,24 +333,24 @@ def test_a_cap_hides_instructions_and_never_lends_one(monkeypatch, cap):
     stand-in: capped to avxvnni, a CPU with AVX-512 VNNI but no AVX-VNNI (this EPYC) runs the avxvnni kernels with
     vpdpbusd EVEX-encoded (the same instruction on the same ymm registers), and avx2."""
     real = uncapped_cpu(monkeypatch)
-    monkeypatch.setenv(cpu_quant.ISA_CAP_ENV, cap)
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
-    capped = cpu_quant.cpu_info()
+    monkeypatch.setenv(cpu_isa.ISA_CAP_ENV, cap)
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
+    capped = cpu_isa.cpu_info()
     assert capped.features <= real.features and capped.cap == cap
-    order = list(cpu_quant.ISAS)
-    expected = [isa for isa in cpu_quant.ISAS if order.index(isa) >= order.index(cap) and
+    order = list(cpu_build.ISAS)
+    expected = [isa for isa in cpu_build.ISAS if order.index(isa) >= order.index(cap) and
                 (isa in real.isas or (isa == cap and real.stands_in(isa)))] if cap != "none" else []
     assert capped.isas == expected
     assert capped.key() != real.key() or capped.features == real.features
     assert f"seen as {cap}" in capped.described
-    for isa in set(cpu_quant.ISAS) - set(capped.isas):
+    for isa in set(cpu_build.ISAS) - set(capped.isas):
         if capped.stands_in(isa):  # not a choice under this cap, but runnable where a configuration names it
             assert cpu_quant.kernels(isa).isa == isa
             continue
-        with pytest.raises(cpu_quant.KernelsUnavailable, match=f"lacks {isa}"):
+        with pytest.raises(cpu_build.KernelsUnavailable, match=f"lacks {isa}"):
             cpu_quant.kernels(isa)
     if cap == "none":
-        _info, isas, why = cpu_quant.usable_isas()
+        _info, isas, why = cpu_isa.usable_isas()
         assert isas == [] and "no AVX2" in why and "APPLIANCE_CPU_ISA=none" in why
 
 
@@ -373,13 +373,13 @@ def test_the_avxvnni_stand_in_is_the_same_instruction_on_256_bit_vectors(monkeyp
     dots = [line for line in code.splitlines() if "vpdpbusd" in line]
     assert dots and all("%ymm" in line for line in dots)
     assert "%zmm" not in code
-    monkeypatch.setenv(cpu_quant.ISA_CAP_ENV, "avxvnni")
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
-    assert cpu_quant.cpu_info().isas[0] == "avxvnni" and cpu_quant.best().path == kern.path
+    monkeypatch.setenv(cpu_isa.ISA_CAP_ENV, "avxvnni")
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
+    assert cpu_isa.cpu_info().isas[0] == "avxvnni" and cpu_quant.best().path == kern.path
 
 
 def test_an_unknown_cap_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv(cpu_quant.ISA_CAP_ENV, "avx1024")
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
-    with pytest.raises(cpu_quant.KernelsUnavailable, match="APPLIANCE_CPU_ISA='avx1024'"):
-        cpu_quant.cpu_info()
+    monkeypatch.setenv(cpu_isa.ISA_CAP_ENV, "avx1024")
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
+    with pytest.raises(cpu_build.KernelsUnavailable, match="APPLIANCE_CPU_ISA='avx1024'"):
+        cpu_isa.cpu_info()

@@ -57,7 +57,7 @@ def test_kernel_decode_step_through_the_graph_runner_matches_direct_calls(tmp_pa
     """The model's decode step through the fused kernels behind DecodeGraphs (eager on CPU, Triton interpreter):
     same logits as calling it directly, and pad rows write only the scratch cell."""
     from models.llama import KVCache, LlamaModel
-    from models.weights import load_weights
+    from loader.weights import load_weights
     from tiny_llm import make_model_dir
     make_model_dir(tmp_path, seed=1)
     w = load_weights(tmp_path, torch.float32)

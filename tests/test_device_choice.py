@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance.engine import tensor_backends as tb
+from appliance.engine.tensor import backends as tb
 from core.errors import EngineFailure
 
 TE_ONNX = Path(__file__).resolve().parents[1] / "models" / "te_classifier" / "te_classifier.onnx"
@@ -64,7 +64,7 @@ def test_onnx_model_stays_on_cpu_while_torch_sees_a_gpu(monkeypatch):
 def test_tensorrt_falls_back_to_onnxruntime_and_says_why(monkeypatch, tmp_path, installed, gpu, device, reason):
     monkeypatch.setattr(tb, "tensorrt_installed", lambda: installed)
     monkeypatch.setattr(tb, "torch_sees_cuda", lambda: gpu)
-    from appliance.engine.tensorrt_backend import TensorRtSettings
+    from appliance.engine.tensor.tensorrt_backend import TensorRtSettings
     backend = tb.load_tensor_backend(TE_ONNX, "tensorrt", device, tensorrt=TensorRtSettings(tmp_path))
     assert backend.name == "onnxruntime-cpu"
     assert backend.note == f"TensorRT not used: {reason}"
@@ -76,7 +76,7 @@ def test_tensorrt_build_failure_still_serves(monkeypatch, tmp_path):
     """Both checks faked true on a box without them: the real import of tensorrt fails inside the build."""
     monkeypatch.setattr(tb, "tensorrt_installed", lambda: True)
     monkeypatch.setattr(tb, "torch_sees_cuda", lambda: True)
-    from appliance.engine.tensorrt_backend import TensorRtSettings
+    from appliance.engine.tensor.tensorrt_backend import TensorRtSettings
     backend = tb.load_tensor_backend(TE_ONNX, "tensorrt", "auto", tensorrt=TensorRtSettings(tmp_path))
     assert backend.name == "onnxruntime-cpu"
     assert backend.note.startswith("TensorRT not used: the engine build failed (")

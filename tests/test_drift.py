@@ -10,8 +10,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from appliance.drift import (
-    Adwin, DriftDetector, DriftReferenceError, build_reference, load_reference, psi, sample_features)
+from appliance.drift import Adwin, DriftDetector, DriftReferenceError, load_reference, psi, sample_features
+from appliance.drift_reference import build_reference
 from models import te_classifier as te
 
 needs_data = pytest.mark.skipif(importlib.util.find_spec("bibmon") is None,

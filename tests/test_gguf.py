@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from models.gguf_loader import dequantize, permute_rotary_rows, unpermute_rotary_rows
-from models.weights import expected_shapes, load_weights
+from loader.weights import expected_shapes, load_weights
 from models.llama_config import LlamaConfig
 
 BLOCK_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]

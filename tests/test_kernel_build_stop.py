@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_quant
+from kernels import cpu_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,15 +22,15 @@ import signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as appliance/workers/worker.py: serve stops it once calls are answered
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-from kernels import cpu_quant
+from kernels import cpu_build
 try:
-    cpu_quant.build_many(Path(sys.argv[1]), ["quant_op"])
+    cpu_build.build_many(Path(sys.argv[1]), ["quant_op"])
 except Exception as exc:  # the compiler was stopped: the build fails, the worker goes on
     print("build failed:", type(exc).__name__, flush=True)
 time.sleep(120)
 """
 
-pytestmark = pytest.mark.skipif(cpu_quant.compiler(True) is None, reason="no C++ compiler (c++/g++) on PATH")
+pytestmark = pytest.mark.skipif(cpu_build.compiler(True) is None, reason="no C++ compiler (c++/g++) on PATH")
 
 
 def group_members(sid: int) -> dict[int, str]:
@@ -105,5 +105,5 @@ def test_a_killed_worker_takes_its_compiler_with_it(building_worker):
 
 
 def test_a_tied_build_still_builds(tmp_path):
-    built = cpu_quant.build_many(tmp_path, ["cpu_features"])
+    built = cpu_build.build_many(tmp_path, ["cpu_features"])
     assert len(built) == 1 and built[0].exists() and built[0].stat().st_size > 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models.llama import KVCache, LlamaModel
-from models.weights import load_weights
+from loader.weights import load_weights
 from hf_oracle import hf_greedy
 from tiny_llm import make_model_dir
 

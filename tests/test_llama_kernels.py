@@ -10,7 +10,7 @@ import triton  # noqa: E402,F401 - a test dependency (pyproject [test]): missing
 from tiny_llm import make_model_dir  # noqa: E402
 
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 
 
 def greedy(model: LlamaModel, prompts: list[list[int]], slots: list[int], steps: int):
@@ -48,8 +48,8 @@ def test_kernel_decode_matches_the_eager_path(tmp_path):
 def test_the_engine_through_the_kernels_answers_as_the_eager_engine(tmp_path):
     import asyncio
 
-    from appliance.engine.llm_service import GenerativeModelService
-    from appliance.engine.llm_settings import GenerativeSettings
+    from appliance.engine.llm.service import GenerativeModelService
+    from appliance.engine.llm.settings import GenerativeSettings
 
     make_model_dir(tmp_path / "m", seed=5)
 
@@ -71,11 +71,11 @@ def test_the_engine_through_the_kernels_answers_as_the_eager_engine(tmp_path):
 def test_the_runner_through_decode_graphs_answers_as_the_eager_runner(tmp_path):
     """The runner's CUDA-graph path (on this CPU: the same padded bucket buffers, run eagerly) gives the eager
     path's tokens for ragged rows in slots out of order, batch sizes that fall between buckets included."""
-    from appliance.engine.runner import ModelRunner
-    from appliance.engine.scheduler import Scheduler
-    from appliance.engine.sequence import Sequence
-    from appliance.engine.slots import SlotManager
-    from appliance.engine.token_turns import TokenTurns, run_to_end
+    from appliance.engine.llm.runner import ModelRunner
+    from appliance.engine.llm.scheduler import Scheduler
+    from appliance.engine.llm.sequence import Sequence
+    from appliance.engine.llm.slots import SlotManager
+    from appliance.engine.llm.token_turns import TokenTurns, run_to_end
 
     make_model_dir(tmp_path / "m", seed=4)
     loaded = load_weights(tmp_path / "m", torch.float32)

@@ -9,12 +9,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from appliance.engine.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
 from hf_oracle import hf_greedy  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import FinishReason, Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns, run_to_end  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import FinishReason, Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns, run_to_end  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
 from models.llama_config import LlamaConfig  # noqa: E402
 
@@ -141,7 +141,7 @@ def _smollm2_gguf():
 def test_demo_model_greedy_reply_matches_llama_cpp_and_hf():
     """The demo GGUF through our loader and forward pass gives the 20 greedy tokens that llama.cpp (Q4_1, F16, F32)
     and HF fp32 give (FIELD-NOTES) for the same prompt."""
-    from models.weights import load_weights
+    from loader.weights import load_weights
     w = load_weights(_smollm2_gguf(), torch.float32)
     model = LlamaModel(w.config, w.tensors, dtype=torch.float32)
     cache = KVCache(w.config, n_slots=2, max_seq_len=64, dtype=torch.float32)

@@ -12,10 +12,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from appliance.engine.llm_service import GenerativeModelService  # noqa: E402
-from appliance.engine.llm_settings import GenerativeSettings  # noqa: E402
-from core.errors import (INVALID, OUT_OF_RANGE, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
-                         ResourceUnavailable)
+from appliance.engine.llm.service import GenerativeModelService  # noqa: E402
+from appliance.engine.llm.settings import GenerativeSettings  # noqa: E402
+from core.errors import (INVALID, OUT_OF_RANGE, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,  # noqa: E402
+                              ResourceUnavailable)
 from appliance.metrics import Metrics  # noqa: E402
 from models.llama import Linear  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 from appliance.cli import main
 from core.config import ConfigError, load_config
 from appliance.model_store import ModelStore, ModelStoreError
-from models.file_digest import content_digest
+from loader.file_digest import content_digest
 from models.te_classifier import ONNX_PATH
 
 

@@ -19,7 +19,7 @@ import yaml
 
 from appliance.model_store import ModelStore
 from appliance.nodeset_export import STANDARD_1_04_NODES
-from models.file_digest import content_digest
+from loader.file_digest import content_digest
 from onnx_models import affine_model
 
 ROOT = Path(__file__).resolve().parent

@@ -55,8 +55,8 @@ SOAK_PATTERN = """
 import asyncio, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 from pathlib import Path
-from appliance.engine.llm_service import GenerativeModelService
-from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.llm.service import GenerativeModelService
+from appliance.engine.llm.settings import GenerativeSettings
 
 async def main(model_dir, turns_each):
     # the soak's generative model and load (tests/test_workers_load.py): 40 slots x 512 positions, 16 sessions,

@@ -1,5 +1,5 @@
-"""engine.weights: auto chooses by measuring on the CPU it runs on (models/path_choice.py, models/path_build.py,
-appliance/engine/weight_plan.py): the choice follows the timings (forced through the `measure` seam, never by
+"""engine.weights: auto chooses by measuring on the CPU it runs on (loader/path_choice.py, loader/path_build.py,
+appliance/engine/llm/weight_plan.py): the choice follows the timings (forced through the `measure` seam, never by
 sleeping), approximate paths must meet the accuracy bar, the choice and its figures are recorded beside the weight
 cache and read back at the next start, and Backend, appliance_model_info and the status page show it, with the
 reason wherever our kernels cannot be had."""
@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import test_gguf
-from appliance.engine.llm_loading import load_engine
-from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.llm.loading import load_engine
+from appliance.engine.llm.settings import GenerativeSettings
 from appliance.metrics import weight_format_of
-from kernels import cpu_quant
+from kernels import cpu_build, cpu_isa, cpu_quant
 from kernels_here import cpu_here, runnable_isas
-from models import path_choice, quant
-from models.path_choice import PathName
+from loader import path_choice
+from models import quant
+from loader.path_choice import PathName
 from test_quantized import write_kquant_gguf
 
 
@@ -82,11 +83,11 @@ def forced(fastest: str, seen: list | None = None):
 
 
 def candidates_here(path: Path, tmp: Path) -> list[str]:
-    from models.weight_cache import gguf_tensor_types
+    from loader.weight_cache import gguf_tensor_types
     types = gguf_tensor_types(path, tmp / "weights")
     try:
-        isas = cpu_quant.cpu_info(tmp / "kernels").isas
-    except cpu_quant.KernelsUnavailable as exc:
+        isas = cpu_isa.cpu_info(tmp / "kernels").isas
+    except cpu_build.KernelsUnavailable as exc:
         if "x86-64" not in str(exc):
             raise  # a cpuid probe that does not build is a broken build, not a CPU without our kernels
         isas = []
@@ -171,7 +172,7 @@ def test_real_measurement_on_a_k_quant_file_records_every_path_s_figures(tmp_pat
     assert all(t[0] > 0 and t[1] > 0 for t in record.timings_ms.values())
     assert f": {record.chosen}" in engine.backend
     assert used_path(engine) == record.chosen
-    assert record.cpu == cpu_quant.cpu_info().brand if record.cpu != "unknown" else True
+    assert record.cpu == cpu_isa.cpu_info().brand if record.cpu != "unknown" else True
 
 
 def test_without_our_kernels_backend_says_why(q4_file, tmp_path, monkeypatch):
@@ -202,8 +203,8 @@ def test_avxvnni_named_on_a_cpu_with_avx512_vnni_only_runs_the_evex_stand_in(q4_
 
 
 def test_no_compiler_and_no_prebuilt_library_is_named_too(q4_file, tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_quant, "SOURCE_DIR", tmp_path / "nothing-prebuilt")
-    monkeypatch.setattr(cpu_quant, "_cpu", [])
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", tmp_path / "nothing-prebuilt")
+    monkeypatch.setattr(cpu_isa, "_cpu", [])
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("PATH", str(tmp_path))
     engine = load_engine("m", q4_file, settings(tmp_path), None, None, measure=forced("float32"))
@@ -302,7 +303,7 @@ def test_a_decode_step_compiled_on_this_box_before_is_compiled_at_ready_on_every
     """engine.compile: auto. The first start of a model on a box that was never prepared compiles in the background
     (and writes its package); every later start loads the package before load_engine returns, i.e. before Ready:
     the box never serves eager decode while a compile takes a core. `prepare` does the first compile."""
-    from appliance.engine.llm_loading import compile_in_background, prepare_model
+    from appliance.engine.llm.loading import compile_in_background, prepare_model
     s = GenerativeSettings(**{**settings(tmp_path).__dict__, "compile": "auto", "weights": "blocks",
                               "activations": "float32", "compile_cache_dir": str(tmp_path / "inductor")})
     first = load_engine("m", q4_file, s, None, None)
@@ -324,9 +325,9 @@ NO_AVX2_PROCESS = """
 import asyncio, json, logging, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 import torch
-from appliance.engine.llm_service import GenerativeModelService
-from appliance.engine.llm_settings import GenerativeSettings
-from kernels import cpu_quant
+from appliance.engine.llm.service import GenerativeModelService
+from appliance.engine.llm.settings import GenerativeSettings
+from kernels import cpu_build, cpu_isa, cpu_quant
 
 async def main():
     svc = GenerativeModelService("m", sys.argv[2], GenerativeSettings(
@@ -336,7 +337,7 @@ async def main():
     reply = await svc.generate("s", "hello pump", 6, 0.0, time.monotonic() + 300)
     print(json.dumps({"state": svc.state, "backend": svc.backend_name, "tokens": reply.token_count,
                       "capability": torch.backends.cpu.get_cpu_capability(),
-                      "isas": cpu_quant.cpu_info().isas}))
+                      "isas": cpu_isa.cpu_info().isas}))
     await svc.stop()
 
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

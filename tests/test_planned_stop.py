@@ -91,7 +91,7 @@ DRAIN_S = 5.0
 
 
 def compilers_of(worker: int) -> list[int]:
-    """The worker's forked children: the decode step's compiler (models/compiled_decode.py forks it)."""
+    """The worker's forked children: the decode step's compiler (loader/compiled_decode.py forks it)."""
     line = command_line(worker)
     return [pid for pid in children(worker) if command_line(pid) == line]
 

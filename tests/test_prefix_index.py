@@ -1,5 +1,5 @@
 """The torch-free index of shared prompt heads."""
-from appliance.engine.prefix_index import MIN_SHARED_TOKENS, PrefixIndex
+from appliance.engine.llm.prefix_index import MIN_SHARED_TOKENS, PrefixIndex
 
 HEAD = list(range(100, 100 + MIN_SHARED_TOKENS + 4))
 

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from models.tokenizer import (
-    ChatTemplateError, ChatTemplateSecurityError, ChatTokenizer, PromptRejected, normalize_prompt)
+from models.chat_template import ChatTemplateError, ChatTemplateSecurityError
+from models.tokenizer import ChatTokenizer, PromptRejected, normalize_prompt
 from tiny_llm import CHATML, _tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -7,7 +7,7 @@ Bars, measured on SmolLM2-135M Q4_1 over 520 teacher-forced tokens of this proje
 - float32 activations multiply the file's own numbers (exact); the differences come from the bf16 KV cache: top-1
   agreement with the fp32 path 100%, mean KL 3e-5. Asserted: >= 99.5%, KL < 1e-3.
 - int8 activations (per block of 32, llama.cpp's scheme): mean KL 0.0023-0.0032, top-1 95.5% (llama.cpp on the same
-  file: 95.2%). Asserted: KL <= models.path_choice.KL_BAR (0.01), top-1 >= 93%.
+  file: 95.2%). Asserted: KL <= loader.path_choice.KL_BAR (0.01), top-1 >= 93%.
 """
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ from gguf import GGMLQuantizationType as QT
 
 from kernels.cpu_layout import random_blocks
 from kernels_here import best_kernels
-from models import gguf_loader, path_choice, quant, weight_cache
+from loader import path_choice, weight_cache
+from models import gguf_loader, quant
 from models.llama import KVCache, LlamaModel
 from models.llama_config import LlamaConfig
-from models.weights import load_weights
+from loader.weights import load_weights
 from test_gguf import gguf_name, gguf_writer, smollm2_path, tiny_vocab, write_tiny_gguf
 
 REFERENCE_PROMPT = "<|im_start|>user\nWhat is a centrifugal pump?<|im_end|>\n<|im_start|>assistant\n"

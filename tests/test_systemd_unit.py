@@ -102,7 +102,7 @@ def test_cpu_view_imports_only_what_exists():
     tree = ast.parse(CPU_VIEW.read_text())
     imported = [(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 for alias in node.names if node.module != "__future__"]
-    assert ("appliance.engine.weight_plan", "cpu_paths") in imported
+    assert ("appliance.engine.llm.weight_plan", "cpu_paths") in imported
     for module, name in imported:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
     caught = [ast.unparse(h.type) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) and h.type is not None]

@@ -12,10 +12,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from appliance.engine.batcher import BatchPolicy
-from appliance.engine.tensor_backends import load_tensor_backend, usable_cores
-from appliance.engine.tensor_service import TensorModelService
-from models.file_digest import VERSION_CHARS, content_digest
+from appliance.engine.tensor.batcher import BatchPolicy
+from appliance.engine.tensor.backends import load_tensor_backend, usable_cores
+from appliance.engine.tensor.service import TensorModelService
+from loader.file_digest import VERSION_CHARS, content_digest
 from core.errors import EngineFailure, InvalidArgument, NotReady
 from appliance.metrics import Metrics
 
@@ -132,7 +132,7 @@ def test_threads_0_takes_the_thread_count_that_ran_a_full_batch_faster(tmp_path,
     batch of the model's max_batch_size; an explicit count is taken as it is, unmeasured."""
     w = make_weights(3, hidden=64)
     path = save_onnx(tmp_path / "m.onnx", w, layers=4)
-    with caplog.at_level("INFO", logger="appliance.engine.tensor_backends"):
+    with caplog.at_level("INFO", logger="appliance.engine.tensor.backends"):
         auto = load_tensor_backend(path, threads=0, timing_batch=16)
     x = np.random.default_rng(4).standard_normal((3, N_IN)).astype(np.float32)
     np.testing.assert_allclose(auto.run(x), reference(w, x, layers=4), rtol=1e-4, atol=1e-5)

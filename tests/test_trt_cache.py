@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance.engine.tensorrt_backend import fp16_onnx
-from appliance.engine.trt_cache import EngineCache, EngineKey, onnx_digest
+from appliance.engine.tensor.tensorrt_backend import fp16_onnx
+from appliance.engine.tensor.trt_cache import EngineCache, EngineKey, onnx_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 TE_ONNX = ROOT / "models" / "te_classifier" / "te_classifier.onnx"
@@ -109,7 +109,7 @@ def test_fp16_conversion_keeps_fp32_io_and_the_answers():
 
 
 def test_tensorrt_modules_import_without_tensorrt():
-    code = ("import sys, appliance.engine.tensorrt_backend, appliance.engine.tensor_backends;"
+    code = ("import sys, appliance.engine.tensor.tensorrt_backend, appliance.engine.tensor.backends;"
             "print('tensorrt' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr

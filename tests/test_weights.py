@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from models.weights import expected_shapes, load_weights
+from loader.weights import expected_shapes, load_weights
 from models.llama_config import LlamaConfig
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -171,7 +171,7 @@ def test_matching_dtype_maps_the_file_without_a_copy(tmp_path):
 import gc, sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r}); sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
 from test_weights import rss_anon_mib
-from models.weights import load_weights
+from loader.weights import load_weights
 from pathlib import Path
 d = Path({str(d)!r})
 before = rss_anon_mib()
@@ -198,7 +198,7 @@ def test_version_is_the_content_digest_computed_once_per_file_stamp(tmp_path, ti
     import hashlib
     import os
 
-    from models import file_digest
+    from loader import file_digest
     directory, _, _ = tiny_untied
     v = load_weights(directory).version
     assert len(v) == 12 and all(ch in "0123456789abcdef" for ch in v)

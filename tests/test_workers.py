@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from appliance.workers.worker import WORKER_NICE
+from appliance.workers.os_setup import WORKER_NICE
 from harness import RunningAppliance
 from onnx_models import affine_model, hang_model, memory_hog_model
 from uaclient import call, floats, read, run, session, status_name

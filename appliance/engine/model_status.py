@@ -46,6 +46,11 @@ class ModelStatus:
         log.error("model %s failed to load: %s", self.name, reason)
         self._emit("ModelLoadFailed", reason)
 
+    def _log_load_exception(self, what: str, exc: BaseException) -> None:
+        """Every failed load or reload, with its traceback: the reason clients see keeps only what is safe to show
+        (often just the exception's type), so the log is where the cause is found."""
+        log.error("model %s: %s failed", self.name, what, exc_info=exc)
+
     def _emit(self, event: str, reason: str) -> None:
         if self.on_event is None:
             return

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    from appliance.workers.worker import WORKER_NICE, die_with_parent
+    from appliance.workers.os_setup import WORKER_NICE, die_with_parent
     die_with_parent(args.parent_pid)  # no source client outlives serve
     try:
         os.nice(WORKER_NICE)  # as the model workers: a PLC's method call comes before the watched windows' intake

@@ -1,5 +1,5 @@
-"""The serve side of the sources client process: spawn it (as the model workers are spawned: a socketpair, SIGTERM
-blocked while it starts), watch it, and replace it when it dies or stops answering.
+"""The serve side of the sources client process: spawn it (as the model workers are spawned:
+appliance/process_start.py), watch it, and replace it when it dies or stops answering.
 
 Liveness: a Ping every second; no message at all for `timeout_s` (10 s) and the process is killed and replaced.
 Restarts back off from 0.5 s, doubling up to 30 s; a process that ran for 60 s starts the next back-off at 0.5 s.
@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
+
+from appliance.process_start import reap, start_child
 
 from . import protocol as p
 
@@ -87,19 +86,7 @@ class SourcesSupervisor:
             delay = min(self.backoff_max_s, delay * 2)
 
     async def _life(self) -> str:
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            cmd = [sys.executable, "-m", "appliance.sources.process", "--fd", str(child.fileno()),
-                   "--parent-pid", str(os.getpid())]
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            try:
-                from appliance.workers.supervisor import worker_environment
-                self.process = subprocess.Popen(cmd, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                                env=worker_environment())
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        finally:
-            child.close()
+        self.process, parent = start_child("appliance.sources.process")
         ended = asyncio.get_running_loop().create_future()
         channel = await p.Channel.open(parent, p.FromSources)
         self._channel = channel
@@ -118,7 +105,7 @@ class SourcesSupervisor:
             except ConnectionError:
                 break
             await asyncio.wait({ended}, timeout=1.0)
-        code = await asyncio.to_thread(self._reap)
+        code = await asyncio.to_thread(reap, self.process)
         if not reason:
             reason = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                       else f"exit status {code}")
@@ -165,16 +152,6 @@ class SourcesSupervisor:
                                 base.reconnects)
         self.statuses[st.source] = st
         self.on_status(st)
-
-    def _reap(self) -> int | None:
-        proc = self.process
-        if proc is None:
-            return None
-        try:
-            return proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
 
     def _kill(self) -> None:
         proc = self.process

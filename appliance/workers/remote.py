@@ -81,7 +81,7 @@ class RemoteModel:
         self.request_count += 1
         try:
             self._require_ready()
-            reply = await self.supervisor.call(message, deadline, on_progress)
+            reply = await self.supervisor.requests.call(message, deadline, on_progress)
         except BaseException:  # a cancelled call (client gone) counts too: the model did not answer it
             self.error_count += 1
             raise
@@ -131,18 +131,18 @@ class RemoteModel:
         self._require_ready()
         self._sessions_lost.discard(session)
         self._sessions_with_state.discard(session)
-        await self.supervisor.call(p.Reset(id=0, model=self.name, session=session), None)
+        await self.supervisor.requests.call(p.Reset(id=0, model=self.name, session=session), None)
 
     def shed_load(self, on: bool) -> None:
         self.shedding = on
         if self.kind == "tensor":
-            self.supervisor.send(p.ShedLoad(model=self.name, on=on))
+            self.supervisor.requests.send(p.ShedLoad(model=self.name, on=on))
 
     def release(self, session: str) -> None:
         self._sessions_lost.discard(session)
         if session in self._sessions_with_state:
             self._sessions_with_state.discard(session)
-            self.supervisor.send(p.Release(model=self.name, session=session))
+            self.supervisor.requests.send(p.Release(model=self.name, session=session))
 
     async def reload(self) -> str:
         """Load the weights anew from where they serve now (a deployed version may have been switched)."""
@@ -159,7 +159,7 @@ class RemoteModel:
             return await self._wait_loaded()
         if not self.supervisor.up:
             raise NotReady(f"model {self.name} is {self.state}")
-        reply = await self.supervisor.call(p.Reload(id=0, model=self.name, path=now.path,
+        reply = await self.supervisor.requests.call(p.Reload(id=0, model=self.name, path=now.path,
                                                     version_label=now.version_label), None)
         spec.path, spec.version_label = now.path, now.version_label  # a restarted worker loads what serves now
         return reply.value  # the engine dropped every conversation and says ContextLost itself
@@ -178,6 +178,6 @@ class RemoteModel:
 
     def _worker_lost(self) -> None:
         # A Converse conversation is not lost: its engine wrote every answered turn to the state directory
-        # (appliance/engine/conversation_files.py) and the new worker recalls it. A UA session's slot is gone.
+        # (appliance/engine/llm/conversation_files.py) and the new worker recalls it. A UA session's slot is gone.
         self._sessions_lost |= {s for s in self._sessions_with_state if not s.startswith(CONVERSATION_PREFIX)}
         self._sessions_with_state = set()

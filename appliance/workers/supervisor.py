@@ -1,4 +1,5 @@
-"""The serve side of one worker process: spawn it, check it, replace it.
+"""The serve side of one worker process: spawn it, check it, replace it. (The calls made of it: appliance/workers/
+requests.py; how a child process starts: appliance/process_start.py.)
 
 Liveness. Every `ping_interval` the supervisor sends a Ping; each Pong says since when the worker's oldest engine
 operation has run (engine/liveness.py). The engine's last progress is that moment, or the Pong's arrival when nothing
@@ -25,16 +26,16 @@ import itertools
 import logging
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from appliance.cgroup_memory import MemoryCgroup, memory_cgroup
-from core.errors import ApplianceError, DeadlineExceeded, EngineFailure, NotReady, error_from
+from core.errors import ApplianceError, EngineFailure, NotReady
+from appliance.process_start import reap, start_child
 from appliance.workers import protocol as p
+from appliance.workers.requests import WorkerRequests
 from appliance.workers.worker import MEMORY_EXIT
 
 log = logging.getLogger(__name__)
@@ -89,9 +90,7 @@ class WorkerSupervisor:
         self._kill_reason = ""
         self._channel: p.Channel | None = None
         self._ended: asyncio.Future | None = None  # set when the current worker's connection ends
-        self._pending: dict[int, asyncio.Future] = {}
-        self._progress: dict[int, Callable[[str, int], None]] = {}  # request id -> partial-text listener
-        self._ids = itertools.count(1)
+        self.requests = WorkerRequests()  # the calls made of the worker that is up (appliance/workers/requests.py)
         self._ping_seq = itertools.count(1)
         self._deaths: collections.deque[float] = collections.deque()
         self._task: asyncio.Task | None = None
@@ -137,7 +136,7 @@ class WorkerSupervisor:
         self._stopping = True
         if self.up and self._channel is not None:
             try:
-                await asyncio.wait_for(self._call(p.Stop(id=self._next_id())), timeout_s)
+                await asyncio.wait_for(self.requests.request(p.Stop(id=self.requests.next_id())), timeout_s)
             except (TimeoutError, ApplianceError) as e:  # gone or stuck: it is killed below all the same
                 log.info("worker %s did not confirm its stop (%s): killing it", self.group, type(e).__name__)
         self._kill("stopping")
@@ -154,10 +153,7 @@ class WorkerSupervisor:
 
     def fail_pending(self, error: Exception) -> None:
         """Every call waiting for the worker's answer ends with `error` (shutdown, or the worker died)."""
-        pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
+        self.requests.fail_pending(error)
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -212,20 +208,8 @@ class WorkerSupervisor:
         return False
 
     async def _spawn(self) -> None:
-        parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            cmd = [sys.executable, "-m", "appliance.workers.worker", "--fd", str(child_sock.fileno()),
-                   "--parent-pid", str(os.getpid()), "--group", self.group]
-            # The worker starts with SIGTERM blocked and ignores it once running: `systemctl stop` signals every
-            # process of the unit, and the serve process decides when its workers stop (after draining calls).
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-            try:
-                self.process = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), stdin=subprocess.DEVNULL,
-                                                env=worker_environment())
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        finally:
-            child_sock.close()
+        # The worker starts with SIGTERM blocked and ignores it once running (appliance/process_start.py).
+        self.process, parent_sock = start_child("appliance.workers.worker", "--group", self.group)
         channel = await p.Channel.open(parent_sock, p.FromWorker)
         self._channel = channel
         channel.listen(self._on_message, lambda reason: self._connection_ended(channel))
@@ -235,6 +219,7 @@ class WorkerSupervisor:
         for name in self.snapshots:
             self.snapshots[name] = p.ModelSnapshot(name, "Loading")
         self.up = True
+        self.requests.channel = channel
         self._pong_at = self._progress_at = time.monotonic()
         if self.metrics is not None:
             for name in self.snapshots:
@@ -270,7 +255,7 @@ class WorkerSupervisor:
             # the next Ping, or the moment the engine's last progress becomes `timeout` old, whichever is first
             wake = min(self.policy.ping_interval_s, self._progress_at + timeout - time.monotonic() + 0.001)
             await asyncio.wait({ended}, timeout=max(0.0, wake))
-        code = await asyncio.to_thread(self._reap)
+        code = await asyncio.to_thread(reap, self.process)
         if self._kill_reason:
             reason, self._kill_reason = self._kill_reason, ""
         elif code == MEMORY_EXIT:
@@ -302,14 +287,8 @@ class WorkerSupervisor:
             self._on_pong(message)
         elif isinstance(message, p.Event):
             self._emit(message.kind, message.message, message.model)
-        elif isinstance(message, p.GenerateProgress):
-            listener = self._progress.get(message.id)
-            if listener is not None:
-                listener(message.text, message.token_count)
         else:
-            future = self._pending.pop(message.id, None)
-            if future is not None and not future.done():
-                future.set_result(message)
+            self.requests.on_answer(message)
 
     def _connection_ended(self, channel: p.Channel) -> None:
         if channel is not self._channel:
@@ -341,6 +320,7 @@ class WorkerSupervisor:
         """The worker died or is being killed: its calls in flight are answered now and, unless the appliance
         stops, its models restart from this moment until the replacement has loaded them."""
         was_up, self.up = self.up, False
+        self.requests.channel = None
         self.fail_pending(EngineFailure("the model's worker stopped while running this request"))
         if self._stopping:
             return
@@ -363,16 +343,6 @@ class WorkerSupervisor:
         message = f"worker of model {', '.join(self.snapshots)} was replaced: {reason}"
         log.error("%s", message)
         self._emit("WorkerRestarting", message)
-
-    def _reap(self) -> int | None:
-        proc = self.process
-        if proc is None:
-            return None
-        try:
-            return proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
 
     def _kill(self, why: str) -> None:
         proc = self.process
@@ -400,79 +370,6 @@ class WorkerSupervisor:
                 self.on_event(name, kind, message)
             except Exception:  # noqa: BLE001 - a broken listener must not stop the supervision; logged
                 log.exception("event listener failed")
-
-    # ---- calls ----
-
-    def _next_id(self) -> int:
-        return next(self._ids)
-
-    async def call(self, message, deadline: float | None, on_progress=None):
-        """Send a request (its `id` is set here) and wait for its answer until `deadline` (monotonic; None: no
-        limit); engine failures are raised as core.errors exceptions."""
-        if not self.up or self._channel is None:
-            raise NotReady("the model's worker is restarting")
-        message.id = self._next_id()
-        if on_progress is not None:
-            self._progress[message.id] = on_progress
-        try:
-            reply = await self._call(message, deadline)
-        finally:
-            self._progress.pop(message.id, None)
-        if isinstance(reply, p.Failed):
-            raise error_from(reply.reason, reply.message, reply.index, reply.kind)
-        return reply
-
-    async def _call(self, message, deadline: float | None = None):
-        future = asyncio.get_running_loop().create_future()
-        self._pending[message.id] = future
-        try:
-            self._channel.send(message)
-        except ConnectionError:
-            self._pending.pop(message.id, None)
-            raise NotReady("the model's worker is restarting") from None
-        timer = None
-        if deadline is not None:  # a timer rather than wait_for: one loop turn less per call
-            timer = asyncio.get_running_loop().call_at(deadline, _expire, future)
-        try:
-            return await future
-        except TimeoutError:
-            self._cancel(message.id)
-            raise DeadlineExceeded("the request's deadline passed") from None
-        except asyncio.CancelledError:
-            self._cancel(message.id)
-            raise
-        finally:
-            if timer is not None:
-                timer.cancel()
-            self._pending.pop(message.id, None)
-
-    def _cancel(self, request_id: int) -> None:
-        if self._pending.pop(request_id, None) is not None and self.up and self._channel is not None:
-            try:
-                self._channel.send(p.Cancel(id=request_id))
-            except ConnectionError:
-                pass
-
-    def send(self, message) -> None:
-        """A message without an answer (Release); dropped when the worker is not up (it holds nothing then)."""
-        if self.up and self._channel is not None:
-            try:
-                self._channel.send(message)
-            except ConnectionError:
-                pass
-
-
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(TimeoutError())
-
-
-def worker_environment() -> dict:
-    env = dict(os.environ)
-    # The worker imports the same appliance package as this process, wherever that came from.
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 def _rss_mb(pid: int) -> float:

@@ -1,11 +1,12 @@
 """A model worker process: `python -m appliance.workers.worker --fd N --parent-pid P --group G`.
 
-Hosts the engine services of its models (tensor: dynamic batcher + backend; generative: scheduler, slots, runner) on
-its own event loop and answers the serve process over the inherited socket. It knows nothing of OPC UA: failures
-travel as engine reasons. It ends when the serve process says Stop, when the socket closes, or when the serve
-process dies (PR_SET_PDEATHSIG), so no worker outlives its parent; SIGTERM and SIGINT, which a stop of the systemd
-unit or Ctrl-C send to every process, it ignores: serve stops it once the calls in flight are answered. A process it
-forks (the decode step's compiler) gets both signals back and ends with the worker.
+Hosts the engine services of its models (tensor: dynamic batcher + backend; generative: scheduler, slots, runner;
+built by appliance/workers/engine_factory.py) on its own event loop and answers the serve process over the
+inherited socket. It knows nothing of OPC UA: failures travel as engine reasons. It ends when the serve process
+says Stop, when the socket closes, or when the serve process dies (PR_SET_PDEATHSIG), so no worker outlives its
+parent; SIGTERM and SIGINT, which a stop of the systemd unit or Ctrl-C send to every process, it ignores: serve stops
+it once the calls in flight are answered. A process it forks (the decode step's compiler) gets both signals back and
+ends with the worker (appliance/workers/os_setup.py).
 
 Liveness: each Ping is answered with since when the current engine operation has run (engine/liveness.py), from
 the moment the process runs (the engines are imported in a thread); a worker stopped by SIGSTOP answers nothing.
@@ -17,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import gc
 import logging
 import os
-import resource
 import signal
 import socket
 import sys
@@ -35,38 +34,14 @@ from core.errors import ApplianceError, InvalidArgument
 from appliance.logs import configure_logging
 from core.task_set import TaskSet
 from appliance.workers import protocol as p
+from appliance.workers.engine_factory import build_service
+from appliance.workers.os_setup import (WORKER_NICE, die_with_parent, forked_children_end_with_the_worker,
+                                        keep_triton_out, peak_rss_mb, prefer_as_oom_victim, release_free_heap)
 
 log = logging.getLogger("appliance.worker")
 _group = ""  # this process's worker group (--group), named on its log lines
 
 MEMORY_EXIT = 75  # exit status: the worker exceeded its memory limit
-PR_SET_PDEATHSIG = 1
-
-
-def build_service(spec: p.ModelSpec, *, threads: int, metrics, liveness: Liveness, on_event,
-                  inline_batches: bool = True):
-    """The engine service of one model, from the settings the serve process sent. Tensor batches run on the
-    worker's loop unless the worker also hosts a generative model (whose engine thread the loop must feed)."""
-    s = dict(spec.settings)
-    if spec.kind == "tensor":
-        from appliance.engine.batcher import BatchPolicy
-        from appliance.engine.tensor_service import TensorModelService
-        policy = BatchPolicy(max_batch_size=s["max_batch_size"], max_queue_delay_s=s["max_queue_delay_s"],
-                             max_queue_size=s["max_queue_size"])
-        tensorrt = None
-        if s["backend"] == "tensorrt":
-            from appliance.engine.tensorrt_backend import TensorRtSettings
-            tensorrt = TensorRtSettings(cache_dir=Path(s["tensorrt_cache_dir"]), max_batch_size=s["max_batch_size"],
-                                        fp16=s["tensorrt_fp16"])
-        return TensorModelService(spec.name, Path(spec.path), backend=s["backend"], device=s["device"],
-                                  threads=threads, version_label=spec.version_label, max_samples=s["max_samples"],
-                                  policy=policy, metrics=metrics, on_event=on_event, liveness=liveness,
-                                  inline=inline_batches, tensorrt=tensorrt)
-    from appliance.engine.llm_settings import GenerativeSettings
-    from appliance.engine.llm_service import GenerativeModelService
-    settings = GenerativeSettings(**{**s, "threads": threads})
-    return GenerativeModelService(spec.name, Path(spec.path), settings, version_label=spec.version_label,
-                                  metrics=metrics, on_event=on_event, liveness=liveness)
 
 
 def snapshot(svc) -> p.ModelSnapshot:
@@ -129,7 +104,7 @@ class WorkerHost:
     def _check_memory(self) -> None:
         if self.memory_mb <= 0:
             return
-        peak_mb = _peak_rss_mb()
+        peak_mb = peak_rss_mb()
         if peak_mb > self.memory_mb:
             log.error("worker memory peaked at %.0f MB, above engine.worker_memory_mb = %d: exiting", peak_mb,
                       self.memory_mb)
@@ -292,92 +267,6 @@ class WorkerHost:
             self._finished.set_result(None)
 
 
-def keep_triton_out(specs: list[p.ModelSpec]) -> None:
-    """A worker whose models all run on the CPU never launches a Triton kernel, but importing torch's Inductor (which
-    builds the compiled decode step, in a forked child of the worker since the step became a package) imports
-    triton: 66 MB more while it builds. Here `import triton` then fails as it would where triton is not installed,
-    which Inductor handles. Not under TRITON_INTERPRET=1 (Triton kernels on
-    CPU tensors, for tests) or where a model may run on a GPU."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or "triton" in sys.modules:
-        return
-    devices = {str(spec.settings.get("device", "auto")) for spec in specs}
-    if any(d.startswith("cuda") for d in devices):
-        return
-    if "auto" in devices:
-        import torch
-        if torch.cuda.is_available():
-            return
-    sys.modules["triton"] = None  # the import system's own "not importable" marker
-
-
-def release_free_heap() -> None:
-    """Give the heap that loading freed back to the OS: glibc keeps freed memory in each thread's arena (the
-    loader's and torch's threads). Measured on the 1B model's worker at Ready: 11 MB returned."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; musl's allocator returns memory by itself
-    if trim is not None:
-        trim(0)
-
-
-def _peak_rss_mb() -> float:
-    """This process image's peak resident memory (VmHWM). Not getrusage's ru_maxrss: that keeps the high-water
-    mark of the serve process's memory image from before exec, so a big parent made every worker look too big."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError):
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB; elsewhere than Linux
-
-
-
-WORKER_NICE = 5  # added to the serve process's niceness (see main)
-
-
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
-    """`sig` to this process when its parent dies, even by kill -9 (Linux); elsewhere the socket's EOF does."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
-def _forked_children_end_with_the_worker() -> None:
-    """A process this worker forks (the decode step's compiler, models/compiled_decode.py, or a helper a library
-    forks) ends with the planned stop and with the worker: fork keeps the worker's ignored SIGTERM and SIGINT (and
-    exec keeps an ignored signal ignored, for the compiler's own g++) but drops PR_SET_PDEATHSIG, so such a child
-    outlived a `systemctl stop` (which then waited TimeoutStopSec) and a kill -9 of serve (a core busy for
-    minutes). In each child: SIGTERM and SIGINT back to their default, and SIGTERM when the worker dies."""
-    worker = os.getpid()
-
-    def in_child() -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                signal.signal(sig, signal.SIG_DFL)
-            except (ValueError, OSError):  # not this interpreter's main thread: at the C level then
-                ctypes.CDLL(None).signal(int(sig), 0)  # 0: SIG_DFL
-        die_with_parent(worker, signal.SIGTERM)
-    os.register_at_fork(after_in_child=in_child)
-
-
-WORKER_OOM_SCORE_ADJ = 500  # added to the kernel's OOM badness: a worker goes before the serve process
-
-
-def _prefer_as_oom_victim() -> None:
-    """Where the cgroup's memory cap is reached, the OOM killer takes a worker (which serve reports and replaces),
-    not the serve process (which would take the OPC UA server and every model with it). Raising one's own
-    oom_score_adj needs no privilege."""
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write(str(WORKER_OOM_SCORE_ADJ))
-    except OSError as exc:
-        log.info("the worker could not raise its oom_score_adj: %s", exc)
-
-
 async def _main(fd: int) -> None:
     sock = socket.socket(fileno=fd)
     channel = await p.Channel.open(sock, p.ToWorker)
@@ -402,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    _forked_children_end_with_the_worker()
+    forked_children_end_with_the_worker()
     # The loop shares the GIL with the engine thread; 5 ms switches would add to every call (see daemon.serve).
     sys.setswitchinterval(0.0005)
     global _group
@@ -415,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         os.nice(WORKER_NICE)
     except OSError as exc:  # a seccomp filter without setpriority: the worker serves at serve's priority
         log.warning("the worker could not lower its CPU priority: %s", exc)
-    _prefer_as_oom_victim()
+    prefer_as_oom_victim()
     try:
         asyncio.run(_main(args.fd))
     except EOFError:

@@ -387,7 +387,7 @@ def trust_list_notes(cfg: ApplianceConfig) -> list[str]:
 # Tasks
 
 
-MAX_PROMPT_BYTES = 16 * 1024  # the contract's prompt bound (appliance/engine/llm_settings.py holds the same)
+MAX_PROMPT_BYTES = 16 * 1024  # the contract's prompt bound (appliance/engine/llm/settings.py holds the same)
 NUMBER_CHARS = 24  # the longest JSON number an Int32 / Double field may be written as
 
 

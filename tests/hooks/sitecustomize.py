@@ -4,7 +4,7 @@ Python imports `sitecustomize` at start-up from its path; tests/worker_probes.ho
 on the PYTHONPATH of the appliance's workers and names a trigger file in APPLIANCE_TEST_HANG_FILE. Nothing in the
 appliance knows of it, and without that variable it does nothing.
 
-Armed, the first engine step (appliance.engine.runner.ModelRunner.run: a forward pass) that begins while the trigger
+Armed, the first engine step (appliance.engine.llm.runner.ModelRunner.run: a forward pass) that begins while the trigger
 file exists never ends, as a forward pass stuck in a kernel would. With APPLIANCE_TEST_HANG_AT=tokenizer it is the
 first prompt tokenization instead (models.tokenizer.ChatTokenizer.turn_tokens_and_head: a chat template or a
 pre-tokenizer stuck in a loop). It claims the file first (renamed to `<file>.hung`, holding the time.monotonic() the
@@ -19,7 +19,7 @@ import time
 
 TRIGGER = os.environ.get("APPLIANCE_TEST_HANG_FILE")
 AT = os.environ.get("APPLIANCE_TEST_HANG_AT", "runner")
-TARGET, CLASS, METHOD = {"runner": ("appliance.engine.runner", "ModelRunner", "run"),
+TARGET, CLASS, METHOD = {"runner": ("appliance.engine.llm.runner", "ModelRunner", "run"),
                          "tokenizer": ("models.tokenizer", "ChatTokenizer", "turn_tokens_and_head")}[AT]
 
 

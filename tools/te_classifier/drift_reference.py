@@ -13,7 +13,8 @@ import argparse
 from pathlib import Path
 
 
-from appliance.drift import build_reference, sample_features, write_reference
+from appliance.drift import sample_features
+from appliance.drift_reference import build_reference, write_reference
 from models.te_classifier import INPUT_SHAPE, MODEL_DIR, N_CLASSES, ONNX_PATH, load_te_train_windows
 
 # Column order of the Braatz .dat files: XMEAS(1..41), then XMV(1..11)

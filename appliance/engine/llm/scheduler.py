@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from core.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
-from appliance.engine.prefix_index import Key, PrefixIndex
-from appliance.engine.sequence import FinishReason, Sequence, SeqState
-from appliance.engine.speculation import LookupDrafter, SpeculationSettings
-from appliance.engine.slots import Acquired, Slot, SlotManager, SlotMove
+from appliance.engine.llm.prefix_index import Key, PrefixIndex
+from appliance.engine.llm.sequence import FinishReason, Sequence, SeqState
+from appliance.engine.llm.speculation import LookupDrafter, SpeculationSettings
+from appliance.engine.llm.slots import Acquired, Slot, SlotManager, SlotMove
 
 
 class TurnPolicy(Protocol):

@@ -1,9 +1,9 @@
 """How one generative model's weights are held and multiplied on this machine (`engine.weights`,
 `engine.activations`, `engine.quant_kernels`), and the Backend text that says so.
 
-On a CPU, the settings allow a set of paths (models/path_choice.py): with `auto` several. Where more than one is
+On a CPU, the settings allow a set of paths (loader/path_choice.py): with `auto` several. Where more than one is
 left, the choice is measured on this CPU at the first load of the file (or by `appliance models prepare`) and
-recorded beside the weight cache (models/path_build.py); later loads read the record. Backend then names the
+recorded beside the weight cache (loader/path_build.py); later loads read the record. Backend then names the
 weights, the kernels, how the path was chosen with its figures, and why anything faster was not available (no
 compiler, a CPU without the instructions, a file type without a kernel), so an installed box never falls back in
 silence.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from appliance.engine.llm_settings import GenerativeSettings
+from appliance.engine.llm.settings import GenerativeSettings
 from core.errors import EngineFailure
 
 log = logging.getLogger(__name__)
@@ -34,14 +34,14 @@ class WeightPlan:
     weight_format: str  # e.g. "Q4_K+Q6_K/int8", "Q4_1/torch-int4", "float32"
     quantized: bool
     compute_dtype: str
-    record: Any = None  # models.path_choice.Record when the path was measured
+    record: Any = None  # loader.path_choice.Record when the path was measured
 
 
 @dataclass
 class CpuPaths:
-    paths: list  # models.path_choice.PathName: the paths the settings allow on this CPU (several: measured)
+    paths: list  # loader.path_choice.PathName: the paths the settings allow on this CPU (several: measured)
     notes: list[str]  # what Backend says about anything faster that is unavailable
-    cpu: Any  # kernels.cpu_quant.CpuInfo, or None where our kernels cannot run
+    cpu: Any  # kernels.cpu_isa.CpuInfo, or None where our kernels cannot run
     types: dict[str, str]  # GGUF tensor name -> its type
     weights: str  # the `weights` setting, `auto` narrowed to the file's dtype for a float file
 
@@ -49,21 +49,22 @@ class CpuPaths:
 def cpu_paths(path: Path, s: GenerativeSettings) -> CpuPaths:
     """The paths plan_weights chooses among on this CPU (cpuid, the file's tensor types, the settings), without
     loading anything: what tests/cpu_view.py reports for a process under the unit's sandbox."""
-    from kernels import cpu_quant
-    from models import path_choice, quant
+    from kernels import cpu_isa
+    from loader import path_choice
+    from models import quant
 
     cache_dir = Path(s.weight_cache_dir) if s.weight_cache_dir else None
     compute = s.dtype if s.dtype != "auto" else "float32"
     types: dict[str, str] = {}
     if path.is_file() and path.suffix == ".gguf":
-        from models.weight_cache import gguf_tensor_types
+        from loader.weight_cache import gguf_tensor_types
         types = gguf_tensor_types(path, cache_dir)
     notes: list[str] = []
     without_kernel = sorted(set(types.values()) - set(quant.BLOCK_TYPES) - set(DENSE_TYPES))
     if without_kernel:
         notes.append(f"no kernel for {', '.join(without_kernel)}: those matrices requantized to Q8_0")
     layer_types = {t for n, t in types.items() if n not in HEAD_GGUF_NAMES}
-    cpu, isas, why = cpu_quant.usable_isas(Path(s.cpu_kernel_dir) if s.cpu_kernel_dir else None)
+    cpu, isas, why = cpu_isa.usable_isas(Path(s.cpu_kernel_dir) if s.cpu_kernel_dir else None)
     if why:
         notes.append(f"our kernels unavailable: {why}")
     elif cpu is not None and s.quant_kernels not in isas and cpu.stands_in(s.quant_kernels):
@@ -84,9 +85,10 @@ def plan_weights(path: Path, s: GenerativeSettings, device: str, measure: Callab
     """Load the model's weights along the path the settings (and, for auto, this CPU's measurements) give."""
     import torch
 
-    from models import path_build, path_choice, quant
+    from loader import path_build, path_choice
+    from models import quant
     from models.llama import LlamaModel
-    from models.weights import load_weights
+    from loader.weights import load_weights
 
     cache_dir = Path(s.weight_cache_dir) if s.weight_cache_dir else None
     kernel_dir = Path(s.cpu_kernel_dir) if s.cpu_kernel_dir else None
@@ -153,6 +155,6 @@ def plan_weights(path: Path, s: GenerativeSettings, device: str, measure: Callab
 
 
 def _digest(path: Path, cache_dir: Path | None) -> str:
-    from models.file_digest import content_digest
+    from loader.file_digest import content_digest
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     return content_digest(files, cache_dir)

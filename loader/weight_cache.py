@@ -2,7 +2,7 @@
 dequantising, no repacking, no requantizing.
 
 One file per (model content, format, layout) under the model's cache directory: `<cache_dir>/<key>.weights`, the
-key from the model file's full content digest (models/file_digest.py). The file is a small JSON header (every
+key from the model file's full content digest (loader/file_digest.py). The file is a small JSON header (every
 tensor's name, kind, shape, offset) followed by the tensors' bytes, each aligned to 64 bytes; `load` maps it
 read-only and every tensor is a view of that map: the page cache holds the weights once for every worker process
 that maps the same file, and nothing is copied. Files are written whole beside their final name and renamed, never
@@ -191,7 +191,7 @@ def gguf_tensor_types(path: Path, cache_dir: Path | None) -> dict[str, str]:
     """Each matrix's GGUF type by its GGUF name, remembered in the model's cache directory under the file's
     digest: reading them parses the whole GGUF header (SmolLM2: 3-5 s for its vocabulary), which a cached start
     otherwise never does."""
-    from models.file_digest import file_digest
+    from loader.file_digest import file_digest
     from models.gguf_loader import matrix_types_by_name
 
     memo = Path(cache_dir) / f"types-{file_digest(Path(path), cache_dir)[:16]}.json" if cache_dir is not None \

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from appliance.engine.sequence import FinishReason, Sequence
-from appliance.engine.slots import Acquired, Slot
+from appliance.engine.llm.sequence import FinishReason, Sequence
+from appliance.engine.llm.slots import Acquired, Slot
 from core.errors import EngineFailure
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Constrained decoding: a task's output schema (JSON Schema text) compiled to a grammar, a matcher per sequence
-(torch-free; the engine's sampler applies the masks, appliance/engine/sampling.py).
+(torch-free; the engine's sampler applies the masks, appliance/engine/llm/sampling.py).
 
 The grammar engine is llguidance (what llama.cpp, vLLM and SGLang integrate; the measurement that chose it is in
 docs/models.md). Its tokenizer is built from ours (models/tokenizer.py's `tokenizers` object, serialised: no

@@ -34,15 +34,15 @@ class GenerativeSettings:
     activations: str = "auto"  # auto (measured) | int8 (per block of 32) | float32 (exact)
     quant_kernels: str = "auto"  # auto (measured) | amx | avx512vnni | avxvnni | avx2 | torch
     kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the compute dtype) | float32 | bfloat16
-    weight_cache_dir: str | None = None  # quantized weights cached here (models/weight_cache.py)
+    weight_cache_dir: str | None = None  # quantized weights cached here (loader/weight_cache.py)
     cpu_kernel_dir: str | None = None  # our quantized matmuls built here (kernels/cpu_quant.py)
     compile: str = "off"  # the CPU decode step compiled: auto (in the background after load) | on (before) | off
-    compile_cache_dir: str | None = None  # Inductor's artefacts (models/compiled_decode.py)
+    compile_cache_dir: str | None = None  # Inductor's artefacts (loader/compiled_decode.py)
     prefix_cache_entries: int = 8  # shared prompt prefixes kept in host memory (0: none)
     park_memory_mb: int = 256  # host memory for evicted sessions' conversations (slots.SlotManager parking)
     conversation_dir: str | None = None  # Converse conversations kept here across restarts (conversation_files)
     conversation_ttl_s: float = 86400.0
-    speculation: str = "off"  # off | lookup (appliance/engine/speculation.py)
+    speculation: str = "off"  # off | lookup (appliance/engine/llm/speculation.py)
     speculation_draft_min: int = 1
     speculation_draft_max: int = 8
     # Forced stretches of a grammar fed as prefill (not a YAML key: off only for bench/tasks.py's comparison)

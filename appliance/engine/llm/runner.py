@@ -9,10 +9,10 @@ import time
 
 import torch
 
-from appliance.engine.grammar import MaskFiller
-from appliance.engine.sampling import apply_token_masks, make_generator, sample, sample_one, verify_token
-from appliance.engine.scheduler import DecodeRow, StepPlan, Verified
-from appliance.engine.sequence import Sequence
+from appliance.engine.llm.grammar import MaskFiller
+from appliance.engine.llm.sampling import apply_token_masks, make_generator, sample, sample_one, verify_token
+from appliance.engine.llm.scheduler import DecodeRow, StepPlan, Verified
+from appliance.engine.llm.sequence import Sequence
 from models.llama import KVCache, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache, graphs: bool | None = None, compiled=None):
         """graphs: decode steps as CUDA graphs (None: when the model decodes through the fused kernels on CUDA;
         True on a CPU runs the same padded buffers eagerly, for tests). compiled: a CompiledDecode
-        (models/compiled_decode.py) that decode steps go through once it is ready."""
+        (loader/compiled_decode.py) that decode steps go through once it is ready."""
         self.model = model
         self.cache = cache
         self.compiled = compiled
@@ -201,7 +201,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def score_options(self, prompt: list[int], options: list[list[int]], slots: list[int]) -> list[float]:
-        """Choose (engine/choose.py): log P(option | prompt) summed over each option's tokens. The prompt is
+        """Choose (engine/llm/choose.py): log P(option | prompt) summed over each option's tokens. The prompt is
         prefilled into slots[0] and its cache copied into the other slots; the options run as rows of one forward
         per len(slots) options, row i at positions len(prompt).. of its own slot (each option's last token needs
         no forward: only the logits before it count)."""

@@ -1,7 +1,7 @@
 """A tensor model as a TensorRT engine: built from its ONNX on first load, cached, reused on the next start.
 
 tensorrt and torch (for CUDA memory and streams) are imported inside `load_tensorrt`, never at module import; the
-caller (tensor_backends) checks first that both and a GPU are there and otherwise serves with ONNX Runtime.
+caller (tensor/backends.py) checks first that both and a GPU are there and otherwise serves with ONNX Runtime.
 
 Precision: TensorRT 11 removed BuilderFlag.FP16 (strongly typed networks only), so "fp16 allowed" means the ONNX is
 converted to fp16 weights and activations with fp32 inputs/outputs (onnxconverter-common, keep_io_types) before the
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.engine.trt_cache import EngineCache, EngineKey, onnx_digest
+from appliance.engine.tensor.trt_cache import EngineCache, EngineKey, onnx_digest
 from core.errors import EngineFailure
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from models import quant, weight_cache
-from models.file_digest import content_digest
+from loader import weight_cache
+from loader.file_digest import content_digest
+from models import quant
 from models.gguf_loader import gguf_metadata, header_from_metadata, load_gguf
 from models.llama_config import LlamaConfig
 from models.tokenizer import ChatTokenizer
@@ -28,7 +29,7 @@ class LoadedWeights:
     config: LlamaConfig
     tensors: dict  # HF checkpoint names -> tensor (or quant.BlockMatrix); no "lm_head.weight" when tied
     tokenizer: ChatTokenizer
-    version: str  # 12 hex digits of the files' content digest (models/file_digest.py)
+    version: str  # 12 hex digits of the files' content digest (loader/file_digest.py)
     source_format: str  # "safetensors" | "gguf"
 
 
@@ -39,7 +40,7 @@ def load_weights(path: Path, dtype: torch.dtype = torch.float32, quantized: str 
 
     quantized (quant.FORMATS: "blocks" | "int8" | "int4"): every matrix is kept quantized in GGUF blocks
     (models/quant.py), norms in float32; with `cache_dir` the quantized tensors are cached there in the kernels'
-    layout (models/weight_cache.py), keyed by the files' full content digest (computed once, remembered in
+    layout (loader/weight_cache.py), keyed by the files' full content digest (computed once, remembered in
     cache_dir while the files' size, mtime and inode agree), and a second load maps them read-only."""
     path = Path(path)
     if quantized is not None and quantized not in quant.FORMATS:

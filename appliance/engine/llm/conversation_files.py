@@ -13,7 +13,7 @@ import os
 import time
 from pathlib import Path
 
-from appliance.engine.slots import Parked
+from appliance.engine.llm.slots import Parked
 from core.model_port import CONVERSATION_PREFIX as PREFIX
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Building a model file's weights along one path (models/path_choice.py), and deciding the path for
+"""Building a model file's weights along one path (loader/path_choice.py), and deciding the path for
 `engine.weights: auto` by measuring (at the first load of a file on a machine, or at `appliance models prepare`).
 
 `decide` loads the file's blocks once (through the weight cache: the layout the kernels read, mapped), times every
@@ -16,9 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from kernels import cpu_quant
-from models import path_choice, quant, weight_cache
-from models.path_choice import PathName, Record, StepMatmuls
+from kernels import cpu_build, cpu_isa, cpu_quant
+from loader import path_choice, weight_cache
+from loader.path_choice import PathName, Record, StepMatmuls
+from models import quant
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class Inputs:
 
 def versions() -> dict[str, str]:
     """What a record's figures depend on besides the file and the CPU."""
-    return {"torch": torch.__version__, "kernels": cpu_quant.sources_digest(), "layout": weight_cache.LAYOUT}
+    return {"torch": torch.__version__, "kernels": cpu_build.sources_digest(), "layout": weight_cache.LAYOUT}
 
 
 def kernels_for(path: PathName, kernel_dir: Path | None) -> cpu_quant.CpuKernels | None:
@@ -138,7 +139,7 @@ def kl_to_exact(path: PathName, inputs: Inputs, exact: PathName, dense_loader=No
     return path_choice.mean_kl(ref, got)
 
 
-def decide(inputs: Inputs, paths: list[PathName], setting: str, cpu: cpu_quant.CpuInfo | None,
+def decide(inputs: Inputs, paths: list[PathName], setting: str, cpu: cpu_isa.CpuInfo | None,
            measure: Callable = path_choice.measure, kl: Callable | None = None, dense_loader=None,
            record_dir: Path | None = None) -> Record:
     """Measure the candidate `paths`, choose, record (beside the weight cache, in record_dir). `measure(parts,
@@ -147,16 +148,16 @@ def decide(inputs: Inputs, paths: list[PathName], setting: str, cpu: cpu_quant.C
     unavailable = dict(inputs.unavailable)
     parts: dict[str, StepMatmuls] = {}
     runnable: dict[str, PathName] = {}
-    cpu_quant.ensure_built(sorted({p.kernels for p in paths if p.quantized and p.kernels != "torch"}),
+    cpu_isa.ensure_built(sorted({p.kernels for p in paths if p.quantized and p.kernels != "torch"}),
                            inputs.kernel_dir)
     for p in paths:
         try:
             parts[str(p)] = step_matmuls(p, inputs, kernels_for(p, inputs.kernel_dir))
             runnable[str(p)] = p
-        except cpu_quant.KernelsUnavailable as exc:
+        except cpu_build.KernelsUnavailable as exc:
             unavailable[str(p)] = str(exc)
     if not runnable:
-        raise cpu_quant.KernelsUnavailable("; ".join(f"{k}: {v}" for k, v in unavailable.items())
+        raise cpu_build.KernelsUnavailable("; ".join(f"{k}: {v}" for k, v in unavailable.items())
                                            or "no path can run this model here")
     built = time.monotonic()
     timings = measure(parts, inputs.slots)

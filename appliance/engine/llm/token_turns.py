@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from appliance.engine.sequence import FinishReason
+from appliance.engine.llm.sequence import FinishReason
 
 
 class TokenTurns:

@@ -159,7 +159,8 @@ def _probe(backend: TensorBackend) -> None:
 
 
 def _load_failure(what: str, exc: BaseException) -> EngineFailure:
-    log.warning("%s", what, exc_info=exc)
+    """A reason safe to show clients (the type only: the library's message names the file); raised `from exc`, so
+    the log line of the failed load (appliance/engine/model_status.py) carries the library's traceback."""
     return EngineFailure(f"{what} ({type(exc).__name__})")
 
 
@@ -241,7 +242,7 @@ def _load_onnx(path: Path, device: str, threads: int) -> OnnxRuntimeBackend:
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # noqa: BLE001 - ONNX Runtime's own exception classes (none a RuntimeError): logged
-        raise _load_failure("the ONNX model could not be loaded", exc) from None
+        raise _load_failure("the ONNX model could not be loaded", exc) from exc
     running = session.get_providers()[0]  # what the session really uses: onnxruntime-gpu without a GPU runs on CPU
     if device.startswith("cuda") and running != "CUDAExecutionProvider":
         raise EngineFailure("device cuda was asked for, but ONNX Runtime could not start its CUDA provider")
@@ -317,7 +318,7 @@ def _load_exported(path: Path, device: str, threads: int) -> TorchExportBackend:
             program = move_to_device_pass(program, device)
         module = program.module()
     except Exception as exc:  # noqa: BLE001 - torch.export.load of a foreign archive raises many kinds: logged
-        raise _load_failure("the torch.export model could not be loaded", exc) from None
+        raise _load_failure("the torch.export model could not be loaded", exc) from exc
     shapes = _exported_shapes(path, program, extra[SHAPES_EXTRA_FILE])
     return TorchExportBackend(
         name="torch-cuda" if device.startswith("cuda") else "torch-cpu",
@@ -381,7 +382,7 @@ def _load_tensorrt_or_fallback(path: Path, device: str, threads: int,
         log.warning("TensorRT not used for %s: %s; serving with %s", path.name, reason, fallback.name)
         fallback.note = f"TensorRT not used: {reason}"
         return fallback
-    from appliance.engine.tensorrt_backend import load_tensorrt
+    from appliance.engine.tensor.tensorrt_backend import load_tensorrt
     try:
         engine = load_tensorrt(path, device if device.startswith("cuda") else "cuda:0", fallback.input_shape,
                                not fallback.one_at_a_time, settings)
@@ -394,4 +395,4 @@ def _load_tensorrt_or_fallback(path: Path, device: str, threads: int,
 
 
 if TYPE_CHECKING:
-    from appliance.engine.tensorrt_backend import TensorRtSettings
+    from appliance.engine.tensor.tensorrt_backend import TensorRtSettings

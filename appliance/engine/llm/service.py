@@ -6,7 +6,7 @@ come back with `loop.call_soon_threadsafe`. The event loop never runs a forward 
 
 Per session, calls run in arrival order (an asyncio lock per session): a second Generate of a session waits for the
 first, a ResetContext waits for the Generate before it. Deadlines are `time.monotonic()` seconds.
-Weights load in a short-lived thread, never in a pooled one (see llm_loading.in_fresh_thread: an idle OpenMP team in
+Weights load in a short-lived thread, never in a pooled one (see llm/loading.py in_fresh_thread: an idle OpenMP team in
 another long-lived thread makes the engine's matmuls ~50% slower on a 2-core CPU).
 """
 from __future__ import annotations
@@ -20,17 +20,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from appliance.engine.sampling import request_seed
-from appliance.engine.sequence import Sequence
+from appliance.engine.llm.sampling import request_seed
+from appliance.engine.llm.sequence import Sequence
 from core.errors import DeadlineExceeded, EngineFailure, NotReady, ResourceUnavailable
 from appliance.engine.liveness import Liveness
-from appliance.engine.llm_engine import EngineLoop
-from appliance.engine.llm_loading import (LoadedEngine, compile_in_background, in_fresh_thread, load_engine,
+from appliance.engine.llm.engine import EngineLoop
+from appliance.engine.llm.loading import (LoadedEngine, compile_in_background, in_fresh_thread, load_engine,
                                           load_failure_reason)
 from appliance.call_checks import check_generate, check_options
-from appliance.engine.choose import ChooseRequest
-from appliance.engine.llm_settings import GenerativeSettings
-from appliance.engine.thread_reply import Reply
+from appliance.engine.llm.choose import ChooseRequest
+from appliance.engine.llm.settings import GenerativeSettings
+from appliance.engine.llm.thread_reply import Reply
 from core.model_port import ChooseResult, GenerateResult
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
@@ -40,6 +40,13 @@ log = logging.getLogger(__name__)
 
 class GenerativeModelService(ModelStatus):
     kind = "generative"
+
+    @classmethod
+    def from_settings(cls, name: str, path: Path, s: dict, *, threads: int, version_label: str | None, metrics,
+                      on_event, liveness: Liveness) -> "GenerativeModelService":
+        """The path's entry, as a worker builds it from the settings the serve process sent (ModelSpec.settings)."""
+        return cls(name, Path(path), GenerativeSettings(**{**s, "threads": threads}), version_label=version_label,
+                   metrics=metrics, on_event=on_event, liveness=liveness)
 
     def __init__(self, name: str, path: Path, settings: GenerativeSettings, *, version_label: str | None = None,
                  metrics: Metrics | None = None, on_event: Callable[[str, str], None] | None = None,
@@ -96,7 +103,8 @@ class GenerativeModelService(ModelStatus):
             try:
                 engine = await in_fresh_thread(load_engine, self.name, self.path, self.settings, self.version_label,
                                                None)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - start never raises: the model is Failed with the reason
+                self._log_load_exception("load", exc)
                 self._load_failed(load_failure_reason(exc))
                 return
             self._engine = engine
@@ -117,7 +125,8 @@ class GenerativeModelService(ModelStatus):
             try:
                 engine = await in_fresh_thread(load_engine, self.name, self.path, self.settings, self.version_label,
                                                self._engine)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a failed reload keeps the old weights serving; logged
+                self._log_load_exception("reload", exc)
                 reason = load_failure_reason(exc)
                 log.error("model %s reload failed: %s", self.name, reason)
                 if self._engine is None:
@@ -221,7 +230,7 @@ class GenerativeModelService(ModelStatus):
         engine = self._engine
         book = self._grammars
         if book is None or book.source is not engine.tokenizer:
-            from appliance.engine.grammar import GrammarBook
+            from appliance.engine.llm.grammar import GrammarBook
             eos = set(engine.tokenizer.eos_token_ids) | engine.tokenizer.end_of_turn_ids()
             book = await asyncio.to_thread(GrammarBook, engine.tokenizer, engine.model.config.vocab_size, eos)
             self._grammars = book

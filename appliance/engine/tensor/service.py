@@ -15,14 +15,14 @@ from typing import Callable
 
 import numpy as np
 
-from appliance.engine.batcher import BatchPolicy, DynamicBatcher
-from appliance.engine.tensor_backends import TensorBackend, load_tensor_backend
+from appliance.engine.tensor.batcher import BatchPolicy, DynamicBatcher
+from appliance.engine.tensor.backends import TensorBackend, load_tensor_backend
 from appliance.call_checks import check_samples
 from core.errors import ApplianceError, EngineFailure, NotReady
 from appliance.engine.liveness import Liveness
 from appliance.engine.model_status import ModelStatus
 from appliance.metrics import Metrics
-from models.file_digest import VERSION_CHARS, content_digest
+from loader.file_digest import VERSION_CHARS, content_digest
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,21 @@ class _Loaded:
 
 class TensorModelService(ModelStatus):
     kind = "tensor"
+
+    @classmethod
+    def from_settings(cls, name: str, path: Path, s: dict, *, threads: int, version_label: str | None, metrics,
+                      on_event, liveness: Liveness, inline: bool) -> "TensorModelService":
+        """The path's entry, as a worker builds it from the settings the serve process sent (ModelSpec.settings)."""
+        policy = BatchPolicy(max_batch_size=s["max_batch_size"], max_queue_delay_s=s["max_queue_delay_s"],
+                             max_queue_size=s["max_queue_size"])
+        tensorrt = None
+        if s["backend"] == "tensorrt":
+            from appliance.engine.tensor.tensorrt_backend import TensorRtSettings
+            tensorrt = TensorRtSettings(cache_dir=Path(s["tensorrt_cache_dir"]), max_batch_size=s["max_batch_size"],
+                                        fp16=s["tensorrt_fp16"])
+        return cls(name, Path(path), backend=s["backend"], device=s["device"], threads=threads,
+                   version_label=version_label, max_samples=s["max_samples"], policy=policy, metrics=metrics,
+                   on_event=on_event, liveness=liveness, inline=inline, tensorrt=tensorrt)
 
     def __init__(self, name: str, path: Path, *, backend: str, device: str, threads: int, version_label: str | None,
                  max_samples: int, policy: BatchPolicy, metrics: Metrics | None,
@@ -93,7 +108,7 @@ class TensorModelService(ModelStatus):
             try:
                 self._loaded = await asyncio.to_thread(self._load)
             except Exception as exc:  # noqa: BLE001 - start never raises: the model is Failed with the reason
-                _log_unexpected(self.name, "load", exc)
+                self._log_load_exception("load", exc)
                 self._load_failed(_reason(exc))
                 return
             self.failure_reason = None
@@ -114,7 +129,7 @@ class TensorModelService(ModelStatus):
                 if self._loaded is not None:
                     _check_same_shapes(self._loaded.backend, loaded.backend)
             except Exception as exc:  # noqa: BLE001 - any failed reload leaves the old weights serving; logged
-                _log_unexpected(self.name, "reload", exc)
+                self._log_load_exception("reload", exc)
                 reason = _reason(exc)
                 log.error("model %s reload failed, %s: %s", self.name,
                           "old weights keep serving" if self._loaded else "still not loaded", reason)
@@ -202,13 +217,6 @@ def _check_same_shapes(old: TensorBackend, new: TensorBackend) -> None:
         raise EngineFailure(f"the new weights change the sample shapes ({list(old.input_shape)} -> "
                             f"{list(new.input_shape)}, {list(old.output_shape)} -> {list(new.output_shape)}); "
                             "restart the appliance to serve a model of another shape")
-
-
-def _log_unexpected(model: str, what: str, exc: BaseException) -> None:
-    """Our own errors and unreadable files say what went wrong in their reason; anything else is a surprise whose
-    traceback belongs in the log (the reason shown to clients holds only its type)."""
-    if not isinstance(exc, (ApplianceError, OSError)):
-        log.error("model %s: unexpected failure in %s", model, what, exc_info=exc)
 
 
 def _reason(exc: BaseException) -> str:

@@ -233,7 +233,7 @@ def mean_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
 class Record:
     """What was measured for one model file on one kind of CPU, and what was chosen."""
     digest: str  # the model file's content digest
-    cpu_key: str  # kernels.cpu_quant.CpuInfo.key(): CPU model and features
+    cpu_key: str  # kernels.cpu_isa.CpuInfo.key(): CPU model and features
     cpu: str  # the brand string, for people
     setting: str  # the candidate set: weights/activations/quant_kernels as configured
     slots: int

@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+import models
 from models import packed_rows, torch_internals
 from models.forward import forward
 from models.forward_ops import ATTENTION_ROUND, GraphOps, attention_length
@@ -43,9 +44,10 @@ from models.llama import CastLinear, KVCache, Linear, LlamaModel, RefinedHead, R
 PACKAGE_FORMAT = 1  # bump when the traced module's names or inputs change
 # The sources of what is traced: a package built from other code is another package (an upgrade of these files
 # builds anew; a package never outlives the forward it was traced from).
+_MODELS = Path(models.__file__).parent
 _TRACED_SOURCES = hashlib.sha256(b"".join(
-    (Path(__file__).parent / name).read_bytes() for name in ("forward.py", "forward_ops.py", "compiled_decode.py",
-                                                             "quant.py"))).hexdigest()
+    path.read_bytes() for path in (_MODELS / "forward.py", _MODELS / "forward_ops.py", Path(__file__),
+                                   _MODELS / "quant.py"))).hexdigest()
 
 log = logging.getLogger(__name__)
 

@@ -12,19 +12,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from appliance.engine.chat_turns import ChatTurns
-from appliance.engine.choose import ChooseRequest, best
+from appliance.engine.llm.chat_turns import ChatTurns
+from appliance.engine.llm.choose import ChooseRequest, best
 from appliance.engine.liveness import Liveness
-from appliance.engine.llm_loading import LoadedEngine
-from appliance.engine.llm_settings import GenerativeSettings
-from appliance.engine.prefix_index import PrefixIndex
-from appliance.engine.scheduler import Scheduler, StepPlan, Verified
-from appliance.engine.sequence import Sequence
-from appliance.engine.slots import SlotManager
-from appliance.engine.speculation import SpeculationSettings
-from appliance.engine.thread_reply import Reply
-from core.errors import (OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument, NotReady,
-                         ResourceUnavailable)
+from appliance.engine.llm.loading import LoadedEngine
+from appliance.engine.llm.settings import GenerativeSettings
+from appliance.engine.llm.prefix_index import PrefixIndex
+from appliance.engine.llm.scheduler import Scheduler, StepPlan, Verified
+from appliance.engine.llm.sequence import Sequence
+from appliance.engine.llm.slots import SlotManager
+from appliance.engine.llm.speculation import SpeculationSettings
+from appliance.engine.llm.thread_reply import Reply
+from core.errors import (OUT_OF_RANGE, ApplianceError, DeadlineExceeded, EngineFailure, InvalidArgument,
+                             NotReady, ResourceUnavailable)
 from appliance.metrics import Metrics
 from core.model_port import ChooseResult, GenerateResult
 
@@ -108,7 +108,7 @@ class EngineLoop:
 
     # ---- the engine thread ---------------------------------------------------------------------------------
     def run(self, engine: LoadedEngine) -> None:
-        from appliance.engine.runner import ModelRunner
+        from appliance.engine.llm.runner import ModelRunner
 
         s = self.settings
         if s.threads > 0:
@@ -116,7 +116,7 @@ class EngineLoop:
             torch.set_num_threads(s.threads)
         self._files = None
         if s.conversation_dir:
-            from appliance.engine.conversation_files import ConversationFiles
+            from appliance.engine.llm.conversation_files import ConversationFiles
             self._files = ConversationFiles(Path(s.conversation_dir), s.conversation_ttl_s)
         self._slots = SlotManager(s.kv_slots, engine.max_seq_len, s.slot_policy,
                                   park_tokens=park_tokens(engine.cache, s.park_memory_mb),
@@ -344,7 +344,7 @@ class EngineLoop:
         self._scheduler.policy = self._turns
         self._scheduler.prefixes.clear()  # heads computed by the old weights
         self._scheduler.prefixes.take_evicted()  # the new runner starts without them
-        from appliance.engine.runner import ModelRunner
+        from appliance.engine.llm.runner import ModelRunner
         self._runner = ModelRunner(engine.model, engine.cache, compiled=engine.compiled_decode)
         self._live_engine = engine
         self._scheduler.paused = False

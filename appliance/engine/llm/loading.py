@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from appliance.cgroup_memory import memory_cgroup
-from appliance.engine.llm_settings import (ACTIVATIONS, COMPILE, DTYPES, MEMORY_HEADROOM, QUANT_KERNELS, WEIGHTS,
+from appliance.engine.llm.settings import (ACTIVATIONS, COMPILE, DTYPES, MEMORY_HEADROOM, QUANT_KERNELS, WEIGHTS,
                                            GenerativeSettings)
-from appliance.engine.slots import POLICIES
-from appliance.engine.thread_reply import Reply
-from appliance.engine.weight_plan import plan_weights
+from appliance.engine.llm.slots import POLICIES
+from appliance.engine.llm.thread_reply import Reply
+from appliance.engine.llm.weight_plan import plan_weights
 from core.errors import ApplianceError, EngineFailure
 
 log = logging.getLogger(__name__)
@@ -37,9 +37,9 @@ class LoadedEngine:
     version: str
     backend: str
     max_seq_len: int
-    compiled_decode: Any = None  # models.compiled_decode.CompiledDecode, ready once compiled; None: eager decode
+    compiled_decode: Any = None  # loader.compiled_decode.CompiledDecode, ready once compiled; None: eager decode
     weight_format: str = ""  # e.g. "Q4_1+Q8_0/int8" (appliance_model_info's weight_format label)
-    path_record: Any = None  # models.path_choice.Record when the path was measured
+    path_record: Any = None  # loader.path_choice.Record when the path was measured
 
 
 def load_engine(name: str, path: Path, settings: GenerativeSettings, version_label: str | None,
@@ -91,7 +91,7 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
     log.info("model %s: %s", name, backend)
     compiled = None
     if s.compile != "off" and device == "cpu":
-        from models.compiled_decode import CompiledDecode
+        from loader.compiled_decode import CompiledDecode
         compiled = CompiledDecode(model, cache, Path(s.compile_cache_dir) if s.compile_cache_dir else None)
         if s.compile == "on" or compiled.prepared:
             # on, or compiled on this box before (a start after the first, or `appliance models prepare`): the
@@ -109,7 +109,7 @@ def prepare_model(name: str, path: Path, settings: GenerativeSettings) -> Loaded
     from dataclasses import replace
     engine = load_engine(name, path, replace(settings, compile="off"), None, None, remeasure=True)
     if settings.compile != "off" and engine.model.device.type == "cpu":
-        from models.compiled_decode import CompiledDecode
+        from loader.compiled_decode import CompiledDecode
         engine.compiled_decode = CompiledDecode(engine.model, engine.cache,
                                                 Path(settings.compile_cache_dir) if settings.compile_cache_dir
                                                 else None)
@@ -150,7 +150,7 @@ def compile_in_background(name: str, engine: LoadedEngine) -> threading.Thread |
 
 def compile_decode(name: str, compiled: Any) -> None:
     """Compile the decode step (or load its package); where torch cannot, say why and leave decode eager."""
-    from models.compiled_decode import CompileUnavailable
+    from loader.compiled_decode import CompileUnavailable
     log.info("model %s: compiling the decode step", name)
     try:
         compiled.compile()
