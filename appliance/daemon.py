@@ -18,6 +18,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from core.alarm_names import DAEMON_ALARMS
 from core.config import ApplianceConfig
 from core.errors import DeadlineExceeded
 from core.model_port import GenerativeModel, TensorModel
@@ -80,6 +81,16 @@ def ua_services(config: ApplianceConfig) -> UaServices:
                and (d := DriftDetector.for_model(m)) is not None},
         classifiers=classifier_states(config),
         call_checks=CallChecks(config.engine.max_new_tokens))
+
+
+def offline_ua_server(config: ApplianceConfig, services: dict):
+    """The OPC UA server as `serve` builds it, for the NodeSet2 export (appliance.nodeset_export): the same
+    construction and domain services, without PKI, accounts, alarms raised or listening, so that the exported file
+    and a running box's address space cannot differ."""
+    from uaserver.server import ApplianceUaServer
+    return ApplianceUaServer(config, pki=None, trust_list=None, user_store=None, services=services,
+                             domain=ua_services(config), device=config.engine.device,
+                             alarms=lambda: dict.fromkeys(DAEMON_ALARMS, False))
 
 
 class Appliance:

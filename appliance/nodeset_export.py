@@ -33,14 +33,12 @@ from pathlib import Path
 from asyncua import Server, ua
 from asyncua.common.xmlexporter import XmlExporter
 
-from core.alarm_names import DAEMON_ALARMS
 from core.config import ApplianceConfig, ModelConfig
 from core.model_port import ModelStatus
 from core.namespace import NAMESPACE_URI
 from core.object_types import OBJECT_TYPES, type_path
-from uaserver.server import ApplianceUaServer  # the export is the server's own address space (see the docstring)
 
-from .daemon import ua_services
+from .daemon import offline_ua_server
 from .model_store import ModelStore
 from .plc_types import PlcTypesError, onnx_shapes
 
@@ -141,9 +139,7 @@ def last_changed(config: ApplianceConfig) -> datetime.datetime:
 async def export_nodeset(config: ApplianceConfig, out: Path) -> int:
     """Write the NodeSet2 file; returns the number of nodes written."""
     services = {name: DeclaredModel(m, config.server.state_dir) for name, m in config.models.items()}
-    appliance = ApplianceUaServer(config, pki=None, trust_list=None, user_store=None, services=services,
-                                  domain=ua_services(config), device=config.engine.device,
-                                  alarms=lambda: dict.fromkeys(DAEMON_ALARMS, False))
+    appliance = offline_ua_server(config, services)  # the server's own address space (see the docstring)
     for name in services:
         appliance.ai.weights_facts(name)
     server = Server()

@@ -18,8 +18,6 @@ from tools.import_graph import ROOT, cycles, imported_modules, imported_packages
 # appliance/ modules that may import uaserver/, and why
 ALLOWED = {
     "appliance/daemon.py": "the composition root: it constructs the OPC UA server and hands it its services",
-    "appliance/nodeset_export.py": "the NodeSet2 file is the server's own address space, built by the server's own "
-                                   "code without listening, so that the export and the running box cannot differ",
 }
 
 
