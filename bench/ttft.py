@@ -12,6 +12,10 @@ in `n_batch` 512 tokens a decode (its default), to the arg-max of the last logit
 --repeats runs, interleaved (the CPU is shared); each row prints as it is measured with the ratio llama.cpp / ours
 (> 1: ours first).
 
+--cpu-time (with --threads 1): each figure is the CPU time of the one thread that computes it (ours: the engine
+driven in this thread; llama.cpp: its one compute thread is this one), not the wall clock: on a host loaded by other
+work the wall-clock figures of both engines swing by several times, their CPU time far less.
+
 llama.cpp's build is bench/.llama-cpp/<--isa> (`bash scripts/setup-bench.sh --isa ISA`); where this ISA has none,
 `--llama-cpp-build native` (for instance) runs another build, named in the table, instead of leaving it out.
 """
@@ -63,7 +67,10 @@ def main() -> None:
     ap.add_argument("--llama-cpp-build", default=None,
                     help="llama.cpp's build to run (a directory name under bench/.llama-cpp; default --isa's)")
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--cpu-time", action="store_true", help="with --threads 1: the computing thread's CPU time")
     args = ap.parse_args()
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time: with --threads 1 (one thread's CPU time is the whole computation's)")
     torch.set_num_threads(args.threads)
     banner = isa_banner(args.isa)
     print(banner, flush=True)
@@ -88,7 +95,8 @@ def main() -> None:
             lcpp_label = f"llama.cpp [{build_name} build]"
             print(f"llama.cpp ({build_name} build): {info}")
     print(f"model: {label}, ours {name} (prefill {args.prefill_chunk} tokens a step), {args.threads} threads, "
-          f"llama.cpp n_batch {LLAMA_CPP_BATCH}; seconds to the first token, best of {args.repeats}")
+          f"llama.cpp n_batch {LLAMA_CPP_BATCH}; seconds to the first token ({'CPU time' if args.cpu_time else 'wall'}),"
+          f" best of {args.repeats}")
     _ours_once(model, cache, prompts[lengths[0]], args.prefill_chunk)  # warm-up
     if lcpp is not None:
         lcpp.generate([prompts[lengths[0]]], 1)
@@ -97,17 +105,19 @@ def main() -> None:
     for n in lengths:
         ours, theirs, same = float("inf"), float("inf"), "-"
         for _ in range(args.repeats):
+            t0 = time.thread_time()
             ttft, tokens = _ours_once(model, cache, prompts[n], args.prefill_chunk)
-            ours = min(ours, ttft)
+            ours = min(ours, time.thread_time() - t0 if args.cpu_time else ttft)
             if lcpp is not None:
+                t0 = time.thread_time()
                 _tps, l_ttft, l_tokens = lcpp.generate([prompts[n]], 1)
-                theirs = min(theirs, l_ttft)
+                theirs = min(theirs, time.thread_time() - t0 if args.cpu_time else l_ttft)
                 same = "yes" if l_tokens[0][:1] == tokens[:1] else "no"
         cells = [f"{ours:.3f}", f"{theirs:.3f}" if lcpp else "-", f"{theirs / ours:.2f}" if lcpp else "-", same]
         print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
     if lcpp is not None:
         lcpp.close()
-    print(f"under {banner}")
+    print(f"under {banner}; load average {os.getloadavg()[0]:.1f}")
 
 
 def _ours_once(model, cache: KVCache, prompt: list[int], chunk: int) -> tuple[float, list[int]]:
