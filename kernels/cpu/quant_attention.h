@@ -30,15 +30,15 @@ static inline VF load_kv(const void *base, size_t i, int bf16) {
 }
 
 /* o[g * hd + i * LANES ..] = inv[g] x sum_t s[g * stride + t] v_t (vector i of position t's values) for G heads,
- * the vectors i0..i1 - 1 in passes of GI. */
-static inline __attribute__((always_inline)) void weigh_values(const int NV, const int G, int i0, int i1,
-                                                               const float *s, long stride, long len,
-                                                               const void *v_cache, int bf16, size_t base, int hd,
-                                                               const float *inv, float *o) {
+ * GI vectors of the values a pass. */
+static inline __attribute__((always_inline)) void weigh_values(const int NV, const int G, const float *s, long stride,
+                                                               long len, const void *v_cache, int bf16, size_t base,
+                                                               int hd, const float *inv, float *o) {
     enum { GI_MAX = 8 };
     /* GI sums per head, GI values and a weight in AVX2's 16 registers: GI (G + 1) < 16, a power of 2 */
-    const int fit = 15 / (G + 1), GI_FIT = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1, GI = NV < GI_FIT ? NV : GI_FIT;
-    for (int i = i0; i < i1; i += GI) {
+    const int fit = 15 / (G + 1), GI_FIT = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+    const int GI = NV < GI_FIT ? NV : GI_FIT;
+    for (int i = 0; i < NV; i += GI) {
         VF acc[8][GI_MAX];
 #pragma GCC unroll 8
         for (int g = 0; g < G; g++)
@@ -104,7 +104,7 @@ static inline __attribute__((always_inline)) void attend_task(const int NV, cons
         }
         const float iv = 1.0f / hsumf(sum);
         if (group > 8) { /* out = sum_t p_t v_t / sum, head by head */
-            weigh_values(NV, 1, 0, NV, s, stride, len, v_cache, bf16, base, hd, &iv, o + g * hd);
+            weigh_values(NV, 1, s, stride, len, v_cache, bf16, base, hd, &iv, o + g * hd);
         } else {
             inv[g] = iv;
         }
@@ -112,7 +112,7 @@ static inline __attribute__((always_inline)) void attend_task(const int NV, cons
     /* out = sum_t p_t v_t / sum for the group's heads at once: each value vector loaded (and widened from bfloat16)
      * once for all of them, in passes of as many vectors as the heads' sums leave registers for; each head's sums in
      * the same order as one head at a time (the same bits) */
-#define WEIGH(G) weigh_values(NV, G, 0, NV, sc, stride, len, v_cache, bf16, base, hd, inv, o)
+#define WEIGH(G) weigh_values(NV, G, sc, stride, len, v_cache, bf16, base, hd, inv, o)
     switch (group) {
     case 1: WEIGH(1); break;
     case 2: WEIGH(2); break;
