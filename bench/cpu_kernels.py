@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import subprocess
 import sys
 import time
@@ -96,15 +97,17 @@ def isa_flags(isa: str) -> list[str]:
     return cpu_build.AVXVNNI_EVEX_FLAGS if cpu_isa.cpu_info().stands_in(isa) else cpu_build.ISA_FLAGS[isa]
 
 
-def isa_ceiling(isa: str, threads: int, directory: Path) -> float | None:
+def isa_ceiling(isa: str, threads: int, directory: Path, cpu_time: bool = False) -> float | None:
     """G multiply-adds a second of `isa`'s int8 GEMM inner loop alone on `threads` threads (bench/isa_ceiling.c,
-    built with the library's flags); None for amx, whose tiles are another loop."""
+    built with the library's flags), by the wall clock or (cpu_time) by each thread's CPU time; None for amx, whose
+    tiles are another loop."""
     if isa == "amx":
         return None
     out = directory / f"isa_ceiling_{isa}.so"
-    subprocess.run([cpu_build.compiler(), str(Path(__file__).with_name("isa_ceiling.c")), "-o", str(out),
-                    *cpu_build.COMMON, *isa_flags(isa)], check=True)
-    fn = ctypes.CDLL(str(out)).isa_ceiling_gmacs
+    if not out.exists():
+        subprocess.run([cpu_build.compiler(), str(Path(__file__).with_name("isa_ceiling.c")), "-o", str(out),
+                        *cpu_build.COMMON, *isa_flags(isa)], check=True)
+    fn = getattr(ctypes.CDLL(str(out)), "isa_ceiling_cpu_gmacs" if cpu_time else "isa_ceiling_gmacs")
     fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_int]
     return fn(50_000_000, threads)
 
@@ -187,6 +190,12 @@ def step_main(args) -> None:
         print("ceiling: " + ", ".join(f"{isa} {c:.0f} G multiply-adds/s" if c else f"{isa} - (not this loop)"
                                       for isa, c in ceiling.items())
               + f" (the int8 GEMM's inner loop alone, {args.threads} threads: bench/isa_ceiling.c)")
+        # the same loop by each thread's CPU time: on a loaded host the wall-clock ceiling falls (here 92 against
+        # 188 per thread at a load average of 6 on 2 cores) and the fractions below against it flatter
+        by_cpu = {isa: isa_ceiling(isa, args.threads, Path(tmp), cpu_time=True) for isa in isas}
+        print("ceiling by the threads' CPU time: " + ", ".join(f"{isa} {c:.0f}" for isa, c in by_cpu.items() if c)
+              + f" G multiply-adds/s (load average {os.getloadavg()[0]:.1f}: where it is well above the wall-clock "
+              "ceiling, the host was busy and the fractions of the table against the wall-clock one flatter)")
         for isa in isas:
             libs[f"{isa}"] = (cpu_quant.kernels(isa, "int8").path, isa)
             if args.before:

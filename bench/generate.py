@@ -288,6 +288,9 @@ def main() -> None:
     ap.add_argument("--service", action="store_true", help="also measure through GenerativeModelService")
     ap.add_argument("--isa", default="native", choices=sorted(ISA_ENV),
                     help="emulate a CPU whose best is this ISA (ours, torch, the compiled step and llama.cpp)")
+    ap.add_argument("--llama-cpp-build", default=None,
+                    help="llama.cpp's build to run where --isa has none (a directory under bench/.llama-cpp, e.g. "
+                         "native: named in the table)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     isa_text = isa_banner(args.isa)
@@ -332,7 +335,9 @@ def main() -> None:
     lcpp_isa = args.isa  # the ISA llama.cpp's build was made for
     if gguf and not args.no_llama_cpp:
         llama_dir = LLAMA_CPP_DIR / args.isa
-        if args.isa == "avxvnni" and avxvnni_stands_in():  # its VEX vpdpbusd would stop this CPU (SIGILL)
+        if args.llama_cpp_build:  # another build, asked for by name, where this ISA has none here
+            llama_dir, lcpp_isa = LLAMA_CPP_DIR / args.llama_cpp_build, f"{args.llama_cpp_build} build"
+        elif args.isa == "avxvnni" and avxvnni_stands_in():  # its VEX vpdpbusd would stop this CPU (SIGILL)
             llama_dir, lcpp_isa = LLAMA_CPP_DIR / "avx2", "avx2 build"
             print("llama.cpp: its AVX-VNNI build cannot run on this CPU (VEX-encoded vpdpbusd); its avx2 build "
                   "instead: on a real AVX-VNNI CPU llama.cpp's own figure would be higher")
@@ -340,7 +345,7 @@ def main() -> None:
             sys.path.insert(0, str(llama_dir))
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(llama_dir), os.environ.get("PYTHONPATH")]))
         from llama_cpp_baseline import LlamaCpp, available, extra_buffers_work, system_info
-        if args.isa != "native" and not llama_dir.is_dir():  # the venv's build is native: not this ISA's
+        if (args.isa != "native" or args.llama_cpp_build) and not llama_dir.is_dir():  # the venv: native
             print(f"llama.cpp: no build for {args.isa} in {llama_dir} (bash scripts/setup-bench.sh --isa {args.isa}); "
                   "column left out")
         elif available():

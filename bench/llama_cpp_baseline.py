@@ -15,7 +15,8 @@ import numpy as np
 
 class LlamaCpp:
     def __init__(self, path: Path, threads: int, n_ctx: int, n_seq: int, flash_attention: bool = True,
-                 extra_buffers: bool | None = None):
+                 extra_buffers: bool | None = None, n_batch: int | None = None):
+        """n_batch: tokens a decode takes (default: the whole context, at least 512: one prefill batch)."""
         from llama_cpp import llama_cpp as L
         self.L = L
         self._quiet = L.llama_log_callback(lambda level, text, user: None)  # kept: llama.cpp holds the pointer
@@ -29,8 +30,8 @@ class LlamaCpp:
             raise RuntimeError(f"llama.cpp could not load {path}")
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx * n_seq
-        cp.n_batch = max(512, n_ctx)
-        cp.n_ubatch = max(512, n_ctx)
+        cp.n_batch = n_batch or max(512, n_ctx)
+        cp.n_ubatch = cp.n_batch
         cp.n_seq_max = n_seq
         cp.n_threads = cp.n_threads_batch = threads
         if hasattr(cp, "flash_attn_type"):
@@ -43,7 +44,7 @@ class LlamaCpp:
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.n_seq = n_seq
         self.n_batch = cp.n_batch
-        self.batch = L.llama_batch_init(max(512, n_ctx) * n_seq, 0, n_seq)
+        self.batch = L.llama_batch_init(max(cp.n_batch, n_ctx) * n_seq, 0, n_seq)
 
     def close(self) -> None:
         L = self.L

@@ -29,7 +29,10 @@ def eager(q, k_cache, v_cache, slot_ids, positions):
     return TorchOps(1e-5).attend(q, k_cache, v_cache, rows)
 
 
-@pytest.mark.parametrize("n_heads, n_kv, hd", [(9, 3, 64), (32, 8, 64), (4, 4, 128), (8, 2, 128)])
+# groups of 3, 4, 1, 4, and 6 and 16 (the values weighed for several heads at once, in passes sized by the group,
+# and head by head past 8)
+@pytest.mark.parametrize("n_heads, n_kv, hd", [(9, 3, 64), (32, 8, 64), (4, 4, 128), (8, 2, 128), (12, 2, 64),
+                                               (16, 1, 64)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_is_the_eager_one(isas, n_heads, n_kv, hd, cache_dtype, threads):

@@ -29,6 +29,39 @@ static inline VF load_kv(const void *base, size_t i, int bf16) {
     return bf16 ? LOADBF((const uint16_t *)base + i) : LOADF((const float *)base + i);
 }
 
+/* o[g * hd + i * LANES ..] = inv[g] x sum_t s[g * stride + t] v_t (vector i of position t's values) for G heads,
+ * GI vectors of the values a pass. */
+static inline __attribute__((always_inline)) void weigh_values(const int NV, const int G, const float *s, long stride,
+                                                               long len, const void *v_cache, int bf16, size_t base,
+                                                               int hd, const float *inv, float *o) {
+    enum { GI_MAX = 8 };
+    /* GI sums per head, GI values and a weight in AVX2's 16 registers: GI (G + 1) < 16, a power of 2 */
+    const int fit = 15 / (G + 1), GI_FIT = fit >= 8 ? 8 : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+    const int GI = NV < GI_FIT ? NV : GI_FIT;
+    for (int i = 0; i < NV; i += GI) {
+        VF acc[8][GI_MAX];
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+            for (int ii = 0; ii < GI; ii++) acc[g][ii] = ZEROF();
+        for (long t = 0; t < len; t++) {
+            VF v[GI_MAX];
+#pragma GCC unroll 8
+            for (int ii = 0; ii < GI; ii++) v[ii] = load_kv(v_cache, base + (size_t)t * hd + (i + ii) * LANES, bf16);
+#pragma GCC unroll 8
+            for (int g = 0; g < G; g++) {
+                const VF p = SET1F(s[(size_t)g * stride + t]);
+#pragma GCC unroll 8
+                for (int ii = 0; ii < GI; ii++) acc[g][ii] = FMA(p, v[ii], acc[g][ii]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+            for (int ii = 0; ii < GI; ii++) STOREF(o + g * hd + (i + ii) * LANES, MUL(acc[g][ii], SET1F(inv[g])));
+    }
+}
+
 /* One task: query heads h * group .. + group of row r over their kv head's positions 0..len-1, into o. NV (vectors
  * per head) is a constant in each caller's copy (attention_share's switch), so a key's or a value's vectors and the
  * accumulators stay in registers: with a run-time count they lived on the stack, and each value step's FMAs waited
@@ -54,6 +87,7 @@ static inline __attribute__((always_inline)) void attend_task(const int NV, cons
             sc[(size_t)g * stride + t] = hsumf(ADDF(a0, a1)) * scale;
         }
     }
+    float inv[8];
     for (int g = 0; g < group; g++) {
         float *s = sc + (size_t)g * stride;
         /* softmax: exp(s - max) over whole vectors, the tail padded with -inf (exp 0) */
@@ -68,20 +102,29 @@ static inline __attribute__((always_inline)) void attend_task(const int NV, cons
             STOREF(s + t, e);
             sum = ADDF(sum, e);
         }
-        const float inv = 1.0f / hsumf(sum);
-        /* out = sum_t p_t v_t / sum */
-        VF acc[NV];
-#pragma GCC unroll 32
-        for (int i = 0; i < NV; i++) acc[i] = ZEROF();
-        for (long t = 0; t < len; t++) {
-            const VF p = SET1F(s[t]);
-#pragma GCC unroll 32
-            for (int i = 0; i < NV; i++)
-                acc[i] = FMA(p, load_kv(v_cache, base + (size_t)t * hd + i * LANES, bf16), acc[i]);
+        const float iv = 1.0f / hsumf(sum);
+        if (group > 8) { /* out = sum_t p_t v_t / sum, head by head */
+            weigh_values(NV, 1, s, stride, len, v_cache, bf16, base, hd, &iv, o + g * hd);
+        } else {
+            inv[g] = iv;
         }
-#pragma GCC unroll 32
-        for (int i = 0; i < NV; i++) STOREF(o + g * hd + i * LANES, MUL(acc[i], SET1F(inv)));
     }
+    /* out = sum_t p_t v_t / sum for the group's heads at once: each value vector loaded (and widened from bfloat16)
+     * once for all of them, in passes of as many vectors as the heads' sums leave registers for; each head's sums in
+     * the same order as one head at a time (the same bits) */
+#define WEIGH(G) weigh_values(NV, G, sc, stride, len, v_cache, bf16, base, hd, inv, o)
+    switch (group) {
+    case 1: WEIGH(1); break;
+    case 2: WEIGH(2); break;
+    case 3: WEIGH(3); break;
+    case 4: WEIGH(4); break;
+    case 5: WEIGH(5); break;
+    case 6: WEIGH(6); break;
+    case 7: WEIGH(7); break;
+    case 8: WEIGH(8); break;
+    default: break; /* done above */
+    }
+#undef WEIGH
 }
 
 /* Share `id` of `nt` of the tasks (row, kv head), in one contiguous run (id 0 of 1: all of them). */
