@@ -28,10 +28,7 @@ ALARM_CLASSES = [c for c in range(1, 22) if c not in (3, 9, 15)]
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    try:
-        te.te_data_dir()
-    except (FileNotFoundError, OSError) as e:
-        pytest.fail(f"the Tennessee Eastman data (bibmon) is not installed: {e}")
+    require_te_data()
     d = tmp_path_factory.mktemp("te-alarms")
     models = {"te": {"kind": "tensor", "path": "builtin:te-classifier", "labels": _labels(),
                      "alarm_classes": ALARM_CLASSES,
@@ -41,6 +38,14 @@ def app(tmp_path_factory):
     a.plc, a.scada = a.issue("plc1", "operator"), a.issue("scada", "monitor")
     yield a
     a.stop()
+
+
+def require_te_data() -> None:
+    """The Tennessee Eastman data these tests replay: a failure naming it where it is missing, never a skip."""
+    try:
+        te.te_data_dir()
+    except (FileNotFoundError, OSError) as e:
+        pytest.fail(f"the Tennessee Eastman data (bibmon) is not installed: {e}")
 
 
 def _labels() -> list[str]:

@@ -11,7 +11,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from appliance.client import connect
 from attack_tools import SAMPLE, close, refusal, start_appliance, status_of
 from certificates import make_test_certificate
 from uaclient import call, floats, read, run, status_name
+from worker_probes import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,16 +44,6 @@ def audit_file(app) -> Path:
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def wait_for(predicate, timeout: float = 5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return predicate()
 
 
 def cli(app, *args) -> subprocess.CompletedProcess:
@@ -129,8 +119,8 @@ def test_a_scripted_session_leaves_every_event_kind_and_verifies(app, tmp_path):
     wanted = {"call", "role_denied", "rate_limited", "login", "login_failed", "certificate_refused", "session_open",
               "session_close", "reload", "alarm_acknowledged"}
     new = wait_for(lambda: (lambda rs: rs if wanted <= {r["event"] for r in rs} else None)(
-        records(audit_file(app))[before:]))
-    assert new, {r["event"] for r in records(audit_file(app))[before:]}
+        records(audit_file(app))[before:]), 5,
+        lambda: f"every kind of audit record; missing {wanted - {r['event'] for r in records(audit_file(app))[before:]}}")
     events = {r["event"] for r in new}
     assert wanted <= events, wanted - events
     # every record has an appliance-made correlation id; the client's AuditEntryId stands beside it, if printable
@@ -203,7 +193,7 @@ def test_an_unwritable_audit_log_refuses_calls_and_raises_the_alarm(app, monkeyp
         client = await connect(app.endpoint, *app.engineer)
         try:
             statuses = [status_name(await call(client, "", "ReloadModel", [ua.Variant("nope", ua.VariantType.String)]))]
-            wait_for(lambda: log.failing == expect_alarm)
+            wait_for(lambda: log.failing == expect_alarm, 5, f"the audit log's failing state {expect_alarm}")
             statuses.append(status_name(await call(client, "", "ReloadModel",
                                                    [ua.Variant("nope", ua.VariantType.String)])))
             await app.app.ua.publish_values()

@@ -41,16 +41,21 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def float32_package(model_dir, tmp_path_factory) -> Path:
-    """A cache directory holding the float32 package of the tiny model for SEQS x MAX_SEQ, compiled once for the
-    tests that need such a package rather than the act of building it (each compile is ~20 s of a 2-core box).
-    A test that adds or breaks a package works on a copy (`copy_of`)."""
+def first_build(model_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """A cache directory holding the float32 package of the tiny model for SEQS x MAX_SEQ, built by a process of its
+    own as a worker's first start builds it, and what that process held afterwards
+    (test_the_serving_process_never_holds_the_compiler); compiled once for the tests that need such a package rather
+    than the act of building it (each compile is ~20 s of a 2-core box). A test that adds or breaks a package works
+    on a copy (`copy_of`)."""
     d = tmp_path_factory.mktemp("inductor-float32")
-    model, kv_dtype = build(model_dir, "float32")
-    compiled = CompiledDecode(model, KVCache(model.config, SEQS, MAX_SEQ, kv_dtype), d)
-    compiled.compile()
-    assert compiled.built and len(list(d.glob("decode-*.pt2"))) == 1
-    return d
+    run = compile_in_a_process(model_dir, d)
+    assert run["built"] and len(list(d.glob("decode-*.pt2"))) == 1
+    return d, run
+
+
+@pytest.fixture(scope="module")
+def float32_package(first_build) -> Path:
+    return first_build[0]
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +175,10 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
 from loader.compiled_decode import CompiledDecode
 from models.llama import KVCache, LlamaModel
 from loader.weights import load_weights
+torch.set_num_threads(int(sys.argv[6]))  # the test process's count: its tests load this package, not build another
 w = load_weights(sys.argv[2], torch.float32)
 model = LlamaModel(w.config, w.tensors)
-compiled = CompiledDecode(model, KVCache(w.config, 4, 64, torch.float32), sys.argv[3])
+compiled = CompiledDecode(model, KVCache(w.config, int(sys.argv[4]), int(sys.argv[5]), torch.float32), sys.argv[3])
 compiled.compile()
 out = compiled.step(torch.tensor([3, 4]), torch.tensor([0, 1]), torch.tensor([0, 0]))
 compiler = sorted(m for m in sys.modules if m.startswith(("torch._inductor", "torch._dynamo")))
@@ -180,13 +186,22 @@ print(json.dumps({"built": compiled.built, "compiler": compiler, "shape": list(o
 """
 
 
-def test_the_serving_process_never_holds_the_compiler(model_dir, tmp_path):
-    """The package is built in a forked child: the worker that serves keeps neither the compiler's modules nor its
-    memory (~1 GB for a 1B model), whether it built the package (first start) or loaded it (every later one)."""
+def compile_in_a_process(model_dir: Path, cache_dir: Path) -> dict:
+    """COMPILER_STAYS_OUT for the float32 model and a SEQS x MAX_SEQ cache in a process of its own: whether it built
+    the package, the compiler modules it holds after, the step's output shape."""
     root = str(Path(__file__).resolve().parents[1])
-    runs = [json.loads(subprocess.run([sys.executable, "-c", COMPILER_STAYS_OUT, root, str(model_dir),
-                                       str(tmp_path / "inductor")], capture_output=True, text=True, timeout=600,
-                                      check=True).stdout.strip().splitlines()[-1]) for _ in range(2)]
+    out = subprocess.run([sys.executable, "-c", COMPILER_STAYS_OUT, root, str(model_dir), str(cache_dir), str(SEQS),
+                          str(MAX_SEQ), str(torch.get_num_threads())], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_serving_process_never_holds_the_compiler(model_dir, first_build):
+    """The package is built in a forked child: the worker that serves keeps neither the compiler's modules nor its
+    memory (~1 GB for a 1B model), whether it built the package (first start: the module's package) or loaded it
+    (every later one)."""
+    cache_dir, first = first_build
+    runs = [first, compile_in_a_process(model_dir, cache_dir)]
     assert [r["built"] for r in runs] == [True, False]
     assert runs[0]["compiler"] == runs[1]["compiler"] == []
     assert runs[0]["shape"][0] == runs[1]["shape"][0] == 2

@@ -2,6 +2,7 @@
 whole script (install skipped) finishes with its summary line in the results file."""
 import os
 import py_compile
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,19 +23,14 @@ def test_bash_syntax():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_check.sh")], check=True)
 
 
-@pytest.mark.parametrize("script", [s for s in SCRIPTS if s.name != "gpu_common.py"], ids=lambda p: p.name)
-def test_python_parts_compile_and_skip_without_cuda(script):
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_python_parts_compile(script):
     py_compile.compile(str(script), doraise=True)
-    torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device is present: bench/gpu_check.sh runs these for real")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, env=cpu_env(),
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("SKIP ") and "no CUDA device" in out.stdout
 
 
 def test_the_whole_script_without_install_writes_its_summary(tmp_path):
+    """Each Python part run by the script (every gpu_*.py but gpu_common.py) prints its SKIP line naming the missing
+    CUDA device first and exits 0 (each run once, here, rather than again on its own)."""
     import torch
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the full check takes minutes")
@@ -43,6 +39,12 @@ def test_the_whole_script_without_install_writes_its_summary(tmp_path):
     text = (tmp_path / "gpu_check.txt").read_text()
     assert out.returncode == 0, text
     assert text.count("SKIP ") == 4 and "summary: 0 PASS, 0 FAIL" in text
+    # the script's log: "$ PYTHON bench/gpu_x.py ... (limit ...)", the script's output, "exit RC at N s"
+    steps = re.findall(r"^\$ [^\n]*?bench/(gpu_\w+\.py)[^\n]*\n(.*?)^exit (\d+) at", text, re.S | re.M)
+    parts = sorted(s.name for s in SCRIPTS if s.name != "gpu_common.py")
+    assert sorted(name for name, _, _ in steps) == parts, text
+    for name, output, rc in steps:
+        assert rc == "0" and output.startswith("SKIP ") and "no CUDA device" in output, (name, output, rc)
 
 
 @pytest.mark.parametrize("script,passes", [("gpu_kernels.py", 42), ("gpu_decode.py", 5)])

@@ -1,4 +1,4 @@
-"""The C compiler that kernels/cpu_quant.py starts ends with a planned stop and with its parent: a process like a
+"""The C compiler that kernels/cpu_build.py starts ends with a planned stop and with its parent: a process like a
 model worker (SIGTERM and SIGINT ignored: serve stops it itself) builds the torch operator library with the real
 compiler; a SIGTERM to the whole process group (what `systemctl stop` sends to the unit) must leave no compiler
 behind, and a kill -9 of the worker must end the compiler it started."""
@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kernels import cpu_build
+from worker_probes import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,16 +55,6 @@ def compilers(pgid: int, worker: int) -> dict[int, str]:
     return {pid: name for pid, name in group_members(pgid).items() if pid != worker}
 
 
-def wait_until(predicate, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    return predicate()
-
-
 @pytest.fixture
 def building_worker(tmp_path):
     """A worker-like process in a session (and process group) of its own, with the compiler running."""
@@ -72,8 +62,8 @@ def building_worker(tmp_path):
                               start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         # the compiler proper (cc1plus, started by the c++ driver): the build is under way
-        running = wait_until(lambda: "cc1plus" in compilers(worker.pid, worker.pid).values(), 120)
-        assert running, f"the compiler never started: {compilers(worker.pid, worker.pid)}"
+        wait_for(lambda: "cc1plus" in compilers(worker.pid, worker.pid).values(), 120,
+                 lambda: f"the compiler to start: {compilers(worker.pid, worker.pid)}")
         yield worker
     finally:
         for pid in group_members(worker.pid):  # whatever is left of the session
@@ -87,9 +77,9 @@ def building_worker(tmp_path):
 def test_a_group_sigterm_during_a_kernel_build_leaves_no_compiler(building_worker):
     before = compilers(building_worker.pid, building_worker.pid)
     os.killpg(building_worker.pid, signal.SIGTERM)  # the planned stop: the worker's process group
-    left = wait_until(lambda: not compilers(building_worker.pid, building_worker.pid), 5) or \
-        compilers(building_worker.pid, building_worker.pid)
-    assert left is True, f"still running 5 s after SIGTERM: {left} (were {before})"
+    wait_for(lambda: not compilers(building_worker.pid, building_worker.pid), 5,
+             lambda: f"the compilers to stop after SIGTERM: {compilers(building_worker.pid, building_worker.pid)} "
+                     f"still running (were {before})")
     assert building_worker.poll() is None  # the worker itself ignores it: serve stops it
 
 
@@ -100,8 +90,8 @@ def test_a_killed_worker_takes_its_compiler_with_it(building_worker):
     assert driver, "no compiler started by the worker itself"
     os.kill(building_worker.pid, signal.SIGKILL)
     building_worker.wait(30)
-    gone = wait_until(lambda: not group_members(building_worker.pid), 5)  # the driver, and what it started
-    assert gone is True, f"the compiler the worker started outlived it: {group_members(building_worker.pid)}"
+    wait_for(lambda: not group_members(building_worker.pid), 5,  # the driver, and what it started
+             lambda: f"the compiler the worker started to go with it: {group_members(building_worker.pid)} outlived it")
 
 
 def test_a_tied_build_still_builds(tmp_path):

@@ -26,6 +26,7 @@ from asyncua import ua
 from harness import RunningAppliance, free_ports
 from onnx_models import affine_model
 from uaclient import call, floats, run, session
+from worker_probes import wait_for
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "appliance-dashboard.json"
@@ -92,16 +93,6 @@ def query(url: str, expr: str) -> list:
     return reply["data"]["result"]
 
 
-def wait_for(predicate, timeout: float = 30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError("timed out")
-
-
 def traffic(app, n: int = 20) -> None:
     async def go():
         async with session(app, *app.operator) as c:
@@ -124,21 +115,21 @@ def test_metrics_pass_promtool(app):
 
 
 def test_scraped_and_a_counter_moves(app, prometheus):
-    wait_for(lambda: query(prometheus, 'up{job="appliance"} == 1'))
+    wait_for(lambda: query(prometheus, 'up{job="appliance"} == 1'), 30, "Prometheus to scrape the appliance")
     traffic(app)
     expr = 'sum(appliance_requests_total{model="classifier",status="Good"})'
-    first = float(wait_for(lambda: query(prometheus, expr))[0]["value"][1])
+    first = float(wait_for(lambda: query(prometheus, expr), 30, expr)[0]["value"][1])
     traffic(app, 10)
-    wait_for(lambda: float(query(prometheus, expr)[0]["value"][1]) >= first + 10)
+    wait_for(lambda: float(query(prometheus, expr)[0]["value"][1]) >= first + 10, 30, f"{expr} to count 10 more")
 
 
 def test_heartbeat_timestamp_is_the_loops_last_tick(app, prometheus):
     text = urllib.request.urlopen(app.metrics_url + "/metrics", timeout=10).read().decode()
     assert "# TYPE appliance_heartbeat_timestamp_seconds gauge" in text
     expr = 'appliance_heartbeat_timestamp_seconds{job="appliance"}'
-    first = float(wait_for(lambda: query(prometheus, expr))[0]["value"][1])
+    first = float(wait_for(lambda: query(prometheus, expr), 30, expr)[0]["value"][1])
     assert abs(time.time() - first) < 10  # the loop ticks every second; the scrape is at most a second old
-    wait_for(lambda: float(query(prometheus, expr)[0]["value"][1]) >= first + 2, timeout=20)
+    wait_for(lambda: float(query(prometheus, expr)[0]["value"][1]) >= first + 2, 20, f"{expr} to move 2 s on")
 
 
 def dashboard() -> dict:
@@ -179,7 +170,7 @@ def test_dashboard_quantiles_are_the_ones_titled():
 
 def test_instance_variable_lists_the_appliance(app, prometheus):
     instance = f"127.0.0.1:{app.metrics_port}"
-    wait_for(lambda: query(prometheus, "appliance_model_info"))
+    wait_for(lambda: query(prometheus, "appliance_model_info"), 30, "appliance_model_info in Prometheus")
     body = urllib.request.urlopen(prometheus + "/api/v1/label/instance/values?" + urllib.parse.urlencode(
         {"match[]": "appliance_model_info"}), timeout=10).read()
     assert json.loads(body)["data"] == [instance]
@@ -187,7 +178,7 @@ def test_instance_variable_lists_the_appliance(app, prometheus):
 
 def test_every_dashboard_panel_has_data_for_its_instance_only(app, prometheus):
     os.kill(app.app.services["classifier"].supervisor.process.pid, signal.SIGKILL)  # a restart to count
-    wait_for(lambda: app.app.services["classifier"].status().state == "Ready")
+    wait_for(lambda: app.app.services["classifier"].status().state == "Ready", 30, "the classifier to be Ready")
     for _ in range(3):
         traffic(app)
         time.sleep(1.0)
@@ -198,7 +189,7 @@ def test_every_dashboard_panel_has_data_for_its_instance_only(app, prometheus):
             continue  # no GPU here: appliance_gpu_* exist only with one
         for target in panel["targets"]:
             try:
-                wait_for(lambda: query(prometheus, target["expr"].replace("$instance", this)), timeout=20)
+                wait_for(lambda: query(prometheus, target["expr"].replace("$instance", this)), 20, target["expr"])
             except AssertionError:
                 empty.append(panel["title"])
             if query(prometheus, target["expr"].replace("$instance", other)):

@@ -13,6 +13,7 @@ import pytest
 from asyncua import ua
 
 from harness import RunningAppliance
+from test_alarm_sources_te import ALARM_CLASSES, _labels, require_te_data
 from test_ua_alarms import acknowledge, is_condition, refresh
 from uaclient import Events, call, field, floats, run, session, status_name
 
@@ -28,15 +29,10 @@ REFRESH_TYPES = [ua.ObjectIds.OffNormalAlarmType, ua.ObjectIds.RefreshStartEvent
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    try:
-        te.te_data_dir()
-    except (FileNotFoundError, OSError) as e:
-        pytest.fail(f"the Tennessee Eastman data (bibmon) is not installed: {e}")
+    require_te_data()
     d = tmp_path_factory.mktemp("te-refresh")
-    labels = [line.strip() for line in (te.MODEL_DIR / "labels.txt").read_text().splitlines()
-              if line.strip() and not line.startswith("#")]
-    models = {"te": {"kind": "tensor", "path": "builtin:te-classifier", "labels": labels,
-                     "alarm_classes": [c for c in range(1, 22) if c not in (3, 9, 15)]}}
+    models = {"te": {"kind": "tensor", "path": "builtin:te-classifier", "labels": _labels(),
+                     "alarm_classes": ALARM_CLASSES}}
     a = RunningAppliance(d / "state", models)
     a.plc, a.scada = a.issue("plc1", "operator"), a.issue("scada", "engineer")
     yield a

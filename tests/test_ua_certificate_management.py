@@ -33,6 +33,7 @@ from gds import (CERT_TYPE, GROUP, SERVER_CONFIGURATION, TRUST_LIST, byte_string
 from harness import RunningAppliance
 from onnx_models import affine_model
 from uaclient import call as call_model, floats, run, session, status_name
+from worker_probes import wait_for
 
 PLC_URI = "urn:plant:line3:plc7"
 
@@ -78,16 +79,6 @@ def leaf(chain: bytes) -> bytes:
 def audit_records(app) -> list[dict]:
     path = app.state_dir / "audit" / "audit.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_for(predicate, timeout: float = 10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    return predicate()
 
 
 def test_gds_push_renews_the_server_certificate_without_a_restart(app, tmp_path):
@@ -141,7 +132,7 @@ def test_gds_push_renews_the_server_certificate_without_a_restart(app, tmp_path)
     left = metric(app, "appliance_server_certificate_expiry_seconds")
     assert 364 * 86400 < left <= 365 * 86400
     records = wait_for(lambda: [r for r in audit_records(app) if r["action"] in ("UpdateCertificate", "ApplyChanges")
-                                and r["status"] == "Good"])
+                                and r["status"] == "Good"], 10, "the Good UpdateCertificate/ApplyChanges records")
     apply = next(r for r in records if r["action"] == "ApplyChanges")
     assert thumbprint(old_cert) in apply["detail"] and thumbprint(new_cert) in apply["detail"]
     assert apply["user"] == f"x509:{thumbprint(app.admin[0].read_bytes())}" and apply["role"] == "security_admin"
@@ -332,8 +323,8 @@ def test_bad_input_answers_standard_status_codes_and_changes_nothing(app, tmp_pa
     run(go(), 120)
     assert snapshot() == before
     refused = wait_for(lambda: [r for r in audit_records(app) if r["action"] == "UpdateCertificate"
-                                and r["status"] == "BadCertificateInvalid"])
-    assert refused and all(r["role"] == "security_admin" for r in refused)
+                                and r["status"] == "BadCertificateInvalid"], 10, "the refused UpdateCertificate's record")
+    assert all(r["role"] == "security_admin" for r in refused)
 
 
 def test_only_security_admin_manages_certificates(app):

@@ -27,6 +27,7 @@ from test_ua_vanished_client import CYCLE, generated, metric, scrape, slots_used
 
 pytest.importorskip("transformers")
 from tiny_llm import make_model_dir  # noqa: E402
+from worker_probes import wait_for  # noqa: E402
 
 DEAD_PEER_S = 3
 SESSION_TIMEOUT_S = 4.0
@@ -113,16 +114,6 @@ def start_plc(app, net: PlcNamespace) -> tuple[subprocess.Popen, queue.Queue]:
     return proc, lines
 
 
-def wait_until(predicate, timeout: float, step: float = 0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    return predicate()
-
-
 def test_a_plc_whose_link_goes_dead_mid_generate_is_seen_gone_and_treated_as_vanished(app, plc_net):
     abandoned_before = metric(scrape(app), "appliance_requests_total", model="chat", method="Generate",
                               status="BadConnectionClosed")
@@ -136,20 +127,19 @@ def test_a_plc_whose_link_goes_dead_mid_generate_is_seen_gone_and_treated_as_van
         assert first == {"first": "Good"}
         before = generated(app)
         # the long Generate runs: tokens flow and the PLC's session holds a slot
-        assert wait_until(lambda: generated(app) > before + 50, 60), "the long generation never started"
-        assert wait_until(lambda: slots_used(app) == 1, 5)
+        wait_for(lambda: generated(app) > before + 50, 60, "the long generation to start")
+        wait_for(lambda: slots_used(app) == 1, 5, "the PLC's session to hold a slot")
 
         plc_net.cut()
         cut = time.monotonic()
         at_cut = generated(app)
-        assert wait_until(lambda: generated(app) > at_cut, 1.5), "the generation stopped with the link: no test"
+        wait_for(lambda: generated(app) > at_cut, 1.5, "tokens after the cut (the generation stopped with the link: no test)")
 
         # seen gone within dead_peer_timeout_s: its call is abandoned (counted as BadConnectionClosed) ...
         def abandoned() -> bool:
             return metric(scrape(app), "appliance_requests_total", model="chat", method="Generate",
                           status="BadConnectionClosed") == abandoned_before + 1
-        assert wait_until(abandoned, DEAD_PEER_S + 5), (
-            f"the PLC's call was not abandoned {DEAD_PEER_S + 5} s after its link went dead (no FIN, no RST)")
+        wait_for(abandoned, DEAD_PEER_S + 5, "the PLC's call to be abandoned after its link went dead (no FIN, no RST)")
         seen_gone = time.monotonic() - cut
         print(f"seen gone {seen_gone:.2f} s after the cut (dead_peer_timeout_s {DEAD_PEER_S})")
         assert seen_gone <= DEAD_PEER_S + 0.5, f"seen gone only {seen_gone:.1f} s after the cut"
@@ -163,7 +153,7 @@ def test_a_plc_whose_link_goes_dead_mid_generate_is_seen_gone_and_treated_as_van
 
         # the vanished PLC's session keeps its slot until the session times out, then the slot is free
         assert slots_used(app) == 1, "the slot went with the connection, before the session timed out"
-        assert wait_until(lambda: slots_used(app) == 0, SESSION_TIMEOUT_S + 3), "the dead PLC's slot was never freed"
+        wait_for(lambda: slots_used(app) == 0, SESSION_TIMEOUT_S + 3, "the dead PLC's slot to be freed")
         freed = time.monotonic() - cut
         assert freed >= SESSION_TIMEOUT_S, f"the slot was freed {freed:.1f} s after the cut, before the session timeout"
     finally:

@@ -81,14 +81,19 @@ def wall(when: datetime) -> float:
     return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
 
 
-def wait_for(predicate, timeout: float, what: str):
+def wait_for(predicate, timeout: float, what):
+    """predicate()'s first truthy value within timeout seconds; else an AssertionError naming `what` (a string, or a
+    callable for a message made at the timeout, e.g. with what is left)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         value = predicate()
         if value:
             return value
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+    value = predicate()
+    if value:
+        return value
+    raise AssertionError(f"timed out after {timeout} s waiting for {what() if callable(what) else what}")
 
 
 def process_gone(pid: int) -> bool:

@@ -5,12 +5,11 @@
 // got (type, ConditionName, ActiveState/Id, AckedState/Id), the acknowledgement's status.
 // usage: node condition_refresh2.js ENDPOINT CERT.pem KEY.pem APPLICATION_URI PKI_DIR CONDITION_NAME CONDITION_NODEID
 "use strict";
-const fs = require("fs");
 const {
-  OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType, AttributeIds, ClientSubscription,
-  ClientMonitoredItem, TimestampsToReturn, constructEventFilter, DataType, resolveNodeId,
+  AttributeIds, ClientSubscription, ClientMonitoredItem, TimestampsToReturn, constructEventFilter, DataType,
+  resolveNodeId,
 } = require("node-opcua-client");
-const { OPCUACertificateManager } = require("node-opcua-certificate-manager");
+const { withSession, printResult } = require("./common");
 
 const FIELDS = ["EventId", "EventType", "ConditionName", "ActiveState.Id", "AckedState.Id"];
 const TYPES = { "ns=0;i=2787": "RefreshStart", "ns=0;i=2788": "RefreshEnd", "ns=0;i=10637": "OffNormalAlarm" };
@@ -31,54 +30,35 @@ async function eventItem(subscription, filter, seen) {
 
 async function main() {
   const [endpoint, certFile, keyFile, applicationUri, pkiDir, conditionName, conditionNodeId] = process.argv.slice(2);
-  const certificateManager = new OPCUACertificateManager({ rootFolder: pkiDir, automaticallyAcceptUnknownCertificate: true });
-  await certificateManager.initialize();
-  const client = OPCUAClient.create({
-    applicationName: "node-opcua test client", applicationUri,
-    securityMode: MessageSecurityMode.SignAndEncrypt, securityPolicy: SecurityPolicy.Basic256Sha256,
-    certificateFile: certFile, privateKeyFile: keyFile, clientCertificateManager: certificateManager,
-    endpointMustExist: false, connectionStrategy: { maxRetry: 0, initialDelay: 100 },
-  });
-  const out = { first: [], second: [] };
-  await client.connect(endpoint);
-  try {
-    const pem = fs.readFileSync(certFile, "utf8");
-    const der = Buffer.from(pem.replace(/-----[^-]+-----/g, "").replace(/\s+/g, ""), "base64");
-    const session = await client.createSession({
-      type: UserTokenType.Certificate, certificateData: der, privateKey: fs.readFileSync(keyFile, "utf8"),
-    });
-    try {
-      const subscription = ClientSubscription.create(session, { requestedPublishingInterval: 50,
-        requestedLifetimeCount: 1000, requestedMaxKeepAliveCount: 10, publishingEnabled: true });
-      await new Promise((resolve) => subscription.once("started", resolve));
-      const filter = constructEventFilter(FIELDS);
-      const first = await eventItem(subscription, filter, out.first);
-      await eventItem(subscription, filter, out.second);
-      await sleep(500);
-      out.first.length = 0;
-      out.second.length = 0;
-      const refresh = await session.call({ objectId: resolveNodeId("ConditionType"), methodId: "ns=0;i=12912",
-        inputArguments: [{ dataType: DataType.UInt32, value: subscription.subscriptionId },
-          { dataType: DataType.UInt32, value: first.monitoredItemId }] });
-      out.refresh2 = refresh.statusCode.name;
-      await sleep(1500);
-      out.first = out.first.slice();  // what the refresh sent; the acknowledgement's own event comes after
-      out.second = out.second.slice();
-      const shown = out.first.find((e) => e.conditionName === conditionName);
-      if (shown) {
-        const ack = await session.call({ objectId: conditionNodeId, methodId: "ns=0;i=9111",
-          inputArguments: [{ dataType: DataType.ByteString, value: Buffer.from(shown.eventId, "hex") },
-            { dataType: DataType.LocalizedText, value: { text: "seen after ConditionRefresh2" } }] });
-        out.ack = ack.statusCode.name;
-      }
-      await subscription.terminate();
-    } finally {
-      await session.close();
+  const settings = { endpoint, certFile, keyFile, applicationUri, pkiDir, applicationName: "node-opcua test client" };
+  return withSession(settings, async (session) => {
+    const out = { first: [], second: [] };
+    const subscription = ClientSubscription.create(session, { requestedPublishingInterval: 50,
+      requestedLifetimeCount: 1000, requestedMaxKeepAliveCount: 10, publishingEnabled: true });
+    await new Promise((resolve) => subscription.once("started", resolve));
+    const filter = constructEventFilter(FIELDS);
+    const first = await eventItem(subscription, filter, out.first);
+    await eventItem(subscription, filter, out.second);
+    await sleep(500);
+    out.first.length = 0;
+    out.second.length = 0;
+    const refresh = await session.call({ objectId: resolveNodeId("ConditionType"), methodId: "ns=0;i=12912",
+      inputArguments: [{ dataType: DataType.UInt32, value: subscription.subscriptionId },
+        { dataType: DataType.UInt32, value: first.monitoredItemId }] });
+    out.refresh2 = refresh.statusCode.name;
+    await sleep(1500);
+    out.first = out.first.slice();  // what the refresh sent; the acknowledgement's own event comes after
+    out.second = out.second.slice();
+    const shown = out.first.find((e) => e.conditionName === conditionName);
+    if (shown) {
+      const ack = await session.call({ objectId: conditionNodeId, methodId: "ns=0;i=9111",
+        inputArguments: [{ dataType: DataType.ByteString, value: Buffer.from(shown.eventId, "hex") },
+          { dataType: DataType.LocalizedText, value: { text: "seen after ConditionRefresh2" } }] });
+      out.ack = ack.statusCode.name;
     }
-  } finally {
-    await client.disconnect();
-  }
-  console.log(JSON.stringify(out));
+    await subscription.terminate();
+    return out;
+  });
 }
 
-main().catch((err) => { console.log(JSON.stringify({ error: String(err && err.message || err) })); process.exit(1); });
+printResult(main);

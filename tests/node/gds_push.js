@@ -14,13 +14,11 @@
 "use strict";
 const fs = require("fs");
 const crypto = require("crypto");
-const {
-  OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType, DataType, VariantArrayType, resolveNodeId,
-} = require("node-opcua-client");
-const { OPCUACertificateManager } = require("node-opcua-certificate-manager");
+const { DataType, VariantArrayType, resolveNodeId } = require("node-opcua-client");
 const { TrustListDataType } = require("node-opcua-types");
 const { BinaryStream } = require("node-opcua-binary-stream");
 const { split_der } = require("node-opcua-crypto");
+const { withSession, printResult } = require("./common");
 
 const SERVER_CONFIGURATION = "ns=0;i=12637";
 const TRUST_LIST = "ns=0;i=12642";
@@ -31,11 +29,6 @@ const M = {
 };
 const GROUP = resolveNodeId("ns=0;i=14156");
 const CERT_TYPE = resolveNodeId("ns=0;i=12560");
-
-function der(pemFile) {
-  const pem = fs.readFileSync(pemFile, "utf8");
-  return Buffer.from(pem.replace(/-----[^-]+-----/g, "").replace(/\s+/g, ""), "base64");
-}
 
 async function call(session, objectId, methodId, inputArguments) {
   const res = await session.call({ objectId, methodId, inputArguments });
@@ -79,67 +72,51 @@ const thumb = (buf) => crypto.createHash("sha1").update(buf).digest("hex");
 
 async function main() {
   const [step, endpoint, certFile, keyFile, applicationUri, pkiDir, ...rest] = process.argv.slice(2);
-  const strict = step === "connect";
-  const certificateManager = new OPCUACertificateManager({ rootFolder: pkiDir, automaticallyAcceptUnknownCertificate: !strict });
-  await certificateManager.initialize();
-  const client = OPCUAClient.create({
-    applicationName: "node-opcua GDS push", applicationUri,
-    securityMode: MessageSecurityMode.SignAndEncrypt, securityPolicy: SecurityPolicy.Basic256Sha256,
-    certificateFile: certFile, privateKeyFile: keyFile, clientCertificateManager: certificateManager,
-    endpointMustExist: false, connectionStrategy: { maxRetry: 0, initialDelay: 100 },
-  });
-  const out = { step };
-  await client.connect(endpoint);
-  try {
-    const session = await client.createSession({
-      type: UserTokenType.Certificate, certificateData: der(certFile), privateKey: fs.readFileSync(keyFile, "utf8"),
-    });
-    try {
-      if (step === "csr") {
-        const r = await call(session, SERVER_CONFIGURATION, M.CreateSigningRequest, [
-          { dataType: DataType.NodeId, value: GROUP }, { dataType: DataType.NodeId, value: CERT_TYPE },
-          { dataType: DataType.String, value: "" }, { dataType: DataType.Boolean, value: false },
-          { dataType: DataType.ByteString, value: crypto.randomBytes(32) }]);
-        out.status = r.status;
-        if (r.status === "Good") fs.writeFileSync(rest[0], r.outputs[0]);
-      } else if (step === "update") {
-        const [certDer, issuerDer] = rest;
-        const r = await call(session, SERVER_CONFIGURATION, M.UpdateCertificate, [
-          { dataType: DataType.NodeId, value: GROUP }, { dataType: DataType.NodeId, value: CERT_TYPE },
-          { dataType: DataType.ByteString, value: fs.readFileSync(certDer) },
-          { dataType: DataType.ByteString, arrayType: VariantArrayType.Array, value: [fs.readFileSync(issuerDer)] },
-          { dataType: DataType.String, value: "" }, { dataType: DataType.ByteString, value: null }]);
-        out.update = r.status;
-        out.applyChangesRequired = r.outputs[0];
-        out.apply = (await call(session, SERVER_CONFIGURATION, M.ApplyChanges, [])).status;
-      } else if (step === "remove-trusted") {
-        const trustList = await readTrustList(session);
-        out.before = trustList.trustedCertificates.map(thumb);
-        trustList.trustedCertificates = trustList.trustedCertificates.filter((c) => thumb(c) !== rest[0]);
-        const r = await writeTrustList(session, trustList);
-        out.status = r.status || JSON.stringify(r);
-        out.applyChangesRequired = r.outputs ? r.outputs[0] : null;
-        out.after = (await readTrustList(session)).trustedCertificates.map(thumb);
-      } else if (step === "get-certificates") {
-        const r = await call(session, SERVER_CONFIGURATION, M.GetCertificates, [
-          { dataType: DataType.NodeId, value: GROUP }]);
-        out.status = r.status;
-        if (r.status === "Good") {
-          out.certificateTypes = r.outputs[0].map((n) => n.toString());
-          out.certificates = r.outputs[1].map(thumb);
-        }
-      } else if (step === "connect") {
-        out.status = "Good";
+  // connect: PKI_DIR is the only trust, no unknown server certificate accepted
+  const settings = { endpoint, certFile, keyFile, applicationUri, pkiDir, applicationName: "node-opcua GDS push",
+    trustUnknownServer: step !== "connect" };
+  return withSession(settings, async (session, client) => {
+    const out = { step };
+    if (step === "csr") {
+      const r = await call(session, SERVER_CONFIGURATION, M.CreateSigningRequest, [
+        { dataType: DataType.NodeId, value: GROUP }, { dataType: DataType.NodeId, value: CERT_TYPE },
+        { dataType: DataType.String, value: "" }, { dataType: DataType.Boolean, value: false },
+        { dataType: DataType.ByteString, value: crypto.randomBytes(32) }]);
+      out.status = r.status;
+      if (r.status === "Good") fs.writeFileSync(rest[0], r.outputs[0]);
+    } else if (step === "update") {
+      const [certDer, issuerDer] = rest;
+      const r = await call(session, SERVER_CONFIGURATION, M.UpdateCertificate, [
+        { dataType: DataType.NodeId, value: GROUP }, { dataType: DataType.NodeId, value: CERT_TYPE },
+        { dataType: DataType.ByteString, value: fs.readFileSync(certDer) },
+        { dataType: DataType.ByteString, arrayType: VariantArrayType.Array, value: [fs.readFileSync(issuerDer)] },
+        { dataType: DataType.String, value: "" }, { dataType: DataType.ByteString, value: null }]);
+      out.update = r.status;
+      out.applyChangesRequired = r.outputs[0];
+      out.apply = (await call(session, SERVER_CONFIGURATION, M.ApplyChanges, [])).status;
+    } else if (step === "remove-trusted") {
+      const trustList = await readTrustList(session);
+      out.before = trustList.trustedCertificates.map(thumb);
+      trustList.trustedCertificates = trustList.trustedCertificates.filter((c) => thumb(c) !== rest[0]);
+      const r = await writeTrustList(session, trustList);
+      out.status = r.status || JSON.stringify(r);
+      out.applyChangesRequired = r.outputs ? r.outputs[0] : null;
+      out.after = (await readTrustList(session)).trustedCertificates.map(thumb);
+    } else if (step === "get-certificates") {
+      const r = await call(session, SERVER_CONFIGURATION, M.GetCertificates, [
+        { dataType: DataType.NodeId, value: GROUP }]);
+      out.status = r.status;
+      if (r.status === "Good") {
+        out.certificateTypes = r.outputs[0].map((n) => n.toString());
+        out.certificates = r.outputs[1].map(thumb);
       }
-      // the server certificate of this connection's endpoint (the leaf of the chain it presented)
-      out.serverCertificate = client.serverCertificate ? thumb(split_der(client.serverCertificate)[0]) : null;
-    } finally {
-      await session.close();
+    } else if (step === "connect") {
+      out.status = "Good";
     }
-  } finally {
-    await client.disconnect();
-  }
-  console.log(JSON.stringify(out));
+    // the server certificate of this connection's endpoint (the leaf of the chain it presented)
+    out.serverCertificate = client.serverCertificate ? thumb(split_der(client.serverCertificate)[0]) : null;
+    return out;
+  });
 }
 
-main().catch((err) => { console.log(JSON.stringify({ error: String(err && err.message || err) })); process.exit(1); });
+printResult(main);

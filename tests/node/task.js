@@ -5,55 +5,34 @@
 // argument types and each output's name, data type and value.
 // usage: node task.js ENDPOINT CERT.pem KEY.pem APPLICATION_URI PKI_DIR MODEL TASK '{"Input": value, ...}'
 "use strict";
-const fs = require("fs");
-const { OPCUAClient, MessageSecurityMode, SecurityPolicy, UserTokenType, DataType } =
-  require("node-opcua-client");
-const { OPCUACertificateManager } = require("node-opcua-certificate-manager");
+const { MessageSecurityMode, DataType } = require("node-opcua-client");
+const { withSession, printResult } = require("./common");
 
 const URI = "urn:opcua-inference-appliance";
 
 async function main() {
   const [endpoint, certFile, keyFile, applicationUri, pkiDir, model, task, input] = process.argv.slice(2);
-  const certificateManager = new OPCUACertificateManager({ rootFolder: pkiDir, automaticallyAcceptUnknownCertificate: true });
-  await certificateManager.initialize();
-  const client = OPCUAClient.create({
-    applicationName: "node-opcua task client", applicationUri,
-    securityMode: MessageSecurityMode.SignAndEncrypt, securityPolicy: SecurityPolicy.Basic256Sha256,
-    certificateFile: certFile, privateKeyFile: keyFile, clientCertificateManager: certificateManager,
-    endpointMustExist: false, connectionStrategy: { maxRetry: 0, initialDelay: 100 },
+  const settings = { endpoint, certFile, keyFile, applicationUri, pkiDir, applicationName: "node-opcua task client" };
+  return withSession(settings, async (session, client) => {
+    const out = {};
+    const ns = (await session.readNamespaceArray()).indexOf(URI);
+    const typeMethod = `ns=${ns};s=Types/${model}.${task}.TaskType/Run`;
+    const objectId = `ns=${ns};s=Appliance/Models/${model}/Tasks/${task}`;
+    const declared = await session.getArgumentDefinition(typeMethod);
+    out.inputArguments = declared.inputArguments.map((a) => ({ name: a.name, dataType: DataType[a.dataType.value],
+      valueRank: a.valueRank }));
+    out.outputArguments = declared.outputArguments.map((a) => ({ name: a.name, dataType: DataType[a.dataType.value],
+      valueRank: a.valueRank }));
+    const values = JSON.parse(input);
+    const inputArguments = declared.inputArguments.map((a) => ({ dataType: a.dataType.value, value: values[a.name] }));
+    const res = await session.call({ objectId, methodId: typeMethod, inputArguments });
+    out.status = res.statusCode.name;
+    out.outputs = (res.outputArguments || []).map((v, i) => ({
+      name: declared.outputArguments[i].name, dataType: DataType[v.dataType], value: v.value,
+    }));
+    out.securityMode = MessageSecurityMode[client.securityMode];
+    return out;
   });
-  const out = {};
-  await client.connect(endpoint);
-  try {
-    const pem = fs.readFileSync(certFile, "utf8");
-    const der = Buffer.from(pem.replace(/-----[^-]+-----/g, "").replace(/\s+/g, ""), "base64");
-    const session = await client.createSession({
-      type: UserTokenType.Certificate, certificateData: der, privateKey: fs.readFileSync(keyFile, "utf8"),
-    });
-    try {
-      const ns = (await session.readNamespaceArray()).indexOf(URI);
-      const typeMethod = `ns=${ns};s=Types/${model}.${task}.TaskType/Run`;
-      const objectId = `ns=${ns};s=Appliance/Models/${model}/Tasks/${task}`;
-      const declared = await session.getArgumentDefinition(typeMethod);
-      out.inputArguments = declared.inputArguments.map((a) => ({ name: a.name, dataType: DataType[a.dataType.value],
-        valueRank: a.valueRank }));
-      out.outputArguments = declared.outputArguments.map((a) => ({ name: a.name, dataType: DataType[a.dataType.value],
-        valueRank: a.valueRank }));
-      const values = JSON.parse(input);
-      const inputArguments = declared.inputArguments.map((a) => ({ dataType: a.dataType.value, value: values[a.name] }));
-      const res = await session.call({ objectId, methodId: typeMethod, inputArguments });
-      out.status = res.statusCode.name;
-      out.outputs = (res.outputArguments || []).map((v, i) => ({
-        name: declared.outputArguments[i].name, dataType: DataType[v.dataType], value: v.value,
-      }));
-      out.securityMode = MessageSecurityMode[client.securityMode];
-    } finally {
-      await session.close();
-    }
-  } finally {
-    await client.disconnect();
-  }
-  console.log(JSON.stringify(out));
 }
 
-main().catch((err) => { console.log(JSON.stringify({ error: String(err && err.message || err) })); process.exit(1); });
+printResult(main);
