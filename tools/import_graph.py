@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "appliance", "uaserver", "models", "kernels", "certs")
+PACKAGES = ("core", "appliance", "uaserver", "loader", "models", "kernels", "certs")
 
 
 def module_name(path: Path) -> str:
