@@ -161,21 +161,28 @@ def test_a_call_longer_than_the_session_timeout_is_answered(app):
     """A session is idle only when nothing of it runs: a Generate that lasts twice the session timeout, with the
     client sending nothing meanwhile, is answered and its session lives on."""
     async def go():
-        client = await connect(app.endpoint, *app.plc, session_timeout_ms=int(SESSION_TIMEOUT_S * 1000))
+        # the request timeout well above the long call's (a loaded machine may take several times the estimate)
+        client = await connect(app.endpoint, *app.plc, session_timeout_ms=int(SESSION_TIMEOUT_S * 1000), timeout=110)
         try:
             started = time.monotonic()
             r = await call(client, "chat", "Generate", gen_args("Rate", 300))
             assert status_name(r) == "Good"
             per_token = (time.monotonic() - started) / r.OutputArguments[1].Value
+            # the machine's speed moves (another test process beside this one): a call that came out shorter than
+            # the session timeout proves nothing, so it is asked again for twice the tokens until one lasts longer
             tokens = min(11000, int(2 * SESSION_TIMEOUT_S / per_token) + 100)
-            started = time.monotonic()
-            r = await call(client, "chat", "Generate", gen_args("Long", tokens))
-            took = time.monotonic() - started
-            assert status_name(r) == "Good" and r.OutputArguments[1].Value == tokens, status_name(r)
+            for _ in range(4):
+                started = time.monotonic()
+                r = await call(client, "chat", "Generate", gen_args("Long", tokens))
+                took = time.monotonic() - started
+                assert status_name(r) == "Good" and r.OutputArguments[1].Value == tokens, status_name(r)
+                if took > SESSION_TIMEOUT_S + 1 or tokens == 11000:
+                    break
+                tokens = min(11000, tokens * 2)
             assert took > SESSION_TIMEOUT_S, f"the call took {took:.1f} s: not longer than the session timeout"
             r = await call(client, "chat", "Generate", gen_args("After", 3))
             assert status_name(r) == "Good" and r.OutputArguments[4].Value is False  # the same conversation
         finally:
             with contextlib_suppress():
                 await client.disconnect()
-    asyncio.run(asyncio.wait_for(go(), 120))
+    asyncio.run(asyncio.wait_for(go(), 180))
