@@ -65,8 +65,21 @@ def random_prompts(vocab: int, n: int, seed: int) -> dict[str, list[int]]:
     return {str(i): [1] + torch.randint(3, vocab, (5 + 4 * i,), generator=g).tolist() for i in range(n)}
 
 
+def reference_draft(draft_model, context: list[int], k: int) -> list[int]:
+    """The draft model's greedy continuation of `context`, computed afresh in a cache of its own."""
+    cache = KVCache(draft_model.config, 1, 256, torch.float32)
+    one = torch.tensor([0])
+    logits = draft_model.forward(cache, torch.tensor([context]), one, torch.tensor([0]), torch.tensor([len(context)]))
+    out = [int(logits[0].argmax())]
+    while len(out) < k:
+        logits = draft_model.forward(cache, torch.tensor([[out[-1]]]), one, torch.tensor([len(context) + len(out) - 1]),
+                                     torch.tensor([1]))
+        out.append(int(logits[0].argmax()))
+    return out
+
+
 def run(model, prompts, draft_model=None, staggered=False, max_tokens=24, slots=4, temperature=0.0, seed=0,
-        settings=DRAFT):
+        settings=DRAFT, check_drafts=False):
     """Every prompt to its end through the scheduler, the draft model (as the engine calls it) and the runner."""
     cache = KVCache(model.config, slots, 256, torch.float32)
     sched = Scheduler(SlotManager(slots, 256), TokenTurns(prompts), prefill_chunk=16, max_prefill_tokens=64,
@@ -88,6 +101,10 @@ def run(model, prompts, draft_model=None, staggered=False, max_tokens=24, slots=
         assert not plan.failed
         if draft is not None:
             draft.fill(plan, sched.slots)
+        for r in plan.decode if check_drafts else []:  # what a draft model with no stale state would say
+            if r.draft:
+                context = sched.slots.slot(r.slot).tokens[:r.pos + 1]
+                assert r.draft == reference_draft(draft_model, context, len(r.draft)), (r.slot, r.pos)
         mixed += any(r.draft for r in plan.decode) and any(not r.draft for r in plan.decode)
         sched.commit(plan, runner.run(plan))
     for s in seqs.values():
@@ -122,7 +139,7 @@ def test_greedy_tokens_are_plain_decodings_with_either_draft(architectures, stra
     assert itself == plain
     assert runner.accepted >= 0.9 * runner.drafted > 0, (runner.drafted, runner.accepted)  # it says what we say
     assert mixed > 0  # drafted rows and plain rows in one step (the step's draft budget leaves some plain)
-    other, runner, draft, _ = run(model, prompts, draft_model=stranger, staggered=True)
+    other, runner, draft, _ = run(model, prompts, draft_model=stranger, staggered=True, check_drafts=True)
     assert other == plain
     assert runner.verify_rows > 0 and runner.accepted < 0.5 * runner.drafted, (runner.drafted, runner.accepted)
     assert_cache_holds_what_it_says(draft)  # after many refused drafts
@@ -144,9 +161,11 @@ def test_a_draft_is_not_asked_past_its_context():
     assert plan.decode[0].draft == []
 
 
-def test_sampled_replies_with_a_draft_model_follow_the_plain_distribution(architectures):
-    """The reply's second and third tokens over many seeds, drafted by the target itself (refused as often as the
-    sample leaves its argmax) and plain: one distribution (a two-sample chi-square)."""
+def test_sampled_replies_with_a_draft_model_follow_the_plain_distribution(architectures, stranger):
+    """The reply's second token (the one a draft proposes: the first comes from the prompt's prefill) over many
+    seeds, drafted by a stranger (its greedy token often one the target finds unlikely: refused, the residual draw
+    decides) and plain: one distribution (a two-sample chi-square). A verifier that kept every draft fails this by
+    far; the residual draw's own exactness is test_speculation.py's per-position test."""
     model = architectures["llama"]
     prompts = random_prompts(model.config.vocab_size, 1, seed=5)
 
@@ -154,14 +173,14 @@ def test_sampled_replies_with_a_draft_model_follow_the_plain_distribution(archit
         counts: dict[tuple[int, ...], int] = {}
         runner = None
         for seed in range(240):
-            got, runner, _, _ = run(model, prompts, draft_model=draft_model, max_tokens=3, temperature=0.7,
+            got, runner, _, _ = run(model, prompts, draft_model=draft_model, max_tokens=3, temperature=0.4,
                                     seed=seed, settings=SpeculationSettings("draft", draft_min=1, draft_max=2))
-            key = tuple(got["0"][1:3])
+            key = tuple(got["0"][1:2])
             counts[key] = counts.get(key, 0) + 1
         return counts, runner
 
     plain, _ = draws(None)
-    spec, runner = draws(model)
+    spec, runner = draws(stranger)
     assert runner.verify_rows > 0
     keys = [k for k in set(plain) | set(spec) if plain.get(k, 0) + spec.get(k, 0) >= 10]
     other = sum(v for k, v in plain.items() if k not in keys), sum(v for k, v in spec.items() if k not in keys)
