@@ -95,10 +95,12 @@ async def start(model: Path, args, speculation: str) -> GenerativeModelService:
     return svc
 
 
-async def ours_once(svc: GenerativeModelService, items, concurrent: bool, args) -> tuple[float, list[str], int, int]:
-    """(tokens/s, the answers, tokens drafted, drafted tokens accepted) of one run of the workload."""
+async def ours_once(svc: GenerativeModelService, items, concurrent: bool, args) -> tuple:
+    """(tokens/s, the answers, tokens drafted, drafted tokens accepted, ms per engine step, draft model forwards,
+    ms per draft forward) of one run of the workload."""
     loop = svc._engine_loop
     before = loop.speculation_counts()
+    steps0, (forwards0, seconds0) = loop.step_counts()[0], loop.draft_counts()
 
     def call(prompt, grammar):
         return svc.generate("", prompt, args.new_tokens, 0.0, time.monotonic() + 600, grammar=grammar)
@@ -110,8 +112,11 @@ async def ours_once(svc: GenerativeModelService, items, concurrent: bool, args) 
         results = [await call(p, g) for p, g in items]
     wall = time.perf_counter() - t0
     after = loop.speculation_counts()
+    steps, (forwards, seconds) = loop.step_counts()[0] - steps0, loop.draft_counts()
+    forwards, seconds = forwards - forwards0, seconds - seconds0
     return (sum(r.token_count for r in results) / wall, [r.text for r in results], after[1] - before[1],
-            after[2] - before[2])
+            after[2] - before[2], 1000 * (wall - seconds) / max(1, steps), forwards,
+            1000 * seconds / max(1, forwards))
 
 
 class LlamaCppChat:
@@ -160,7 +165,7 @@ async def main_async(args) -> None:
     try:
         for name, items in work.items():
             for n in (1, 4):
-                best = {mode: (0.0, [], 0, 0) for mode in modes}
+                best = {mode: (0.0, [], 0, 0, 0.0, 0, 0.0) for mode in modes}
                 for _ in range(args.repeats):
                     for mode, svc in services.items():
                         got = await ours_once(svc, items, n == 4, args)
@@ -179,7 +184,9 @@ async def main_async(args) -> None:
                     figures[(name, f"dacc{n}")] = dacc = dr[3] / dr[2] if dr[2] else float("nan")
                     print(f"  {name:10s} {n} seq: draft model {dr[0]:7.1f} tokens/s ({dr[0] / off[0]:.2f}x off), "
                           f"acceptance {dacc:.2f} ({dr[3]} of {dr[2]} drafted); answers "
-                          f"{'identical' if dr[1] == off[1] else 'DIFFER'}", flush=True)
+                          f"{'identical' if dr[1] == off[1] else 'DIFFER'}; {dr[5]} draft forwards of "
+                          f"{dr[6]:.1f} ms, the rest {dr[4]:.1f} ms a step (off: {off[4]:.1f} ms a step)",
+                          flush=True)
     finally:
         for svc in services.values():
             await svc.stop()

@@ -12,6 +12,7 @@ is in, so a step never waits for a whole prompt through the draft model.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -44,7 +45,8 @@ class DraftModel:
         self.model = model  # models.llama.LlamaModel
         self.cache = cache  # models.llama.KVCache, cache.n_slots == the target's kv_slots
         self.held: list[list[int]] = [[] for _ in range(cache.n_slots)]  # per slot: the tokens its KV holds
-        self.forwards = 0  # draft model forwards run (benchmarks)
+        self.forwards = 0  # draft model forwards run and the seconds they took (benchmarks: the draft's cost)
+        self.seconds = 0.0
 
     @torch.no_grad()
     def fill(self, plan: StepPlan, slots: SlotManager) -> None:
@@ -81,12 +83,15 @@ class DraftModel:
 
     def _forward(self, feeds: list[list[int]], slots: list[int], starts: list[int]) -> torch.Tensor:
         """The draft model over ragged rows; each row's last logits (B, vocab)."""
-        self.forwards += 1
+        started = time.perf_counter()
         ids = torch.zeros(len(feeds), max(len(f) for f in feeds), dtype=torch.long)
         for i, f in enumerate(feeds):
             ids[i, :len(f)] = torch.tensor(f, dtype=torch.long)
-        return self.model.forward(self.cache, ids, torch.tensor(slots), torch.tensor(starts),
-                                  torch.tensor([len(f) for f in feeds]))
+        logits = self.model.forward(self.cache, ids, torch.tensor(slots), torch.tensor(starts),
+                                    torch.tensor([len(f) for f in feeds]))
+        self.forwards += 1
+        self.seconds += time.perf_counter() - started
+        return logits
 
     def forget_all(self) -> None:
         """The target's slots were all dropped (new weights): nothing held is worth comparing against."""

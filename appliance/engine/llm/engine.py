@@ -82,10 +82,11 @@ class EngineLoop:
         runner = getattr(self, "_runner", None)
         return (runner.verify_rows, runner.drafted, runner.accepted) if runner is not None else (0, 0, 0)
 
-    def draft_forwards(self) -> int:
-        """Forwards the draft model ran since the weights loaded (speculation: draft; benchmarks)."""
+    def draft_counts(self) -> tuple[int, float]:
+        """(forwards the draft model ran, seconds they took) since the weights loaded (speculation: draft;
+        benchmarks)."""
         draft = getattr(self, "_draft", None)
-        return draft.forwards if draft is not None else 0
+        return (draft.forwards, draft.seconds) if draft is not None else (0, 0.0)
 
     def submit(self, seq: Sequence) -> None:
         """Queue a request; seq.handle (a Reply) gets its GenerateResult or error."""
