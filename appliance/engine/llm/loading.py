@@ -108,12 +108,12 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
             # takes a core
             compile_decode(name, compiled)
     return LoadedEngine(model, cache, tokenizer, version_label or version, backend, max_seq_len, compiled,
-                        plan.weight_format, plan.record, draft.model if draft is not None else None)
+                        plan.weight_format, plan.record, draft.drafter if draft is not None else None)
 
 
 @dataclass
 class LoadedDraft:
-    model: Any  # draft_model.DraftModel
+    drafter: Any  # draft_model.DraftModel
     backend: str  # its weights and KV cache, for the target's Backend text
 
 
