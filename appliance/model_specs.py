@@ -43,7 +43,9 @@ def model_spec(m, engine, device: str, state_dir: Path, version: str | None = No
                     "seed": engine.seed, "max_text_chars": m.max_text_chars, "system_prompt": m.system_prompt,
                     "top_p": m.top_p, "speculation": m.speculation,
                     "speculation_draft_min": m.speculation_draft_min,
-                    "speculation_draft_max": m.speculation_draft_max, "max_queue_size": engine.max_queue_size, "kernels": engine.kernels,
+                    "speculation_draft_max": m.speculation_draft_max,
+                    "speculation_draft_model": (str(m.speculation_draft_model) if m.speculation_draft_model
+                                                else None), "max_queue_size": engine.max_queue_size, "kernels": engine.kernels,
                     "weights": engine.weights, "activations": engine.activations,
                     "quant_kernels": engine.quant_kernels, "kv_dtype": engine.kv_dtype,
                     "weight_cache_dir": str(state_dir / "cache" / "weights" / m.name),

@@ -5,6 +5,8 @@
                                                        dequantised to an F32 GGUF (same metadata), then quantized
     python bench/make_gguf.py smollm2-q4_0 OUT.gguf   SmolLM2-135M as Q4_0 (llama.cpp's fastest x86 format: its CPU
                                                        backend repacks Q4_0 8x8 on AVX2 / AVX-512), the same way
+    python bench/make_gguf.py smollm2-q8_0 OUT.gguf   SmolLM2-135M as Q8_0, the same way (bench/speculative.py's
+                                                       target when SmolLM2-135M Q4_0 drafts for it)
     python bench/make_gguf.py llama1b-q4km OUT.gguf   a Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 / 8
                                                        heads, FFN 8192, tied embeddings) with random weights and
                                                        SmolLM2's tokenizer (its 49,152-token vocabulary, not
@@ -102,7 +104,7 @@ def write_random_llama(out: Path, seed: int = 0) -> None:
     writer.close()
 
 
-FTYPES = {"q4km": 15, "q4_0": 2}  # LLAMA_FTYPE_MOSTLY_Q4_K_M, LLAMA_FTYPE_MOSTLY_Q4_0
+FTYPES = {"q4km": 15, "q4_0": 2, "q8_0": 7}  # LLAMA_FTYPE_MOSTLY_Q4_K_M, _Q4_0, _Q8_0
 
 
 def quantize(src: Path, out: Path, ftype: int, threads: int = 2) -> None:
@@ -118,7 +120,7 @@ def quantize(src: Path, out: Path, ftype: int, threads: int = 2) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["smollm2-q4km", "smollm2-q4_0", "llama1b-q4km"])
+    ap.add_argument("which", choices=["smollm2-q4km", "smollm2-q4_0", "smollm2-q8_0", "llama1b-q4km"])
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
-"""Prompt-lookup speculation on PLC-shaped work: ours with it on against ours without, against llama.cpp's default and
-llama.cpp with its prompt-lookup decoding, in one run.
+"""Speculation on PLC-shaped work: ours with prompt lookup (and with a draft model, --draft-model) against ours
+without, against llama.cpp's default and llama.cpp with its prompt-lookup decoding, in one run.
 
-    python bench/speculative.py [--model GGUF] [--new-tokens 96] [--repeats 2] [--threads N] [--no-llama-cpp]
+    python bench/speculative.py [--model GGUF] [--draft-model GGUF] [--new-tokens 96] [--repeats 2] [--threads N]
+                                [--workloads extraction,free] [--no-llama-cpp]
 
 Workloads (greedy chat turns on the demo model unless --model says otherwise):
   extraction  alarm texts with fields to copy out (tag, limit, value, unit) into a fixed line format;
@@ -16,6 +17,10 @@ also llama-cpp-python's create_chat_completion on the same GGUF file with its de
 answers one call at a time, so it has no 4-sequence figure). tokens/s = tokens generated / wall seconds of the
 whole workload (prefill included). Each figure is the best of --repeats runs (the CPU is shared). Every ours-on
 answer is compared with ours-off's: greedy speculation must not change a token.
+--draft-model: a third service of ours with `speculation: draft` and that file as the draft model (its tokenizer
+must be --model's); its rows say the pair. The pair measurable here is SmolLM2-135M Q8_0 drafted by SmolLM2-135M
+Q4_0 (bench/make_gguf.py smollm2-q8_0 / smollm2-q4_0): the same weights quantized harder, so the drafts are
+mostly accepted and the draft's cost per token is what bounds the gain.
 llama.cpp comes from bench/.llama-cpp/native (scripts/setup-bench.sh), as in bench/generate.py.
 """
 from __future__ import annotations
@@ -75,11 +80,12 @@ def workloads() -> dict[str, list[tuple[str, str | None]]]:
 
 
 async def start(model: Path, args, speculation: str) -> GenerativeModelService:
+    draft = str(Path(args.draft_model).resolve()) if speculation == "draft" else None
     cache = Path(args.cache)
     settings = GenerativeSettings(kv_slots=4, max_seq_len=1024, max_new_tokens=args.new_tokens, threads=args.threads,
                                   compile=args.compile, compile_cache_dir=str(cache / "compile"),
                                   weight_cache_dir=str(cache / "weights"), cpu_kernel_dir=str(cache / "kernels"),
-                                  speculation=speculation, seed=1)
+                                  speculation=speculation, speculation_draft_model=draft, seed=1)
     svc = GenerativeModelService("bench", model, settings, version_label="bench")
     await svc.start()
     if svc.state != "Ready":
@@ -89,10 +95,12 @@ async def start(model: Path, args, speculation: str) -> GenerativeModelService:
     return svc
 
 
-async def ours_once(svc: GenerativeModelService, items, concurrent: bool, args) -> tuple[float, list[str], int, int]:
-    """(tokens/s, the answers, tokens drafted, drafted tokens accepted) of one run of the workload."""
+async def ours_once(svc: GenerativeModelService, items, concurrent: bool, args) -> tuple:
+    """(tokens/s, the answers, tokens drafted, drafted tokens accepted, ms per engine step, draft model forwards,
+    ms per draft forward) of one run of the workload."""
     loop = svc._engine_loop
     before = loop.speculation_counts()
+    steps0, (forwards0, seconds0) = loop.step_counts()[0], loop.draft_counts()
 
     def call(prompt, grammar):
         return svc.generate("", prompt, args.new_tokens, 0.0, time.monotonic() + 600, grammar=grammar)
@@ -104,8 +112,11 @@ async def ours_once(svc: GenerativeModelService, items, concurrent: bool, args) 
         results = [await call(p, g) for p, g in items]
     wall = time.perf_counter() - t0
     after = loop.speculation_counts()
+    steps, (forwards, seconds) = loop.step_counts()[0] - steps0, loop.draft_counts()
+    forwards, seconds = forwards - forwards0, seconds - seconds0
     return (sum(r.token_count for r in results) / wall, [r.text for r in results], after[1] - before[1],
-            after[2] - before[2])
+            after[2] - before[2], 1000 * (wall - seconds) / max(1, steps), forwards,
+            1000 * seconds / max(1, forwards))
 
 
 class LlamaCppChat:
@@ -141,15 +152,20 @@ def llama_cpp_pair(model: Path, args):
 async def main_async(args) -> None:
     model = Path(args.model) if args.model else default_model()
     work = workloads()
+    if args.workloads:
+        work = {k: v for k, v in work.items() if k in args.workloads.split(",")}
+    modes = ("off", "lookup", "draft") if args.draft_model else ("off", "lookup")
+    if args.draft_model:
+        print(f"draft model: {Path(args.draft_model).name} drafting for {model.name}")
     print(f"model: {model.name}; {args.new_tokens} new tokens at most per answer; threads {args.threads or 'all'}; "
           f"best of {args.repeats}, on and off interleaved")
     figures: dict[tuple[str, str], float] = {}
-    services = {mode: await start(model, args, mode) for mode in ("off", "lookup")}
+    services = {mode: await start(model, args, mode) for mode in modes}
     print(f"ours: weights on {services['off']._engine.backend}")
     try:
         for name, items in work.items():
             for n in (1, 4):
-                best = {"off": (0.0, [], 0, 0), "lookup": (0.0, [], 0, 0)}
+                best = {mode: (0.0, [], 0, 0, 0.0, 0, 0.0) for mode in modes}
                 for _ in range(args.repeats):
                     for mode, svc in services.items():
                         got = await ours_once(svc, items, n == 4, args)
@@ -162,6 +178,15 @@ async def main_async(args) -> None:
                 print(f"  {name:10s} {n} seq: off {off[0]:7.1f} tokens/s, lookup {on[0]:7.1f} tokens/s "
                       f"({on[0] / off[0]:.2f}x), acceptance {acc:.2f} ({on[3]} of {on[2]} drafted); answers "
                       f"{'identical' if on[1] == off[1] else 'DIFFER'}", flush=True)
+                if "draft" in best:
+                    dr = best["draft"]
+                    figures[(name, f"draft{n}")] = dr[0]
+                    figures[(name, f"dacc{n}")] = dacc = dr[3] / dr[2] if dr[2] else float("nan")
+                    print(f"  {name:10s} {n} seq: draft model {dr[0]:7.1f} tokens/s ({dr[0] / off[0]:.2f}x off), "
+                          f"acceptance {dacc:.2f} ({dr[3]} of {dr[2]} drafted); answers "
+                          f"{'identical' if dr[1] == off[1] else 'DIFFER'}; {dr[5]} draft forwards of "
+                          f"{dr[6]:.1f} ms, the rest {dr[4]:.1f} ms a step (off: {off[4]:.1f} ms a step)",
+                          flush=True)
     finally:
         for svc in services.values():
             await svc.stop()
@@ -188,11 +213,22 @@ async def main_async(args) -> None:
                  f"{lcl:.1f}" if lcl else "-", f"{on1 / lcl:.2f}x" if lcl else "-",
                  f"{f('off4'):.1f}", f"{f('lookup4'):.1f}", f"{f('lookup4') / f('off4'):.2f}x"]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.draft_model:
+        print(f"\n| workload | ours off 1 | ours draft 1 | draft/off | acceptance | ours off 4 | ours draft 4 | "
+              f"draft/off | acceptance |  (draft {Path(args.draft_model).name} for {model.name})")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name in work:
+            f = lambda k: figures.get((name, k))  # noqa: E731
+            print(f"| {name} | {f('off1'):.1f} | {f('draft1'):.1f} | {f('draft1') / f('off1'):.2f}x | "
+                  f"{f('dacc1'):.2f} | {f('off4'):.1f} | {f('draft4'):.1f} | {f('draft4') / f('off4'):.2f}x | "
+                  f"{f('dacc4'):.2f} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file (default: the demo model)")
+    ap.add_argument("--draft-model", help="GGUF file drafting for --model (speculation: draft), measured too")
+    ap.add_argument("--workloads", help="comma-separated names to run (default: all)")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)

@@ -81,7 +81,50 @@ def check_model(fields_: Fields, ctx: Context, path: str) -> Path | None:
     resolved = _model_path(values["path"], kind, nodes, ctx, path) if "path" in values else None
     if kind == "tensor" and resolved is not None:
         ok = _check_labels(values, nodes, resolved, ctx, path) and ok
+    if kind == "generative":
+        _check_draft_model(values, nodes, ctx, path)
     return resolved if ok else None
+
+
+def _check_draft_model(values: dict[str, Any], nodes: dict[str, Node], ctx: Context, path: str) -> None:
+    """speculation: draft names a draft model (only then), which exists (its tokenizer: check_draft_tokenizers)."""
+    mode, draft = values.get("speculation"), values.get("speculation_draft_model")
+    key = f"{path}.speculation_draft_model"
+    if mode == "draft" and draft is None:
+        if key not in ctx.bad:
+            ctx.error(nodes["speculation"], f"{path}.speculation", "speculation: draft needs "
+                      "speculation_draft_model, the draft model's file (a smaller model with the same tokenizer)")
+        return
+    if draft is None:
+        return
+    if mode != "draft":
+        ctx.error(nodes["speculation_draft_model"], key, "speculation_draft_model applies with speculation: draft "
+                  f"only (speculation is {mode or 'off'})")
+        return
+    if not draft.exists():
+        ctx.error(nodes["speculation_draft_model"], key, f"no such file or directory: {draft} (relative paths are "
+                  f"resolved against {ctx.base_dir})")
+
+
+def check_draft_tokenizers(cfg: ApplianceConfig, ctx: Context) -> None:
+    """check-config (it reads the model files' tokenizers: seconds for a GGUF file): each draft model has its
+    model's tokenizer, token for token (the engine refuses one that has not when it loads them)."""
+    from .vocabulary import vocabulary_difference
+    for name, m in cfg.models.items():
+        key = f"models.{name}.speculation_draft_model"
+        draft = m.speculation_draft_model
+        if (m.speculation != "draft" or draft is None or key in ctx.bad or m.resolved_path is None
+                or not draft.exists()):
+            continue
+        try:
+            why = vocabulary_difference(m.resolved_path, draft)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            ctx.error(ctx.nodes[key], key, f"cannot read the tokenizer of {draft} or of the model "
+                      f"({type(exc).__name__}: {exc})")
+            continue
+        if why:
+            ctx.error(ctx.nodes[key], key, f"the draft model's tokenizer is not the model's: {why}; a draft model "
+                      "must share the model's tokenizer")
 
 
 # What reading an ONNX file's header can raise: the file unreadable, not a ModelProto (protobuf's DecodeError), too

@@ -10,8 +10,9 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from .checks import (check_alarm_names, check_alarm_sources, check_certificate_roles, check_fallbacks, check_mailboxes,
-                     check_max_samples, check_model, check_tasks, cross_check, onnx_sample_floats)
+from .checks import (check_alarm_names, check_alarm_sources, check_certificate_roles, check_draft_tokenizers,
+                     check_fallbacks, check_mailboxes, check_max_samples, check_model, check_tasks, cross_check,
+                     onnx_sample_floats)
 from .sources import check_sources, parse_sources
 from .schema import MODEL_NAME, SECTIONS, TOP_KEYS, ApplianceConfig, MailboxConfig, ModelConfig, UserConfig
 from .yaml_walk import (
@@ -120,6 +121,8 @@ def _build(root: Node | None, ctx: Context, spelling: bool = False) -> Appliance
     check_max_samples(cfg, ctx)
     check_certificate_roles(cfg, ctx)
     check_tasks(cfg, ctx, spelling)
+    if spelling:
+        check_draft_tokenizers(cfg, ctx)
     return cfg
 
 
@@ -136,8 +139,9 @@ def _sample_floats(model) -> int | None:
 def load_config_text(text: str, source: str = "<string>", base_dir: Path | None = None,
                      spelling: bool = False) -> ApplianceConfig:
     """Parse and validate YAML text; relative paths resolve against `base_dir` (default: the current directory).
-    spelling: also check that each task's enum values are spelt by the model's tokenizer (reads the model file's
-    header: seconds for a GGUF file; `appliance check-config` asks for it)."""
+    spelling: also check that each task's enum values are spelt by the model's tokenizer, and that a draft model has
+    its model's tokenizer (reads the model files' headers: seconds for a GGUF file; `appliance check-config` asks
+    for it)."""
     ctx = Context(source=source, base_dir=Path(base_dir if base_dir is not None else Path.cwd()).resolve())
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)

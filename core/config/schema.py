@@ -340,13 +340,13 @@ RESERVED_SOURCE_NAMES = (DEFAULT_ALARM_SOURCE, "ClassIndex", "Label", "Confidenc
 MAIN_VARIANT = "main"  # the model's own path in an A/B split
 TENSOR_ONLY = ("max_samples", "labels", "alarm_classes", "alarm_confidence", "alarm_on_results",
                "alarm_off_results", "alarm_sources", "drift")
-SPECULATION_MODES = ("off", "lookup")
+SPECULATION_MODES = ("off", "lookup", "draft")
 # YAML reads an unquoted `off` as false: the same switch
-_SPECULATION = Scalar("one of off, lookup",
+_SPECULATION = Scalar("one of off, lookup, draft",
                       lambda v, exp: None if v is False or v in SPECULATION_MODES else choice(*SPECULATION_MODES).check(v, exp),
                       lambda v, ctx: "off" if v is False else v)
 GENERATIVE_ONLY = ("max_text_chars", "system_prompt", "top_p", "tasks", "speculation", "speculation_draft_min",
-                   "speculation_draft_max")
+                   "speculation_draft_max", "speculation_draft_model")
 
 
 @dataclass
@@ -364,10 +364,14 @@ class ModelConfig:
     system_prompt: str | None = setting(None, optional(text("a string", lambda v: True, max_len=16384)))
     top_p: float = setting(0.95, number(0, 1, lo_open=True))
     # generative: speculative decoding. lookup: the next tokens drafted from the reply's own prompt and output
-    # (n-gram lookup) and verified in one step; answers are the same as with off (greedy: token for token)
+    # (n-gram lookup) and verified in one step; draft: drafted by the smaller model speculation_draft_model;
+    # answers are the same as with off (greedy: token for token)
     speculation: str = setting("off", _SPECULATION)
     speculation_draft_min: int = setting(1, integer(1, 64))  # the shortest draft worth verifying
     speculation_draft_max: int = setting(8, integer(1, 64))  # the longest (the length adapts in between)
+    # speculation: draft: the draft model's GGUF file or HF directory (relative to this file's directory); its
+    # tokenizer must be the model's own (the same vocabulary, token for token)
+    speculation_draft_model: Path | None = setting(None, optional(path_rule()))
     # models with the same worker name share one worker process; default: a process of its own
     worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
                                                      lambda v: bool(MODEL_NAME.fullmatch(v)))))

@@ -82,6 +82,12 @@ class EngineLoop:
         runner = getattr(self, "_runner", None)
         return (runner.verify_rows, runner.drafted, runner.accepted) if runner is not None else (0, 0, 0)
 
+    def draft_counts(self) -> tuple[int, float]:
+        """(forwards the draft model ran, seconds they took) since the weights loaded (speculation: draft;
+        benchmarks)."""
+        draft = getattr(self, "_draft", None)
+        return (draft.forwards, draft.seconds) if draft is not None else (0, 0.0)
+
     def submit(self, seq: Sequence) -> None:
         """Queue a request; seq.handle (a Reply) gets its GenerateResult or error."""
         self._commands.put(("submit", seq))
@@ -131,6 +137,10 @@ class EngineLoop:
         if speculation.enabled and self._runner.graphs:
             log.warning("model %s: speculation is verified by the eager forward only; off on this device", self.name)
             speculation = None
+        elif speculation.mode == "draft" and engine.draft is None:  # loading.load_draft refuses rather than this
+            log.warning("model %s: no draft model loaded; speculation off", self.name)
+            speculation = None
+        self._draft = engine.draft if speculation is not None else None
         self._scheduler = Scheduler(self._slots, self._turns, s.prefill_chunk,
                                     prefixes=PrefixIndex(s.prefix_cache_entries), speculation=speculation)
         self._live_engine = engine
@@ -172,6 +182,8 @@ class EngineLoop:
 
     def _step(self, plan: StepPlan) -> None:
         try:
+            if self._draft is not None:  # speculation: draft: the draft model proposes the rows' drafts first
+                self._draft.fill(plan, self._slots)
             sampled = self._runner.run(plan)
             finished = self._scheduler.commit(plan, sampled)
         except Exception:  # the step's sequences fail, their slots roll back to before their turn; others go on
@@ -346,6 +358,8 @@ class EngineLoop:
         self._scheduler.prefixes.take_evicted()  # the new runner starts without them
         from appliance.engine.llm.runner import ModelRunner
         self._runner = ModelRunner(engine.model, engine.cache, compiled=engine.compiled_decode)
+        if self._scheduler.speculation is not None and self._scheduler.speculation.mode == "draft":
+            self._draft = engine.draft  # loaded with the new weights (its slots start empty)
         self._live_engine = engine
         self._scheduler.paused = False
         log.info("model %s: weights swapped, %d conversations dropped", self.name, len(lost))

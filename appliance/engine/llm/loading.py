@@ -40,6 +40,7 @@ class LoadedEngine:
     compiled_decode: Any = None  # loader.compiled_decode.CompiledDecode, ready once compiled; None: eager decode
     weight_format: str = ""  # e.g. "Q4_1+Q8_0/int8" (appliance_model_info's weight_format label)
     path_record: Any = None  # loader.path_choice.Record when the path was measured
+    draft: Any = None  # draft_model.DraftModel (speculation: draft), loaded with the target, its slots mirroring
 
 
 def load_engine(name: str, path: Path, settings: GenerativeSettings, version_label: str | None,
@@ -88,6 +89,14 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
                      available / 2**30, bound)
             backend += f"; KV cache {need / 2**30:.2f} GiB, memory bounded by {bound}"
         cache = KVCache(config, s.kv_slots, max_seq_len, kv_dtype, device)
+    draft = None
+    if s.speculation == "draft":
+        if device.startswith("cuda") and model.use_kernels():
+            log.warning("model %s: speculation is verified by the eager forward only; no draft model on this device",
+                        name)
+        else:
+            draft = load_draft(name, s, device, plan, max_seq_len, measure, remeasure, kl)
+            backend += f"; draft model {draft.backend}"
     log.info("model %s: %s", name, backend)
     compiled = None
     if s.compile != "off" and device == "cpu":
@@ -99,7 +108,57 @@ def load_engine(name: str, path: Path, settings: GenerativeSettings, version_lab
             # takes a core
             compile_decode(name, compiled)
     return LoadedEngine(model, cache, tokenizer, version_label or version, backend, max_seq_len, compiled,
-                        plan.weight_format, plan.record)
+                        plan.weight_format, plan.record, draft.drafter if draft is not None else None)
+
+
+@dataclass
+class LoadedDraft:
+    drafter: Any  # draft_model.DraftModel
+    backend: str  # its weights and KV cache, for the target's Backend text
+
+
+def load_draft(name: str, s: GenerativeSettings, device: str, target: Any, max_seq_len: int,
+               measure: Callable | None, remeasure: bool, kl: Callable | None) -> LoadedDraft:
+    """The draft model of `speculation: draft`, along the target's loader path (plan_weights: the same settings,
+    the same weight cache), with a KV cache of its own of the target's kv_slots x max_seq_len. Refused when its
+    tokenizer is not the target's (check-config says so first, naming the YAML line)."""
+    import torch
+
+    from appliance.engine.llm.draft_model import DraftModel
+    from models.llama import KVCache
+
+    path = Path(s.speculation_draft_model) if s.speculation_draft_model else None
+    if path is None or not path.exists():
+        raise EngineFailure("speculation: draft needs speculation_draft_model, an existing model file")
+    plan = plan_weights(path, s, device, measure, remeasure, kl)
+    why = tokenizer_difference(target.tokenizer, target.config, plan.tokenizer, plan.config)
+    if why:
+        raise EngineFailure(f"the draft model's tokenizer is not the target's ({why})")
+    positions = min(max_seq_len, plan.config.max_position_embeddings)  # drafts past it: none (draft_model.fill)
+    kv_dtype = getattr(torch, s.kv_dtype if s.kv_dtype != "auto" else "bfloat16" if plan.quantized
+                       else plan.compute_dtype)
+    need = KVCache.nbytes_for(plan.config, s.kv_slots, positions, kv_dtype)
+    available, bound = _available_memory(device)
+    if available is not None and need > MEMORY_HEADROOM * available:
+        raise EngineFailure(f"the draft model's KV cache needs {need / 2**30:.2f} GiB but only "
+                            f"{available / 2**30:.2f} GiB of memory is available, bounded by {bound}")
+    cache = KVCache(plan.config, s.kv_slots, positions, kv_dtype, device)
+    log.info("model %s: draft model %s", name, plan.backend)
+    return LoadedDraft(DraftModel(plan.model, cache), f"{plan.weight_format}, KV cache {need / 2**30:.2f} GiB")
+
+
+def tokenizer_difference(a: Any, a_config: Any, b: Any, b_config: Any) -> str | None:
+    """Why two models' tokenizers differ (vocabulary size, a token's text), or None when they are the same: a draft
+    model's token ids must mean what the target's mean."""
+    if a_config.vocab_size != b_config.vocab_size:
+        return f"vocabulary of {b_config.vocab_size} tokens, the target's {a_config.vocab_size}"
+    va, vb = a.tokenizer.get_vocab(with_added_tokens=True), b.tokenizer.get_vocab(with_added_tokens=True)
+    if va != vb:
+        ids_a = {i: t for t, i in va.items()}
+        ids_b = {i: t for t, i in vb.items()}
+        first = min(i for i in set(ids_a) | set(ids_b) if ids_a.get(i) != ids_b.get(i))
+        return f"token {first} differs"
+    return None
 
 
 def prepare_model(name: str, path: Path, settings: GenerativeSettings) -> LoadedEngine:

@@ -17,7 +17,7 @@ from typing import Protocol
 from core.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded, InvalidArgument, ResourceUnavailable
 from appliance.engine.llm.prefix_index import Key, PrefixIndex
 from appliance.engine.llm.sequence import FinishReason, Sequence, SeqState
-from appliance.engine.llm.speculation import LookupDrafter, SpeculationSettings
+from appliance.engine.llm.speculation import LookupDrafter, ModelDrafter, SpeculationSettings
 from appliance.engine.llm.slots import Acquired, Slot, SlotManager, SlotMove
 
 
@@ -48,6 +48,7 @@ class DecodeRow:
     pos: int
     token: int
     draft: list[int] = field(default_factory=list)  # speculation: tokens proposed after `token`, verified in this step
+    draft_wanted: int = 0  # speculation by a draft model: the engine fills `draft` with this many before the step
 
 
 @dataclass
@@ -132,7 +133,9 @@ class Scheduler:
             slot = self.slots.slot(seq.slot)
             pending = len(slot.tokens) - slot.kv_len
             if seq.state is SeqState.DECODE and pending == 1:
-                plan.decode.append(DecodeRow(seq, seq.slot, slot.kv_len, slot.tokens[-1], self._draft(seq, slot)))
+                row = DecodeRow(seq, seq.slot, slot.kv_len, slot.tokens[-1])
+                self._draft(row, slot)
+                plan.decode.append(row)
             elif seq.state is SeqState.DECODE:
                 # The sampled token and the stretch a grammar forced after it (jump-forward): fed in one step as a
                 # prefill chunk, whose last row gives the next token to sample (outside the prompts' budget: it
@@ -152,18 +155,25 @@ class Scheduler:
         plan.slot_moves = self.slots.take_moves()
         return plan
 
-    def _draft(self, seq: Sequence, slot: Slot) -> list[int]:
-        """Speculation's proposal for a decoding sequence ([] when off or nothing matches): at most what the reply
-        and the context still have room for past the token the step samples anyway."""
+    def _draft(self, row: DecodeRow, slot: Slot) -> None:
+        """Speculation's proposal for a decoding sequence (nothing when off or nothing matches): at most what the
+        reply and the context still have room for past the token the step samples anyway. A lookup draft is made
+        here; a draft model's is only sized (row.draft_wanted: the engine runs that model before the step)."""
         if self.speculation is None:
-            return []
+            return
+        seq = row.seq
         if seq.drafter is None:
-            seq.drafter = LookupDrafter(self.speculation)
+            seq.drafter = (ModelDrafter if self.speculation.mode == "draft" else LookupDrafter)(self.speculation)
         room = min(seq.max_tokens - len(seq.generated) - 1, self.slots.max_seq_len - 1 - slot.kv_len,
                    self._draft_budget)
-        draft = seq.drafter.propose(slot.tokens, room) if room > 0 else []
-        self._draft_budget -= len(draft)
-        return draft
+        if room <= 0:
+            return
+        if isinstance(seq.drafter, ModelDrafter):
+            row.draft_wanted = seq.drafter.wanted(room)
+            self._draft_budget -= row.draft_wanted
+        else:
+            row.draft = seq.drafter.propose(slot.tokens, room)
+            self._draft_budget -= len(row.draft)
 
     def _admit(self, plan: StepPlan, now: float) -> None:
         if self.paused:

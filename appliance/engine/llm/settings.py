@@ -42,7 +42,8 @@ class GenerativeSettings:
     park_memory_mb: int = 256  # host memory for evicted sessions' conversations (slots.SlotManager parking)
     conversation_dir: str | None = None  # Converse conversations kept here across restarts (conversation_files)
     conversation_ttl_s: float = 86400.0
-    speculation: str = "off"  # off | lookup (appliance/engine/llm/speculation.py)
+    speculation: str = "off"  # off | lookup | draft (appliance/engine/llm/speculation.py, draft_model.py)
+    speculation_draft_model: str | None = None  # draft: the draft model's file (the target's tokenizer)
     speculation_draft_min: int = 1
     speculation_draft_max: int = 8
     # Forced stretches of a grammar fed as prefill (not a YAML key: off only for bench/tasks.py's comparison)
