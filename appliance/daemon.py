@@ -133,6 +133,7 @@ class Appliance:
         groups: dict[str, list] = {}
         for name, m in self.config.models.items():
             groups.setdefault(m.worker or name, []).append(m)
+        cpu_shares = self._cpu_shares(groups)
         services = self.services  # filled in place: supervision holds the same dict
         self.variant_services.clear()
         for m in self.config.models.values():  # each A/B variant in a worker of its own
@@ -141,7 +142,8 @@ class Appliance:
                                             resolved_path=v.resolved_path, version=v.version, variants={},
                                             fallback=None, worker=None)
                 spec = model_spec(clone, eng, device.split(" ")[0], Path(self.config.server.state_dir))
-                sup = WorkerSupervisor(clone.name, [spec], policy, on_event=self._model_event, metrics=self.metrics)
+                sup = WorkerSupervisor(clone.name, [spec], policy, on_event=self._model_event, metrics=self.metrics,
+                                       cpu_shares=cpu_shares)
                 sup.on_change.append(self._publish_soon)
                 self.supervisors.append(sup)
                 self.variant_services.setdefault(m.name, {})[variant] = RemoteModel(
@@ -150,13 +152,22 @@ class Appliance:
         for group, members in groups.items():
             specs = [model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir)) for m in members]
             sup = WorkerSupervisor(group, specs, policy,
-                                   on_event=self._model_event, metrics=self.metrics)
+                                   on_event=self._model_event, metrics=self.metrics, cpu_shares=cpu_shares)
             sup.on_change.append(self._publish_soon)
             self.supervisors.append(sup)
             for m in members:
                 services[m.name] = RemoteModel(m.name, m.kind, sup, max_samples=m.max_samples,
                                                served_path=self._served_path(m, eng, device))
         return services
+
+    def _cpu_shares(self, groups: dict[str, list]):
+        """Each worker's CPU share: its models' cpu_share summed (an A/B variant's worker: its model's)."""
+        from .workers.cpu_share import CpuShares
+        shares = {group: sum(m.cpu_share for m in members) for group, members in groups.items()}
+        for m in self.config.models.values():
+            shares.update({f"{m.name}@{variant}": m.cpu_share for variant in m.variants})
+        eng = self.config.engine
+        return CpuShares(shares, enabled=eng.cpu_shares != "off", threads=eng.threads)
 
     def _served_path(self, m, eng, device: str):
         """What a reload loads: the version a deploy checks, else `current` (or the configured path)."""

@@ -230,6 +230,10 @@ class EngineConfig:
     # Ready; off: eager only. Packages are kept in state_dir/cache/inductor
     compile: str = setting("auto", choice("auto", "on", "off"))
     tensorrt_fp16: bool = setting(True, boolean())  # backend tensorrt: build fp16 engines (fp32 inputs/outputs)
+    # each model's worker gets CPU time in proportion to its models.NAME.cpu_share where CPUs are short. auto: the
+    # unit's delegated cgroup (cpu.weight per worker) where systemd gives one (Delegate=yes), else nice levels; and
+    # with engine.threads 0 each worker's threads sized to its share of the cores. off: every worker at one nice level
+    cpu_shares: str = setting("auto", choice("auto", "off"))
 
 
 @dataclass
@@ -368,6 +372,9 @@ class ModelConfig:
     speculation: str = setting("off", _SPECULATION)
     speculation_draft_min: int = setting(1, integer(1, 64))  # the shortest draft worth verifying
     speculation_draft_max: int = setting(8, integer(1, 64))  # the longest (the length adapts in between)
+    # the CPU weight of this model's worker against the other workers' (engine.cpu_shares), as systemd's CPUWeight=:
+    # a model with 200 gets twice the CPU time of one with 100 where both want more than there is
+    cpu_share: int = setting(100, integer(1, 10000))
     # models with the same worker name share one worker process; default: a process of its own
     worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
                                                      lambda v: bool(MODEL_NAME.fullmatch(v)))))
