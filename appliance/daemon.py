@@ -121,6 +121,7 @@ class Appliance:
 
     def build_services(self, device: str) -> dict[str, TensorModel | GenerativeModel]:
         """One supervised worker per model, or per `worker` group of models."""
+        from .workers.cpu_share import CpuShares, worker_shares
         from .workers.remote import RemoteModel
         from .workers.supervisor import WorkerPolicy, WorkerSupervisor
 
@@ -133,7 +134,7 @@ class Appliance:
         groups: dict[str, list] = {}
         for name, m in self.config.models.items():
             groups.setdefault(m.worker or name, []).append(m)
-        cpu_shares = self._cpu_shares(groups)
+        cpu_shares = CpuShares(worker_shares(self.config), enabled=eng.cpu_shares != "off", threads=eng.threads)
         services = self.services  # filled in place: supervision holds the same dict
         self.variant_services.clear()
         for m in self.config.models.values():  # each A/B variant in a worker of its own
@@ -159,15 +160,6 @@ class Appliance:
                 services[m.name] = RemoteModel(m.name, m.kind, sup, max_samples=m.max_samples,
                                                served_path=self._served_path(m, eng, device))
         return services
-
-    def _cpu_shares(self, groups: dict[str, list]):
-        """Each worker's CPU share: its models' cpu_share summed (an A/B variant's worker: its model's)."""
-        from .workers.cpu_share import CpuShares
-        shares = {group: sum(m.cpu_share for m in members) for group, members in groups.items()}
-        for m in self.config.models.values():
-            shares.update({f"{m.name}@{variant}": m.cpu_share for variant in m.variants})
-        eng = self.config.engine
-        return CpuShares(shares, enabled=eng.cpu_shares != "off", threads=eng.threads)
 
     def _served_path(self, m, eng, device: str):
         """What a reload loads: the version a deploy checks, else `current` (or the configured path)."""

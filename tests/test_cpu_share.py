@@ -118,6 +118,22 @@ def test_nice_levels_and_threads_follow_the_shares():
     assert threads_for(1, 1000, cores=8, configured=3) == 3  # engine.threads set: as the YAML says
 
 
+def test_a_worker_groups_share_is_its_models_and_prepare_measures_with_the_workers_threads(tmp_path, monkeypatch):
+    from appliance.workers import cpu_share
+    (tmp_path / "b.onnx").write_bytes(b"")  # a variant's weights must exist; the config does not read them
+    config = load_config_text(
+        "models:\n"
+        "  a:\n    kind: tensor\n    path: builtin:te-classifier\n    worker: line\n    cpu_share: 200\n"
+        "  b:\n    kind: tensor\n    path: builtin:te-classifier\n    worker: line\n"
+        "  c:\n    kind: tensor\n    path: builtin:te-classifier\n    cpu_share: 100\n"
+        "    variants:\n      next: {path: b.onnx, weight: 10}\n", source="t.yaml", base_dir=tmp_path)
+    assert cpu_share.worker_shares(config) == {"line": 300, "c": 100, "c@next": 100}
+    monkeypatch.setattr(cpu_share, "usable_cores", lambda: 10)
+    assert cpu_share.planned_threads(config, "b") == 6 and cpu_share.planned_threads(config, "c") == 2
+    config.engine.cpu_shares = "off"
+    assert cpu_share.planned_threads(config, "c") == 0
+
+
 # ---- the cgroup path, against a cgroupfs and /proc laid out like the kernel's ----
 
 UNIT = "system.slice/appliance.service"

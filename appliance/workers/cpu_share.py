@@ -69,6 +69,25 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def worker_shares(config) -> dict[str, int]:
+    """Each worker's share: its models' cpu_share summed (a `worker` group's), an A/B variant's worker its model's."""
+    shares: dict[str, int] = {}
+    for name, m in config.models.items():
+        group = m.worker or name
+        shares[group] = shares.get(group, 0) + m.cpu_share
+        shares.update({f"{name}@{variant}": m.cpu_share for variant in m.variants})
+    return shares
+
+
+def planned_threads(config, model: str) -> int:
+    """The engine threads serve will give `model`'s worker (what `appliance models prepare` measures with)."""
+    if config.engine.cpu_shares == "off":
+        return config.engine.threads
+    shares = worker_shares(config)
+    group = config.models[model].worker or model
+    return threads_for(shares[group], sum(shares.values()), usable_cores(), config.engine.threads)
+
+
 class DelegatedCgroup:
     """The serve process's cgroup v2 directory, delegated to it: the leaves it makes there and the processes it
     moves into them."""
