@@ -9,8 +9,11 @@ runs against a directory laid out like cgroupfs, found through a /proc laid out 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +135,60 @@ def test_a_worker_groups_share_is_its_models_and_prepare_measures_with_the_worke
     assert cpu_share.planned_threads(config, "b") == 6 and cpu_share.planned_threads(config, "c") == 2
     config.engine.cpu_shares = "off"
     assert cpu_share.planned_threads(config, "c") == 0
+
+
+def own_cgroup_v2() -> Path | None:
+    """This process's cgroup v2 directory, found without the code under test."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            for mount in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+                d = mount / line[3:].lstrip("/")
+                if (d / "cgroup.procs").exists() and (mount / "cgroup.controllers").exists():
+                    return d
+    return None
+
+
+def test_a_real_delegated_cgroup_without_the_cpu_controller_keeps_the_nice_levels(tmp_path):
+    """A cgroup v2 child of ours marked delegated as systemd marks one (trusted.delegate), where this machine's
+    cgroup v2 has no cpu controller: serve, started inside it, reads all that from the kernel's own files, says why it
+    uses nice levels, and leaves the cgroup as it was (no serve/ leaf, its processes where they started)."""
+    pytest.importorskip("transformers")
+    parent = own_cgroup_v2()
+    if parent is None:
+        pytest.skip("no cgroup v2 hierarchy here")
+    child = parent / f"appliance-cpu-test-{os.getpid()}"
+    try:
+        child.mkdir()
+        os.setxattr(child, "trusted.delegate", b"1")
+    except OSError as e:
+        if child.exists():
+            child.rmdir()
+        pytest.skip(f"this machine does not let the test make a delegated cgroup: {e}")
+    if "cpu" in (child / "cgroup.controllers").read_text().split():
+        child.rmdir()
+        pytest.skip("this machine's cgroup v2 has the cpu controller: the nice fallback is not what runs here")
+    serve = None
+    try:
+        serve = Serve(tmp_path, two_models(tmp_path, classifier=100, chat=200), cgroup=child, wait="up")
+        base = os.getpriority(os.PRIO_PROCESS, serve.proc.pid)
+        assert nice_of(worker_of(serve, "te")) == base + WORKER_NICE + 3
+        assert nice_of(worker_of(serve, "chat")) == base + WORKER_NICE
+        assert "CPU shares by nice levels (the delegated cgroup has no cpu controller)" in serve.log_path.read_text()
+        assert metric(serve, "appliance_worker_cpu_share", model="te", mechanism="nice") == 100
+        assert not (child / "serve").exists()
+        assert str(serve.proc.pid) in (child / "cgroup.procs").read_text().split()
+    finally:
+        if serve is not None:
+            serve.close()
+        for _ in range(100):
+            for pid in (child / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            try:
+                child.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 # ---- the cgroup path, against a cgroupfs and /proc laid out like the kernel's ----
