@@ -372,9 +372,6 @@ class ModelConfig:
     speculation: str = setting("off", _SPECULATION)
     speculation_draft_min: int = setting(1, integer(1, 64))  # the shortest draft worth verifying
     speculation_draft_max: int = setting(8, integer(1, 64))  # the longest (the length adapts in between)
-    # the CPU weight of this model's worker against the other workers' (engine.cpu_shares), as systemd's CPUWeight=:
-    # a model with 200 gets twice the CPU time of one with 100 where both want more than there is
-    cpu_share: int = setting(100, integer(1, 10000))
     # models with the same worker name share one worker process; default: a process of its own
     worker: str | None = setting(None, optional(text("a worker group name of 1-64 characters A-Z a-z 0-9 _ -",
                                                      lambda v: bool(MODEL_NAME.fullmatch(v)))))
@@ -393,6 +390,9 @@ class ModelConfig:
     drift: DriftConfig | None = setting(None, Section(DriftConfig, nullable=True))
     # versions kept under state_dir/models/<name>/ by `appliance models deploy` (the serving and previous included)
     keep_versions: int = setting(5, integer(2, 1000))
+    # the CPU weight of this model's worker against the other workers' (engine.cpu_shares), as systemd's CPUWeight=:
+    # a model with 200 gets twice the CPU time of one with 100 where both want more than there is
+    cpu_share: int = setting(100, integer(1, 10000))
     # another model of the same kind that answers when this one is not Ready, its worker restarts, or its queue says
     # the request's deadline would be missed (ModelVersion then names the fallback's weights)
     fallback: str | None = setting(None, optional(text("the name of another model", lambda v: bool(
