@@ -121,6 +121,7 @@ class Appliance:
 
     def build_services(self, device: str) -> dict[str, TensorModel | GenerativeModel]:
         """One supervised worker per model, or per `worker` group of models."""
+        from .workers.cpu_share import CpuShares, worker_shares
         from .workers.remote import RemoteModel
         from .workers.supervisor import WorkerPolicy, WorkerSupervisor
 
@@ -133,6 +134,7 @@ class Appliance:
         groups: dict[str, list] = {}
         for name, m in self.config.models.items():
             groups.setdefault(m.worker or name, []).append(m)
+        cpu_shares = CpuShares(worker_shares(self.config), enabled=eng.cpu_shares != "off", threads=eng.threads)
         services = self.services  # filled in place: supervision holds the same dict
         self.variant_services.clear()
         for m in self.config.models.values():  # each A/B variant in a worker of its own
@@ -141,7 +143,8 @@ class Appliance:
                                             resolved_path=v.resolved_path, version=v.version, variants={},
                                             fallback=None, worker=None)
                 spec = model_spec(clone, eng, device.split(" ")[0], Path(self.config.server.state_dir))
-                sup = WorkerSupervisor(clone.name, [spec], policy, on_event=self._model_event, metrics=self.metrics)
+                sup = WorkerSupervisor(clone.name, [spec], policy, on_event=self._model_event, metrics=self.metrics,
+                                       cpu_shares=cpu_shares)
                 sup.on_change.append(self._publish_soon)
                 self.supervisors.append(sup)
                 self.variant_services.setdefault(m.name, {})[variant] = RemoteModel(
@@ -150,7 +153,7 @@ class Appliance:
         for group, members in groups.items():
             specs = [model_spec(m, eng, device.split(" ")[0], Path(self.config.server.state_dir)) for m in members]
             sup = WorkerSupervisor(group, specs, policy,
-                                   on_event=self._model_event, metrics=self.metrics)
+                                   on_event=self._model_event, metrics=self.metrics, cpu_shares=cpu_shares)
             sup.on_change.append(self._publish_soon)
             self.supervisors.append(sup)
             for m in members:

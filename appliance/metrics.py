@@ -103,6 +103,11 @@ class Metrics:
                                      "nextUpdate within security.cert_expiry_warning_days (not re-signed)", registry=r)
         self.worker_up = Gauge("appliance_worker_up", "1 while the model's worker process answers, else 0",
                                ["model"], registry=r)
+        self.worker_cpu_share = Gauge("appliance_worker_cpu_share", "The CPU share (models.NAME.cpu_share) of the "
+                                      "model's worker and how it is enforced: mechanism cgroup (cpu.weight), nice "
+                                      "or off", ["model", "mechanism"], registry=r)
+        self.worker_threads = Gauge("appliance_worker_threads", "Engine threads of the model's worker, sized to its "
+                                    "CPU share (0: the library's default, all cores)", ["model"], registry=r)
         self.worker_restarts = Counter("appliance_worker_restarts", "Times the model's worker process was replaced",
                                        ["model"], registry=r)
         self.alarm_active = Gauge("appliance_alarm_active", "1 while the alarm is active (Objects/Appliance/Alarms)",

@@ -19,6 +19,7 @@ def prepare(config, name: str) -> tuple[int, str]:
     """(exit status, what to print)."""
     from appliance.device import resolve_device
     from appliance.model_specs import model_spec
+    from appliance.workers.cpu_share import planned_threads
     from appliance.engine.llm.loading import prepare_model
     from appliance.engine.llm.settings import GenerativeSettings
     from core.errors import ApplianceError
@@ -32,7 +33,9 @@ def prepare(config, name: str) -> tuple[int, str]:
     spec = model_spec(m, config.engine, resolve_device(config.engine.device).split(" ")[0], state_dir)
     if spec.refused:
         return 2, spec.refused
-    settings = GenerativeSettings(**{**spec.settings, "threads": config.engine.threads})
+    # the threads serve's worker will have (its CPU share of the cores): the measurements and the compiled step
+    # are kept per thread count
+    settings = GenerativeSettings(**{**spec.settings, "threads": planned_threads(config, name)})
     started = time.monotonic()
     try:
         engine = prepare_model(name, Path(spec.path), settings)

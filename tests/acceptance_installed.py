@@ -318,6 +318,10 @@ def test_the_journal_holds_the_structured_log_lines(box):
     messages = [line["message"] for line in lines]
     for model in ("te-classifier", "assistant"):
         assert any(m.startswith(f"worker {model} started") for m in messages), model
+    # each start says once how the models' CPU shares are enforced (cgroup cpu.weight under the unit's Delegate=yes
+    # where the box's cgroup v2 has the cpu controller, else nice levels), the same on every start
+    mechanisms = {m.split(" (")[0].split(":")[0] for m in messages if m.startswith("CPU shares by ")}
+    assert len(mechanisms) == 1, messages
     assert any(m.startswith("configuration re-read from /etc/appliance/appliance.yaml") for m in messages)
     systemd_lines = "\n".join(r["MESSAGE"] for r in records if r.get("_COMM") == "systemd"
                               and isinstance(r.get("MESSAGE"), str))

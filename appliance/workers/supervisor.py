@@ -35,6 +35,7 @@ from appliance.cgroup_memory import MemoryCgroup, memory_cgroup
 from core.errors import ApplianceError, EngineFailure, NotReady
 from appliance.process_start import reap, start_child
 from appliance.workers import protocol as p
+from appliance.workers.cpu_share import CpuShares
 from appliance.workers.requests import WorkerRequests
 from appliance.workers.worker import MEMORY_EXIT
 
@@ -67,10 +68,12 @@ class WorkerSupervisor:
     """One worker process (a group of models) and its life."""
 
     def __init__(self, group: str, specs: list[p.ModelSpec], policy: WorkerPolicy,
-                 on_event: Callable[[str, str, str], None] | None = None, metrics=None):
+                 on_event: Callable[[str, str, str], None] | None = None, metrics=None,
+                 cpu_shares: CpuShares | None = None):
         self.group = group
         self.specs = specs
         self.policy = policy
+        self.cpu_shares = cpu_shares  # its CPU share: nice level, cgroup leaf, threads (None: as policy.threads)
         self.on_event = on_event  # (model, kind, message)
         self.metrics = metrics
         self.snapshots: dict[str, p.ModelSnapshot] = {s.name: p.ModelSnapshot(s.name, "Loading") for s in specs}
@@ -209,13 +212,17 @@ class WorkerSupervisor:
 
     async def _spawn(self) -> None:
         # The worker starts with SIGTERM blocked and ignores it once running (appliance/process_start.py).
-        self.process, parent_sock = start_child("appliance.workers.worker", "--group", self.group)
+        cpu = self.cpu_shares.worker(self.group) if self.cpu_shares is not None else None
+        self.process, parent_sock = start_child("appliance.workers.worker", "--group", self.group,
+                                                *(("--nice", str(cpu.nice)) if cpu is not None else ()))
+        if self.cpu_shares is not None:
+            self.cpu_shares.place(self.group, self.process.pid)  # before its cgroup's OOM count is read below
         channel = await p.Channel.open(parent_sock, p.FromWorker)
         self._channel = channel
         channel.listen(self._on_message, lambda reason: self._connection_ended(channel))
         self._channel.send(p.Start(models=self.specs, memory_mb=self.policy.memory_mb,
-                                   threads=self.policy.threads, log_level=self.policy.log_level,
-                                   log_format=self.policy.log_format))
+                                   threads=cpu.threads if cpu is not None else self.policy.threads,
+                                   log_level=self.policy.log_level, log_format=self.policy.log_format))
         for name in self.snapshots:
             self.snapshots[name] = p.ModelSnapshot(name, "Loading")
         self.up = True
@@ -224,6 +231,9 @@ class WorkerSupervisor:
         if self.metrics is not None:
             for name in self.snapshots:
                 self.metrics.worker_up.labels(name).set(0 if name in self._recovering else 1)
+                if cpu is not None:
+                    self.metrics.worker_cpu_share.labels(name, cpu.mechanism).set(cpu.share)
+                    self.metrics.worker_threads.labels(name).set(cpu.threads)
         # its cgroup's OOM kills so far: a SIGKILL with more of them is the OOM killer's (a memory cap), not anonymous
         self._cgroup = memory_cgroup(self.process.pid)
         self._oom_kills = self._cgroup.oom_kills() if self._cgroup is not None else None

@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--group", required=True)
+    parser.add_argument("--nice", type=int, default=WORKER_NICE)  # its CPU share's level (workers/cpu_share.py)
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     # `systemctl stop` (and a reboot) signals every process of the unit, Ctrl-C in a terminal the whole group: the
@@ -299,9 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging("INFO", "text", worker=args.group)  # until Start says what the YAML asks for
     # Below the serve process in CPU priority: where CPUs are short, the OPC UA server, its audit and monitoring go
     # first, and requests wait for the model a little longer, in larger batches (bench/ua_overhead.py, 16 clients on
-    # 2 vCPUs: 0.52-0.54 of bare asyncua at the serve process's own priority, 0.59-0.61 at +5).
+    # 2 vCPUs: 0.52-0.54 of bare asyncua at the serve process's own priority, 0.59-0.61 at +5); a model with a
+    # smaller CPU share than another's further below.
     try:
-        os.nice(WORKER_NICE)
+        os.nice(args.nice)
     except OSError as exc:  # a seccomp filter without setpriority: the worker serves at serve's priority
         log.warning("the worker could not lower its CPU priority: %s", exc)
     prefer_as_oom_victim()

@@ -230,6 +230,10 @@ class EngineConfig:
     # Ready; off: eager only. Packages are kept in state_dir/cache/inductor
     compile: str = setting("auto", choice("auto", "on", "off"))
     tensorrt_fp16: bool = setting(True, boolean())  # backend tensorrt: build fp16 engines (fp32 inputs/outputs)
+    # each model's worker gets CPU time in proportion to its models.NAME.cpu_share where CPUs are short. auto: the
+    # unit's delegated cgroup (cpu.weight per worker) where systemd gives one (Delegate=yes), else nice levels; and
+    # with engine.threads 0 each worker's threads sized to its share of the cores. off: every worker at one nice level
+    cpu_shares: str = setting("auto", choice("auto", "off"))
 
 
 @dataclass
@@ -390,6 +394,9 @@ class ModelConfig:
     drift: DriftConfig | None = setting(None, Section(DriftConfig, nullable=True))
     # versions kept under state_dir/models/<name>/ by `appliance models deploy` (the serving and previous included)
     keep_versions: int = setting(5, integer(2, 1000))
+    # the CPU weight of this model's worker against the other workers' (engine.cpu_shares), as systemd's CPUWeight=:
+    # a model with 200 gets twice the CPU time of one with 100 where both want more than there is
+    cpu_share: int = setting(100, integer(1, 10000))
     # another model of the same kind that answers when this one is not Ready, its worker restarts, or its queue says
     # the request's deadline would be missed (ModelVersion then names the fallback's weights)
     fallback: str | None = setting(None, optional(text("the name of another model", lambda v: bool(
