@@ -84,20 +84,20 @@ def memory_cgroup(pid: int | str = "self", proc: Path = Path("/proc")) -> Memory
             v2 = path
         elif "memory" in controllers.split(","):
             v1 = path
-    for mount_root, mount_point, fstype, options in _cgroup_mounts(mounts):
+    for mount_root, mount_point, fstype, options in cgroup_mounts(mounts):
         if fstype == "cgroup2" and v2 is not None:
-            directory = _inside(mount_point, mount_root, v2)
+            directory = cgroup_directory(mount_point, mount_root, v2)
             if directory is not None and (directory / "memory.max").exists():
                 return MemoryCgroup(2, directory, Path(mount_point), v2)
-    for mount_root, mount_point, fstype, options in _cgroup_mounts(mounts):
+    for mount_root, mount_point, fstype, options in cgroup_mounts(mounts):
         if fstype == "cgroup" and v1 is not None and "memory" in options.split(","):
-            directory = _inside(mount_point, mount_root, v1)
+            directory = cgroup_directory(mount_point, mount_root, v1)
             if directory is not None and (directory / "memory.limit_in_bytes").exists():
                 return MemoryCgroup(1, directory, Path(mount_point), v1)
     return None
 
 
-def _cgroup_mounts(mountinfo: list[str]):
+def cgroup_mounts(mountinfo: list[str]):
     """(root inside the hierarchy, mount point, filesystem type, super options) of each cgroup mount."""
     for line in mountinfo:
         fields = line.split()
@@ -109,7 +109,7 @@ def _cgroup_mounts(mountinfo: list[str]):
             yield fields[3], _unescape(fields[4]), fstype, options
 
 
-def _inside(mount_point: str, mount_root: str, cgroup_path: str) -> Path | None:
+def cgroup_directory(mount_point: str, mount_root: str, cgroup_path: str) -> Path | None:
     """The directory of cgroup_path under a hierarchy mounted at mount_point whose root is mount_root."""
     rel = os.path.relpath(cgroup_path, mount_root) if mount_root != "/" else cgroup_path.lstrip("/")
     if rel.startswith(".."):

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.cgroup_memory import _cgroup_mounts, _inside  # noqa: PLC2701 - the same mountinfo reading
+from appliance.cgroup_memory import cgroup_directory, cgroup_mounts  # the same mountinfo reading
 from appliance.workers.os_setup import WORKER_NICE
 
 log = logging.getLogger(__name__)
@@ -136,9 +136,9 @@ def delegated_cgroup(proc: Path = Path("/proc")) -> tuple[DelegatedCgroup | None
     if own is None:
         return None, "no cgroup v2 membership"
     directory = None
-    for mount_root, mount_point, fstype, _ in _cgroup_mounts(mounts):
+    for mount_root, mount_point, fstype, _ in cgroup_mounts(mounts):
         if fstype == "cgroup2":
-            directory = _inside(mount_point, mount_root, own)
+            directory = cgroup_directory(mount_point, mount_root, own)
             if directory is not None and directory.is_dir():
                 break
             directory = None
