@@ -34,6 +34,12 @@
 #ifndef GEMM_MIN_ROWS
 #define GEMM_MIN_ROWS 8
 #endif
+/* The GEMM unpacks and multiplies a panel this many blocks of inputs at a time (rounded to whole records), so the
+ * unpacked chunk and its rows' activations stay near the core: over all of a Q6_K down matrix's 8,192 inputs at once
+ * (160 KiB unpacked, 128 KiB of 16 rows' activations) the tiles read from L2 (bench/cpu_kernels.py --micro). */
+#ifndef GEMM_K_BLOCKS
+#define GEMM_K_BLOCKS 32
+#endif
 #define USES_GEMM(fmt, rows) ((fmt) != F_Q8_0 && (rows) >= GEMM_MIN_ROWS)
 /* Formats whose GEMM tile takes its rows innermost (gemm_tile): one integer sum per row, vector and block */
 #ifdef I16_DOT
@@ -277,15 +283,15 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
  * computes them), so every row tile of the step multiplies from L1/L2 without unpacking again, and each
  * activation broadcast serves the V vectors. */
 static inline __attribute__((always_inline)) void unpack_panel(const int fmt, const int V, const uint8_t *w,
-                                                               size_t pstride, int c, int nrec, uint8_t *ub,
+                                                               size_t pstride, int c, int s0, int s1, uint8_t *ub,
                                                                float *sc) {
     const int rb = RECORD_BYTES[fmt], sbk = SUPER_BLOCK[fmt] / QK;
     const uint8_t *pb = w + (size_t)(c / NVP) * pstride;
-    for (int s = 0; s < nrec; s++) {
+    for (int s = s0; s < s1; s++) {
         const uint8_t *rec = pb + (size_t)s * rb;
-        if (s + 1 < nrec) __builtin_prefetch(rec + rb, 0, 0);
+        if (s + 1 < s1) __builtin_prefetch(rec + rb, 0, 0);
         for (int b = 0; b < sbk; b++) {
-            const int blk = s * sbk + b;
+            const int blk = (s - s0) * sbk + b;
 #pragma GCC unroll 2
             for (int v = 0; v < V; v++) {
                 const int hv = (c + v) % NVP, o = hv * LANES;
@@ -310,21 +316,24 @@ static inline __attribute__((always_inline)) void unpack_panel(const int fmt, co
     }
 }
 
-/* T rows x V vectors from unpack_panel's buffers: per block, the same integer sums and the same float steps, in
- * the same order, as tile_i8 (so the same bits). */
+/* T rows x V vectors from unpack_panel's buffers (blocks blk0 .. blk0 + nblk - 1 of the rows, the buffers' 0 ..
+ * nblk - 1): per block, the same integer sums and the same float steps, in the same order, as tile_i8 (so the same
+ * bits). resume: the sums so far are in y (the blocks before blk0), carried on from there. */
 static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const int T, const int V, const uint8_t *ub,
-                                                            const float *sc, int nb, const acts_t *a, int r0, int k,
-                                                            float *y, int ldy) {
+                                                            const float *sc, int blk0, int nblk, const acts_t *a,
+                                                            int r0, int k, float *y, int ldy, int resume) {
+    const int nb = k / QK;
+    a = &(acts_t){a->q + blk0 * QK, a->d + blk0, a->dm + blk0, a->s + blk0, a->s16 + 2 * blk0};
     VF acc[GEMM_T][2];
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++)
 #pragma GCC unroll 2
-        for (int v = 0; v < V; v++) acc[t][v] = ZEROF();
+        for (int v = 0; v < V; v++) acc[t][v] = resume ? LOADF(y + (size_t)t * ldy + v * LANES) : ZEROF();
     if (ROWS_INNER(fmt)) {
         /* rows innermost: each weight vector loaded once for the tile's T rows instead of once a row (half the
          * loads of a block), a sum per row and vector across the whole block (AVX2: 4-bit weights, whose 8
          * products fit one int16 sum; VNNI: any 4- or 5-bit weights) */
-        for (int blk = 0; blk < nb; blk++) {
+        for (int blk = 0; blk < nblk; blk++) {
             const uint8_t *wb = ub + (size_t)blk * V * 8 * VBYTES;
             const float *sb = sc + (size_t)blk * V * 2 * LANES;
             VI bs[GEMM_T][2];
@@ -376,7 +385,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const
             }
         }
     } else
-    for (int blk = 0; blk < nb; blk++) {
+    for (int blk = 0; blk < nblk; blk++) {
         const uint8_t *wb = ub + (size_t)blk * V * 8 * VBYTES;
         const float *sb = sc + (size_t)blk * V * 2 * LANES;
 #pragma GCC unroll 8
@@ -570,14 +579,16 @@ DEF_FMT(4)
 DEF_FMT(5)
 DEF_FMT(6)
 
-typedef void (*unpack_fn)(const uint8_t *, size_t, int, int, uint8_t *, float *);
-typedef void (*gemm_fn)(const uint8_t *, const float *, int, const acts_t *, int, int, float *, int);
+typedef void (*unpack_fn)(const uint8_t *, size_t, int, int, int, uint8_t *, float *);
+typedef void (*gemm_fn)(const uint8_t *, const float *, int, int, const acts_t *, int, int, float *, int, int);
 #define DEF_GEMM_T(F, T, V)                                                                                 \
-    static void gemm_##F##_##T##_##V(const uint8_t *ub, const float *sc, int nb, const acts_t *a, int r0,   \
-                                     int k, float *y, int ldy) { gemm_tile(F, T, V, ub, sc, nb, a, r0, k, y, ldy); }
+    static void gemm_##F##_##T##_##V(const uint8_t *ub, const float *sc, int blk0, int nblk, const acts_t *a, \
+                                     int r0, int k, float *y, int ldy, int resume) {                        \
+        gemm_tile(F, T, V, ub, sc, blk0, nblk, a, r0, k, y, ldy, resume);                                   \
+    }
 #define DEF_GEMM_V(F, V)                                                                                    \
-    static void unpack_##F##_##V(const uint8_t *w, size_t ps, int c, int nrec, uint8_t *ub, float *sc) {    \
-        unpack_panel(F, V, w, ps, c, nrec, ub, sc);                                                         \
+    static void unpack_##F##_##V(const uint8_t *w, size_t ps, int c, int s0, int s1, uint8_t *ub, float *sc) { \
+        unpack_panel(F, V, w, ps, c, s0, s1, ub, sc);                                                       \
     }                                                                                                       \
     DEF_GEMM_T(F, 1, V) DEF_GEMM_T(F, 2, V) DEF_GEMM_T(F, 3, V) DEF_GEMM_T(F, 4, V)
 #if NVP > 1
@@ -660,39 +671,54 @@ static void matmul_share(int id, int nt, int fmt, int mode, const float *x, int 
     const int rest = rows - big;
     const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
     if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, a, big, k, y, n);
-    /* 2 rows and more: each panel (the thread's share of it) unpacked once, then every row tile multiplies
-     * from that copy */
-    const int nb = k / QK;
+    /* 8 rows and more: each panel (the thread's share of it) unpacked once, a chunk of its inputs at a time, then
+     * every row tile multiplies from that copy */
+    const int sbk = SUPER_BLOCK[fmt] / QK;
+    const int crec = GEMM_K_BLOCKS / sbk > 0 ? GEMM_K_BLOCKS / sbk : 1, chunks = (nrec + crec - 1) / crec;
     uint8_t *ub = 0;
-    float *sc = 0;
+    float *sc = 0, *yb = 0;
     if (mode == 0 && USES_GEMM(fmt, rest) && cbeg < cend) {
-        const size_t wbytes = (size_t)nb * NVP * 8 * VBYTES;
-        ub = (uint8_t *)aligned_alloc(64, wbytes + (size_t)nb * NVP * 2 * LANES * sizeof(float));
+        const size_t cblk = (size_t)(crec < nrec ? crec : nrec) * sbk, wbytes = cblk * NVP * 8 * VBYTES;
+        const size_t sbytes = cblk * NVP * 2 * LANES * sizeof(float);
+        ub = (uint8_t *)aligned_alloc(64, wbytes + sbytes + (chunks > 1 ? (size_t)rest * NVP * LANES * sizeof(float)
+                                                                         : 0));
         sc = ub ? (float *)(ub + wbytes) : 0;
+        yb = ub && chunks > 1 ? (float *)(ub + wbytes + sbytes) : 0;
     }
     const int gtiles = (rest + GEMM_T - 1) / GEMM_T;
     for (int c = cbeg; ub && c < cend;) {
         int v = NVP - c % NVP; /* to the end of this panel */
         if (v > cend - c) v = cend - c;
-        UNPACK[fmt][v - 1](w, pstride, c, nrec, ub, sc);
         /* the next panel's records are fetched into L2 while the row tiles multiply this one (a share before
          * each tile), so its unpacking does not wait on memory: without, memory idles while we multiply and
          * the core idles while we read (16 rows streamed ran at a third of the speed with weights in cache) */
         const uint8_t *next = c + v < cend ? w + (size_t)((c + v) / NVP) * pstride : 0;
-        const size_t lines = next ? (pstride + 63) / 64 : 0;
+        const size_t lines = next ? (pstride + 63) / 64 : 0, steps = (size_t)chunks * gtiles;
         const int partial = (c + v) * LANES > n;
-        for (int i = 0, r0 = big; i < gtiles; i++) {
-            const int t = rest / gtiles + (i < rest % gtiles);
-            for (size_t l = lines * i / gtiles; l < lines * (i + 1) / gtiles; l++)
-                __builtin_prefetch(next + l * 64, 0, 2);
-            float tmp[GEMM_T * 2 * LANES];
-            float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
-            const int ldy = partial ? v * LANES : n;
-            GEMM[fmt][v - 1][t](ub, sc, nb, a, r0, k, yt, ldy);
-            if (partial)
-                for (int r = 0; r < t; r++)
-                    for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
-            r0 += t;
+        for (int ch = 0; ch < chunks; ch++) {
+            const int s0 = ch * crec, s1 = s0 + crec < nrec ? s0 + crec : nrec;
+            UNPACK[fmt][v - 1](w, pstride, c, s0, s1, ub, sc);
+            for (int i = 0, r0 = big; i < gtiles; i++) {
+                const int t = rest / gtiles + (i < rest % gtiles);
+                const size_t step = (size_t)ch * gtiles + i;
+                for (size_t l = lines * step / steps; l < lines * (step + 1) / steps; l++)
+                    __builtin_prefetch(next + l * 64, 0, 2);
+                float tmp[GEMM_T * 2 * LANES];
+                /* several chunks: each tile's sums wait in yb between them (a float stored and loaded back is the
+                 * same float, so the bits are those of one pass) */
+                float *yt = yb ? yb + (size_t)(r0 - big) * v * LANES
+                               : partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+                const int ldy = yb || partial ? v * LANES : n;
+                GEMM[fmt][v - 1][t](ub, sc, s0 * sbk, (s1 - s0) * sbk, a, r0, k, yt, ldy, ch > 0);
+                if (partial || yb) {
+                    const int o1 = (c + v) * LANES < n ? (c + v) * LANES : n;
+                    if (!yb || ch == chunks - 1)
+                        for (int r = 0; r < t; r++)
+                            memcpy(y + (size_t)(r0 + r) * n + c * LANES, yt + (size_t)r * ldy,
+                                   (size_t)(o1 - c * LANES) * sizeof(float));
+                }
+                r0 += t;
+            }
         }
         c += v;
     }
