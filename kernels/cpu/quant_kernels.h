@@ -28,7 +28,7 @@
 #define GEMM_T 4 /* rows per tile over an unpacked column (accumulators in registers) */
 #endif
 /* From this many rows a call unpacks each panel once (unpack_panel) and runs its row tiles over that copy; fewer
- * rows, and Q8_0 (nothing to unpack: its bytes are the values), keep the vector tiles, which measured faster there
+ * rows, and Q8_0 but where Q8_GEMM_ROWS says (below), keep the vector tiles, which measured faster there
  * (bench/cpu_kernels.py; AVX2 on a Zen 4 EPYC, one thread, weights in cache: from 8 rows Q6_K 1.2-1.3x, Q5_0 1.05-1.1x,
  * Q4_x 1.0-1.07x; at 2-4 rows 0.6-0.9x; Q8_0 0.7-0.9x at every count). */
 #ifndef GEMM_MIN_ROWS
@@ -40,13 +40,23 @@
 #ifndef GEMM_K_BLOCKS
 #define GEMM_K_BLOCKS 32
 #endif
-#define USES_GEMM(fmt, rows) ((fmt) != F_Q8_0 && (rows) >= GEMM_MIN_ROWS)
+/* Q8_0 (nothing to unpack: its copy is its bytes) takes the GEMM from Q8_GEMM_ROWS rows where the ISA says so: on
+ * AVX-VNNI's 256-bit vectors its 4-row x 2-vector tile, rows innermost, against the vector tiles' 4 x 1 (8192x576,
+ * one thread, in cache: 8 rows 0.92-0.99x, 12 1.09x, 16 1.20-1.22x, 32 1.37x). AVX2's sign trick through the GEMM,
+ * its weights' half of the trick done once per call: 0.93x at 16 rows; AVX-512's vector tiles are 4 x 2 already:
+ * 0.85x. */
+#ifndef Q8_GEMM_ROWS
+#define Q8_GEMM_ROWS 0 /* never */
+#endif
+#define USES_GEMM(fmt, rows) \
+    ((fmt) == F_Q8_0 ? Q8_GEMM_ROWS > 0 && (rows) >= Q8_GEMM_ROWS : (rows) >= GEMM_MIN_ROWS)
 /* Formats whose GEMM tile takes its rows innermost (gemm_tile): one integer sum per row, vector and block */
 #ifdef I16_DOT
 #define ROWS_INNER(fmt) (IS_Q4(fmt) || (fmt) == F_Q4_K)
 #else
-#define ROWS_INNER(fmt) (IS_Q4(fmt) || IS_Q5(fmt) || (fmt) == F_Q4_K || (fmt) == F_Q5_K)
+#define ROWS_INNER(fmt) (IS_Q4(fmt) || IS_Q5(fmt) || (fmt) == F_Q4_K || (fmt) == F_Q5_K || (fmt) == F_Q8_0)
 #endif
+
 /* A vector tile (1-7 rows) fetches each of its panels' records this many bytes ahead into L2 (0: none): the first
  * row tile over a column reads it from memory, where the hardware prefetcher alone, or prefetchnta a few KiB ahead,
  * left the 1B's 1-row step at about half of the read bandwidth (bench/cpu_kernels.py --step, a Zen 4 EPYC, 2
@@ -358,7 +368,10 @@ static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const
 #ifdef I16_DOT
                         bs[t][v] = I16_DOT(I16_DOT(bs[t][v], lo[v], xl), hi[v], xh);
 #else
-                        bs[t][v] = DOT2(bs[t][v], lo[v], xl, hi[v], xh);
+                        if (fmt == F_Q8_0)
+                            bs[t][v] = DOTQ8(DOTQ8(bs[t][v], lo[v], xl), hi[v], xh);
+                        else
+                            bs[t][v] = DOT2(bs[t][v], lo[v], xl, hi[v], xh);
 #endif
                         KEEP(bs[t][v]);
                     }
@@ -374,10 +387,13 @@ static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const
 #ifdef I16_DOT
                     const VI is = I16_WIDEN(ZEROI(), bs[t][v]);
 #else
-                    const VI is = bs[t][v];
+                    VI is = bs[t][v];
+                    if (fmt == F_Q8_0 && Q8_FIXUP) is = SUBI(is, SET1I(128 * a->s[ri]));
 #endif
                     acc[t][v] = FMA(CVT(is), MUL(D, dx), acc[t][v]);
-                    if (IS_Q4(fmt) || IS_Q5(fmt))
+                    if (fmt == F_Q8_0)
+                        ;
+                    else if (IS_Q4(fmt) || IS_Q5(fmt))
                         acc[t][v] = FMA(M, SET1F(a->dm[ri]), acc[t][v]);
                     else
                         acc[t][v] = FNMA(M, SET1F(a->dm[ri]), acc[t][v]);
