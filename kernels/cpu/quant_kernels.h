@@ -56,7 +56,6 @@
 #else
 #define ROWS_INNER(fmt) (IS_Q4(fmt) || IS_Q5(fmt) || (fmt) == F_Q4_K || (fmt) == F_Q5_K || (fmt) == F_Q8_0)
 #endif
-
 /* A vector tile (1-7 rows) fetches each of its panels' records this many bytes ahead into L2 (0: none): the first
  * row tile over a column reads it from memory, where the hardware prefetcher alone, or prefetchnta a few KiB ahead,
  * left the 1B's 1-row step at about half of the read bandwidth (bench/cpu_kernels.py --step, a Zen 4 EPYC, 2
@@ -342,7 +341,7 @@ static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const
     if (ROWS_INNER(fmt)) {
         /* rows innermost: each weight vector loaded once for the tile's T rows instead of once a row (half the
          * loads of a block), a sum per row and vector across the whole block (AVX2: 4-bit weights, whose 8
-         * products fit one int16 sum; VNNI: any 4- or 5-bit weights) */
+         * products fit one int16 sum; VNNI: any 4- or 5-bit weights, and Q8_0 where it takes the GEMM) */
         for (int blk = 0; blk < nblk; blk++) {
             const uint8_t *wb = ub + (size_t)blk * V * 8 * VBYTES;
             const float *sb = sc + (size_t)blk * V * 2 * LANES;
@@ -391,11 +390,9 @@ static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const
                     if (fmt == F_Q8_0 && Q8_FIXUP) is = SUBI(is, SET1I(128 * a->s[ri]));
 #endif
                     acc[t][v] = FMA(CVT(is), MUL(D, dx), acc[t][v]);
-                    if (fmt == F_Q8_0)
-                        ;
-                    else if (IS_Q4(fmt) || IS_Q5(fmt))
+                    if (IS_Q4(fmt) || IS_Q5(fmt))
                         acc[t][v] = FMA(M, SET1F(a->dm[ri]), acc[t][v]);
-                    else
+                    else if (fmt != F_Q8_0) /* Q8_0: no offset */
                         acc[t][v] = FNMA(M, SET1F(a->dm[ri]), acc[t][v]);
                 }
             }
