@@ -19,6 +19,14 @@ were at git REF, built aside, in the same run; the weights' GB/s, this CPU's rea
 fraction reached of the ISA's ceiling: its GEMM's inner loop alone, products into sums held in registers, on
 --threads threads (bench/isa_ceiling.c; the bound at many rows). APPLIANCE_CPU_ISA caps the ISAs as in the engine.
 
+    python bench/cpu_kernels.py --micro [--isa avx2] [--before REF] [--rows 16] [--types Q4_1,Q6_K,Q8_0]
+
+The many-row micro-kernel alone, robust to a loaded host: one matrix of each format (the shapes of a step's
+layers: SmolLM2's Q4_x/Q5_0 layers and its Q8_0 head slice, the 1B's Q4_K gate-up and Q6_K down), --rows rows
+(default 16), one thread, weights in cache, timed by the thread's CPU time (the fastest of --trials, the libraries
+interleaved); G multiply-adds a second and the fraction of the ISA's ceiling by CPU time on one thread
+(bench/isa_ceiling.c); with --before, the same ISA's kernels at git REF in the same run and the ratio now / before.
+
     python bench/cpu_kernels.py --attention [--isa avx2] [--before REF]
 
 The decode attention operator (kernels/cpu/quant_attention.h) for one step of every layer: SmolLM2-135M's heads
@@ -158,6 +166,55 @@ def attention_main(args) -> None:
                     print(f"| {model} | {rows} | {pos} | " + " | ".join(cells) + " |", flush=True)
 
 
+MICRO_SHAPES = [("Q4_1", 3072, 576), ("Q4_0", 3072, 576), ("Q5_0", 3072, 576), ("Q4_K", 3072, 2048),
+                ("Q6_K", 2048, 8192), ("Q8_0", 8192, 576)]
+
+
+def micro_main(args) -> None:
+    import tempfile
+    info = cpu_isa.cpu_info()
+    isas = [args.isa] if args.isa else [i for i in info.isas if i != "amx"]
+    torch.set_num_threads(1)
+    rows = int(args.rows or "16")
+    types = args.types.split(",") if args.types_given else [t for t, _, _ in MICRO_SHAPES]
+    print(f"{info.described}, 1 thread, {rows} rows, int8 activations, weights in cache, CPU time "
+          f"(load average {os.getloadavg()[0]:.1f})")
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {}
+        for isa in isas:
+            libs[isa] = (cpu_quant.kernels(isa, "int8").path, isa)
+            if args.before:
+                libs[f"{isa} at {args.before}"] = (build_before(args.before, isa, Path(tmp)), isa)
+        ceiling = {isa: isa_ceiling(isa, 1, Path(tmp), cpu_time=True) for isa in isas}
+        print("ceiling by CPU time, 1 thread: " + ", ".join(f"{isa} {c:.0f}" for isa, c in ceiling.items())
+              + " G multiply-adds/s (bench/isa_ceiling.c)")
+        print("| format, shape | " + " | ".join(f"{name} G MAC/s (of ceiling)" for name in libs)
+              + (" | now / before |" if args.before else " |"))
+        print("|" + "---|" * (1 + len(libs) + (1 if args.before else 0)))
+        for t, n, k in MICRO_SHAPES:
+            if t not in types:
+                continue
+            m = quant.BlockMatrix.from_layout(t, (n, k), cpu_layout.from_gguf(
+                cpu_layout.random_blocks(t, n, k, seed=n + k, scale=0.002), t, n, k))
+            x = torch.randn(rows, k)
+            best = {name: float("inf") for name in libs}
+            for name, (path, isa) in libs.items():  # warm: the weights into cache, the library loaded
+                cpu_quant.matmul(path, isa, False, x, m.data, t, n)
+            for _trial in range(args.trials):  # interleaved: a burst of load elsewhere falls on every library alike
+                for name, (path, isa) in libs.items():
+                    t0 = time.thread_time()
+                    for _ in range(3):
+                        cpu_quant.matmul(path, isa, False, x, m.data, t, n)
+                    best[name] = min(best[name], (time.thread_time() - t0) / 3)
+            cells = []
+            for name, (_path, isa) in libs.items():
+                g = rows * n * k / best[name] / 1e9
+                cells.append(f"{g:.0f} G ({g / ceiling[isa]:.2f})")
+            if args.before:
+                cells.append(" ".join(f"{best[f'{isa} at {args.before}'] / best[isa]:.2f}x" for isa in isas))
+            print(f"| {t} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
+
+
 def step_main(args) -> None:
     import tempfile
     info = cpu_isa.cpu_info()
@@ -236,15 +293,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default=None, help="activation rows (default 1,4,16,64; --step: 1,16)")
-    ap.add_argument("--types", default="Q4_1,Q5_0,Q8_0,Q4_K,Q6_K")
+    ap.add_argument("--types", default=None, help="default Q4_1,Q5_0,Q8_0,Q4_K,Q6_K (--micro: its six)")
     ap.add_argument("--step", action="store_true", help="one decode step's matmuls (see above)")
     ap.add_argument("--model", default="smollm2-q4_1", choices=sorted(STEP_MODELS))
     ap.add_argument("--isa", default=None, help="--step, --attention: one ISA of ours (default: every one this CPU runs; --attention: the best)")
     ap.add_argument("--before", default=None, help="--step, --attention: also the kernels at this git ref, same run")
     ap.add_argument("--attention", action="store_true", help="the decode attention of one step (see above)")
+    ap.add_argument("--micro", action="store_true", help="the many-row micro-kernel per format (see above)")
     ap.add_argument("--trials", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    args.types_given = args.types is not None
+    args.types = args.types or "Q4_1,Q5_0,Q8_0,Q4_K,Q6_K"
+    if args.micro:
+        micro_main(args)
+        return
     if args.step:
         args.rows = args.rows or "1,16"
         step_main(args)

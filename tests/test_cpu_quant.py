@@ -207,13 +207,15 @@ def test_the_many_row_gemm_gives_the_one_row_kernel_s_bits(isas, name):
     """From 8 rows a call unpacks each weight panel once and runs every row tile over that copy (unpack_panel /
     gemm_tile, AVX2's int16 sums); fewer rows keep the vector tiles. Integer sums are exact and the float steps the
     same, in the same order: each of 2-16 rows (every tile height and remainder, both paths) gets the bits the 1-row
-    kernel gives it, on a partial last panel, a panel split between threads, one or several super-blocks."""
+    kernel gives it, on a partial last panel, a panel split between threads, one or several super-blocks, and inputs
+    past the GEMM's chunk of 32 blocks (its sums carried from one chunk to the next; the last chunk short)."""
     sb = cpu_layout.FORMATS[name].super_block
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
             torch.set_num_threads(t)
-            for n, k in [(37, 2 * sb if sb > 32 else 96), (130, sb if sb > 32 else 576)]:
+            for n, k in [(37, 2 * sb if sb > 32 else 96), (130, sb if sb > 32 else 576),
+                         (21, 9 * sb if sb > 32 else 2080)]:
                 raw = random_blocks(name, n, k, seed=n + k + t)
                 m = quant.BlockMatrix.from_layout(name, (n, k), cpu_layout.from_gguf(raw, name, n, k))
                 x = torch.randn(16, k, generator=torch.Generator().manual_seed(n)) * 3

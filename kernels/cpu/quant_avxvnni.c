@@ -18,5 +18,6 @@
 #define DOT2(acc, w1, x1, w2, x2) DPBUSD(DPBUSD(acc, w1, x1), w2, x2)
 #define DOTQ8(acc, w, x) DPBUSD(acc, w, x)
 #define Q8_FIXUP 1 /* unsigned weights u = q + 128: the block's sum less 128 x the activations' sum */
+#define Q8_GEMM_ROWS 12 /* Q8_0 from 12 rows through the GEMM's 4 x 2 tile (quant_kernels.h, USES_GEMM) */
 
 #include "quant_kernels.h"

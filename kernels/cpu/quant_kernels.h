@@ -28,18 +28,33 @@
 #define GEMM_T 4 /* rows per tile over an unpacked column (accumulators in registers) */
 #endif
 /* From this many rows a call unpacks each panel once (unpack_panel) and runs its row tiles over that copy; fewer
- * rows, and Q8_0 (nothing to unpack: its bytes are the values), keep the vector tiles, which measured faster there
+ * rows, and Q8_0 but where Q8_GEMM_ROWS says (below), keep the vector tiles, which measured faster there
  * (bench/cpu_kernels.py; AVX2 on a Zen 4 EPYC, one thread, weights in cache: from 8 rows Q6_K 1.2-1.3x, Q5_0 1.05-1.1x,
  * Q4_x 1.0-1.07x; at 2-4 rows 0.6-0.9x; Q8_0 0.7-0.9x at every count). */
 #ifndef GEMM_MIN_ROWS
 #define GEMM_MIN_ROWS 8
 #endif
-#define USES_GEMM(fmt, rows) ((fmt) != F_Q8_0 && (rows) >= GEMM_MIN_ROWS)
+/* The GEMM unpacks and multiplies a panel this many blocks of inputs at a time (rounded to whole records), so the
+ * unpacked chunk and its rows' activations stay near the core: over all of a Q6_K down matrix's 8,192 inputs at once
+ * (160 KiB unpacked, 128 KiB of 16 rows' activations) the tiles read from L2 (bench/cpu_kernels.py --micro). */
+#ifndef GEMM_K_BLOCKS
+#define GEMM_K_BLOCKS 32
+#endif
+/* Q8_0 (nothing to unpack: its copy is its bytes) takes the GEMM from Q8_GEMM_ROWS rows where the ISA says so: on
+ * AVX-VNNI's 256-bit vectors its 4-row x 2-vector tile, rows innermost, against the vector tiles' 4 x 1 (8192x576,
+ * one thread, in cache: 8 rows 0.92-0.99x, 12 1.09x, 16 1.20-1.22x, 32 1.37x). AVX2's sign trick through the GEMM,
+ * its weights' half of the trick done once per call: 0.93x at 16 rows; AVX-512's vector tiles are 4 x 2 already:
+ * 0.85x. */
+#ifndef Q8_GEMM_ROWS
+#define Q8_GEMM_ROWS 0 /* never */
+#endif
+#define USES_GEMM(fmt, rows) \
+    ((fmt) == F_Q8_0 ? Q8_GEMM_ROWS > 0 && (rows) >= Q8_GEMM_ROWS : (rows) >= GEMM_MIN_ROWS)
 /* Formats whose GEMM tile takes its rows innermost (gemm_tile): one integer sum per row, vector and block */
 #ifdef I16_DOT
 #define ROWS_INNER(fmt) (IS_Q4(fmt) || (fmt) == F_Q4_K)
 #else
-#define ROWS_INNER(fmt) (IS_Q4(fmt) || IS_Q5(fmt) || (fmt) == F_Q4_K || (fmt) == F_Q5_K)
+#define ROWS_INNER(fmt) (IS_Q4(fmt) || IS_Q5(fmt) || (fmt) == F_Q4_K || (fmt) == F_Q5_K || (fmt) == F_Q8_0)
 #endif
 /* A vector tile (1-7 rows) fetches each of its panels' records this many bytes ahead into L2 (0: none): the first
  * row tile over a column reads it from memory, where the hardware prefetcher alone, or prefetchnta a few KiB ahead,
@@ -277,15 +292,15 @@ static inline __attribute__((always_inline)) void tile_i8(const int fmt, const i
  * computes them), so every row tile of the step multiplies from L1/L2 without unpacking again, and each
  * activation broadcast serves the V vectors. */
 static inline __attribute__((always_inline)) void unpack_panel(const int fmt, const int V, const uint8_t *w,
-                                                               size_t pstride, int c, int nrec, uint8_t *ub,
+                                                               size_t pstride, int c, int s0, int s1, uint8_t *ub,
                                                                float *sc) {
     const int rb = RECORD_BYTES[fmt], sbk = SUPER_BLOCK[fmt] / QK;
     const uint8_t *pb = w + (size_t)(c / NVP) * pstride;
-    for (int s = 0; s < nrec; s++) {
+    for (int s = s0; s < s1; s++) {
         const uint8_t *rec = pb + (size_t)s * rb;
-        if (s + 1 < nrec) __builtin_prefetch(rec + rb, 0, 0);
+        if (s + 1 < s1) __builtin_prefetch(rec + rb, 0, 0);
         for (int b = 0; b < sbk; b++) {
-            const int blk = s * sbk + b;
+            const int blk = (s - s0) * sbk + b;
 #pragma GCC unroll 2
             for (int v = 0; v < V; v++) {
                 const int hv = (c + v) % NVP, o = hv * LANES;
@@ -310,21 +325,24 @@ static inline __attribute__((always_inline)) void unpack_panel(const int fmt, co
     }
 }
 
-/* T rows x V vectors from unpack_panel's buffers: per block, the same integer sums and the same float steps, in
- * the same order, as tile_i8 (so the same bits). */
+/* T rows x V vectors from unpack_panel's buffers (blocks blk0 .. blk0 + nblk - 1 of the rows, the buffers' 0 ..
+ * nblk - 1): per block, the same integer sums and the same float steps, in the same order, as tile_i8 (so the same
+ * bits). resume: the sums so far are in y (the blocks before blk0), carried on from there. */
 static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const int T, const int V, const uint8_t *ub,
-                                                            const float *sc, int nb, const acts_t *a, int r0, int k,
-                                                            float *y, int ldy) {
+                                                            const float *sc, int blk0, int nblk, const acts_t *a,
+                                                            int r0, int k, float *y, int ldy, int resume) {
+    const int nb = k / QK;
+    a = &(acts_t){a->q + blk0 * QK, a->d + blk0, a->dm + blk0, a->s + blk0, a->s16 + 2 * blk0};
     VF acc[GEMM_T][2];
 #pragma GCC unroll 8
     for (int t = 0; t < T; t++)
 #pragma GCC unroll 2
-        for (int v = 0; v < V; v++) acc[t][v] = ZEROF();
+        for (int v = 0; v < V; v++) acc[t][v] = resume ? LOADF(y + (size_t)t * ldy + v * LANES) : ZEROF();
     if (ROWS_INNER(fmt)) {
         /* rows innermost: each weight vector loaded once for the tile's T rows instead of once a row (half the
          * loads of a block), a sum per row and vector across the whole block (AVX2: 4-bit weights, whose 8
-         * products fit one int16 sum; VNNI: any 4- or 5-bit weights) */
-        for (int blk = 0; blk < nb; blk++) {
+         * products fit one int16 sum; VNNI: any 4- or 5-bit weights, and Q8_0 where it takes the GEMM) */
+        for (int blk = 0; blk < nblk; blk++) {
             const uint8_t *wb = ub + (size_t)blk * V * 8 * VBYTES;
             const float *sb = sc + (size_t)blk * V * 2 * LANES;
             VI bs[GEMM_T][2];
@@ -349,7 +367,10 @@ static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const
 #ifdef I16_DOT
                         bs[t][v] = I16_DOT(I16_DOT(bs[t][v], lo[v], xl), hi[v], xh);
 #else
-                        bs[t][v] = DOT2(bs[t][v], lo[v], xl, hi[v], xh);
+                        if (fmt == F_Q8_0)
+                            bs[t][v] = DOTQ8(DOTQ8(bs[t][v], lo[v], xl), hi[v], xh);
+                        else
+                            bs[t][v] = DOT2(bs[t][v], lo[v], xl, hi[v], xh);
 #endif
                         KEEP(bs[t][v]);
                     }
@@ -365,18 +386,19 @@ static inline __attribute__((always_inline)) void gemm_tile(const int fmt, const
 #ifdef I16_DOT
                     const VI is = I16_WIDEN(ZEROI(), bs[t][v]);
 #else
-                    const VI is = bs[t][v];
+                    VI is = bs[t][v];
+                    if (fmt == F_Q8_0 && Q8_FIXUP) is = SUBI(is, SET1I(128 * a->s[ri]));
 #endif
                     acc[t][v] = FMA(CVT(is), MUL(D, dx), acc[t][v]);
                     if (IS_Q4(fmt) || IS_Q5(fmt))
                         acc[t][v] = FMA(M, SET1F(a->dm[ri]), acc[t][v]);
-                    else
+                    else if (fmt != F_Q8_0) /* Q8_0: no offset */
                         acc[t][v] = FNMA(M, SET1F(a->dm[ri]), acc[t][v]);
                 }
             }
         }
     } else
-    for (int blk = 0; blk < nb; blk++) {
+    for (int blk = 0; blk < nblk; blk++) {
         const uint8_t *wb = ub + (size_t)blk * V * 8 * VBYTES;
         const float *sb = sc + (size_t)blk * V * 2 * LANES;
 #pragma GCC unroll 8
@@ -570,14 +592,16 @@ DEF_FMT(4)
 DEF_FMT(5)
 DEF_FMT(6)
 
-typedef void (*unpack_fn)(const uint8_t *, size_t, int, int, uint8_t *, float *);
-typedef void (*gemm_fn)(const uint8_t *, const float *, int, const acts_t *, int, int, float *, int);
+typedef void (*unpack_fn)(const uint8_t *, size_t, int, int, int, uint8_t *, float *);
+typedef void (*gemm_fn)(const uint8_t *, const float *, int, int, const acts_t *, int, int, float *, int, int);
 #define DEF_GEMM_T(F, T, V)                                                                                 \
-    static void gemm_##F##_##T##_##V(const uint8_t *ub, const float *sc, int nb, const acts_t *a, int r0,   \
-                                     int k, float *y, int ldy) { gemm_tile(F, T, V, ub, sc, nb, a, r0, k, y, ldy); }
+    static void gemm_##F##_##T##_##V(const uint8_t *ub, const float *sc, int blk0, int nblk, const acts_t *a, \
+                                     int r0, int k, float *y, int ldy, int resume) {                        \
+        gemm_tile(F, T, V, ub, sc, blk0, nblk, a, r0, k, y, ldy, resume);                                   \
+    }
 #define DEF_GEMM_V(F, V)                                                                                    \
-    static void unpack_##F##_##V(const uint8_t *w, size_t ps, int c, int nrec, uint8_t *ub, float *sc) {    \
-        unpack_panel(F, V, w, ps, c, nrec, ub, sc);                                                         \
+    static void unpack_##F##_##V(const uint8_t *w, size_t ps, int c, int s0, int s1, uint8_t *ub, float *sc) { \
+        unpack_panel(F, V, w, ps, c, s0, s1, ub, sc);                                                       \
     }                                                                                                       \
     DEF_GEMM_T(F, 1, V) DEF_GEMM_T(F, 2, V) DEF_GEMM_T(F, 3, V) DEF_GEMM_T(F, 4, V)
 #if NVP > 1
@@ -660,39 +684,54 @@ static void matmul_share(int id, int nt, int fmt, int mode, const float *x, int 
     const int rest = rows - big;
     const int cbeg = (int)((long)ncols * id / nt), cend = (int)((long)ncols * (id + 1) / nt);
     if (big > 0 && cbeg < cend) BIG_TILES(fmt, w, pstride, cbeg, cend, nrec, a, big, k, y, n);
-    /* 2 rows and more: each panel (the thread's share of it) unpacked once, then every row tile multiplies
-     * from that copy */
-    const int nb = k / QK;
+    /* 8 rows and more: each panel (the thread's share of it) unpacked once, a chunk of its inputs at a time, then
+     * every row tile multiplies from that copy */
+    const int sbk = SUPER_BLOCK[fmt] / QK;
+    const int crec = GEMM_K_BLOCKS / sbk > 0 ? GEMM_K_BLOCKS / sbk : 1, chunks = (nrec + crec - 1) / crec;
     uint8_t *ub = 0;
-    float *sc = 0;
+    float *sc = 0, *yb = 0;
     if (mode == 0 && USES_GEMM(fmt, rest) && cbeg < cend) {
-        const size_t wbytes = (size_t)nb * NVP * 8 * VBYTES;
-        ub = (uint8_t *)aligned_alloc(64, wbytes + (size_t)nb * NVP * 2 * LANES * sizeof(float));
+        const size_t cblk = (size_t)(crec < nrec ? crec : nrec) * sbk, wbytes = cblk * NVP * 8 * VBYTES;
+        const size_t sbytes = cblk * NVP * 2 * LANES * sizeof(float);
+        ub = (uint8_t *)aligned_alloc(64, wbytes + sbytes + (chunks > 1 ? (size_t)rest * NVP * LANES * sizeof(float)
+                                                                         : 0));
         sc = ub ? (float *)(ub + wbytes) : 0;
+        yb = ub && chunks > 1 ? (float *)(ub + wbytes + sbytes) : 0;
     }
     const int gtiles = (rest + GEMM_T - 1) / GEMM_T;
     for (int c = cbeg; ub && c < cend;) {
         int v = NVP - c % NVP; /* to the end of this panel */
         if (v > cend - c) v = cend - c;
-        UNPACK[fmt][v - 1](w, pstride, c, nrec, ub, sc);
         /* the next panel's records are fetched into L2 while the row tiles multiply this one (a share before
          * each tile), so its unpacking does not wait on memory: without, memory idles while we multiply and
          * the core idles while we read (16 rows streamed ran at a third of the speed with weights in cache) */
         const uint8_t *next = c + v < cend ? w + (size_t)((c + v) / NVP) * pstride : 0;
-        const size_t lines = next ? (pstride + 63) / 64 : 0;
+        const size_t lines = next ? (pstride + 63) / 64 : 0, steps = (size_t)chunks * gtiles;
         const int partial = (c + v) * LANES > n;
-        for (int i = 0, r0 = big; i < gtiles; i++) {
-            const int t = rest / gtiles + (i < rest % gtiles);
-            for (size_t l = lines * i / gtiles; l < lines * (i + 1) / gtiles; l++)
-                __builtin_prefetch(next + l * 64, 0, 2);
-            float tmp[GEMM_T * 2 * LANES];
-            float *yt = partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
-            const int ldy = partial ? v * LANES : n;
-            GEMM[fmt][v - 1][t](ub, sc, nb, a, r0, k, yt, ldy);
-            if (partial)
-                for (int r = 0; r < t; r++)
-                    for (int o = c * LANES; o < n; o++) y[(size_t)(r0 + r) * n + o] = tmp[r * ldy + o - c * LANES];
-            r0 += t;
+        for (int ch = 0; ch < chunks; ch++) {
+            const int s0 = ch * crec, s1 = s0 + crec < nrec ? s0 + crec : nrec;
+            UNPACK[fmt][v - 1](w, pstride, c, s0, s1, ub, sc);
+            for (int i = 0, r0 = big; i < gtiles; i++) {
+                const int t = rest / gtiles + (i < rest % gtiles);
+                const size_t step = (size_t)ch * gtiles + i;
+                for (size_t l = lines * step / steps; l < lines * (step + 1) / steps; l++)
+                    __builtin_prefetch(next + l * 64, 0, 2);
+                float tmp[GEMM_T * 2 * LANES];
+                /* several chunks: each tile's sums wait in yb between them (a float stored and loaded back is the
+                 * same float, so the bits are those of one pass) */
+                float *yt = yb ? yb + (size_t)(r0 - big) * v * LANES
+                               : partial ? tmp : y + (size_t)r0 * n + (size_t)c * LANES;
+                const int ldy = yb || partial ? v * LANES : n;
+                GEMM[fmt][v - 1][t](ub, sc, s0 * sbk, (s1 - s0) * sbk, a, r0, k, yt, ldy, ch > 0);
+                if (partial || yb) {
+                    const int o1 = (c + v) * LANES < n ? (c + v) * LANES : n;
+                    if (!yb || ch == chunks - 1)
+                        for (int r = 0; r < t; r++)
+                            memcpy(y + (size_t)(r0 + r) * n + c * LANES, yt + (size_t)r * ldy,
+                                   (size_t)(o1 - c * LANES) * sizeof(float));
+                }
+                r0 += t;
+            }
         }
         c += v;
     }
