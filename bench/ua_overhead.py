@@ -292,27 +292,45 @@ def measure_recovery(app: subprocess.Popen, cert, key, sample, port: int, times:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds the process has used (its threads included)."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds the process has used (its threads included): system time is the kernel's work
+    for it (socket reads and writes, epoll waits, wake-ups), user time its own code."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def profile_start(pid: int, folder: Path, clients: int, seconds: float) -> subprocess.Popen:
-    """py-spy sampling the serve process (its Python threads) for the length of one run, after the warm-up."""
+PROFILE_RATE = 500  # py-spy samples per second
+
+
+def profile_seconds(seconds: float) -> int:
+    return max(1, int(seconds) - 1)
+
+
+def profile_start(pid: int, folder: Path, name: str, seconds: float) -> subprocess.Popen:
+    """py-spy sampling a server process (its Python threads) for the length of one run, after the warm-up."""
     folder.mkdir(parents=True, exist_ok=True)
     spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if spy is None:
         raise SystemExit("--profile needs py-spy (pip install py-spy into this environment)")
-    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds) - 1)),
-                             "--rate", "500", "--gil", "--format", "raw", "--output", str(folder / f"serve-{clients}.txt"),
-                             "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(profile_seconds(seconds)),
+                             "--rate", str(PROFILE_RATE), "--gil", "--format", "raw", "--output",
+                             str(folder / f"{name}.txt"), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
-    """Print the functions with the most samples of their own (self) and in total, from py-spy's collapsed stacks."""
+def profile_report(spy: subprocess.Popen, path: Path, calls: float, top: int = 25) -> None:
+    """Print the functions with the most samples of their own (self) and in total, and the files with the most of
+    their own, from py-spy's collapsed stacks; each as a share of the samples and as microseconds per call (a sample
+    stands for 1/PROFILE_RATE s of the GIL held; `calls`: how many calls the profiled seconds served)."""
     spy.wait(60)
     own: dict[str, int] = {}
     total: dict[str, int] = {}
+    files: dict[str, int] = {}
     samples = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -324,11 +342,16 @@ def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
         own[frames[-1]] = own.get(frames[-1], 0) + n
         for frame in set(frames):
             total[frame] = total.get(frame, 0) + n
-    print(f"serve profile ({path}): {samples} samples")
-    for title, table in (("self", own), ("total", total)):
+        leaf = stack.rsplit(";", 1)[-1]
+        where = leaf[leaf.find("(") + 1:].rsplit(":", 1)[0] if "(" in leaf else leaf
+        thread = "[thread] " if "Thread._bootstrap" in stack else ""
+        files[thread + where] = files.get(thread + where, 0) + n
+    us = 1e6 / PROFILE_RATE / max(calls, 1)
+    print(f"profile ({path}): {samples} samples, {samples * us:.0f} us of the GIL held per call")
+    for title, table in (("self", own), ("total", total), ("file (self)", files)):
         print(f"  top by {title}:")
         for frame, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
-            print(f"    {100 * n / samples:5.1f} %  {frame}")
+            print(f"    {100 * n / samples:5.1f} % {n * us:6.1f} us  {frame}")
 
 
 def hold_cpu_latency(microseconds: int) -> None:
@@ -402,6 +425,7 @@ def main() -> int:
         wait_port(bare_port, bare)
         wait_ready(cfg["metrics"]["listen"])
         results, p99s, cpus = {}, {}, {}
+        pids_of = {app_port: app.pid, bare_port: bare.pid}
         for n in args.clients:
             for name, cls, port in (("bare asyncua Echo", BareCaller, bare_port),
                                     ("appliance Infer", ApplianceCaller, app_port)):
@@ -409,20 +433,24 @@ def main() -> int:
 
                 async def make(cls=cls, endpoint=endpoint):
                     return await cls(endpoint, cert, key, sample).open()
-                spy = profile_start(app.pid, args.profile, n, args.seconds) if args.profile and port == app_port \
-                    else None
+                label = f"serve-{n}" if port == app_port else f"bare-{n}"
+                spy = profile_start(pids_of[port], args.profile, label, args.seconds) if args.profile else None
                 pids = [bare.pid] if port == bare_port else [app.pid, *worker_pids(app.pid).values()]
                 cpu0 = [cpu_seconds(pid) for pid in pids]
+                split0 = cpu_split(pids[0])
                 rate, lat, client_cpu = asyncio.run(drive(make, n, args.seconds))
                 cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0)]
+                user, system = (b - a for a, b in zip(split0, cpu_split(pids[0])))
                 if spy is not None:
-                    profile_report(spy, args.profile / f"serve-{n}.txt")
+                    profile_report(spy, args.profile / f"{label}.txt",
+                                   rate * profile_seconds(args.seconds))
                 results[(name, n)] = rate
                 p99s[(name, n)] = float(np.percentile(lat, 99))
                 cpus[(name, n)] = cpu[0] / len(lat) * 1e6
                 workers = f" + worker {sum(cpu[1:]) / len(lat) * 1e6:.0f} us" if len(cpu) > 1 else ""
                 print(f"{name:20s} {n:3d} clients: {summary(rate, lat)}   server CPU per call "
-                      f"{cpus[(name, n)]:.0f} us{workers}, clients' {client_cpu / len(lat) * 1e6:.0f} us", flush=True)
+                      f"{cpus[(name, n)]:.0f} us (user {user / len(lat) * 1e6:.0f}, system {system / len(lat) * 1e6:.0f})"
+                      f"{workers}, clients' {client_cpu / len(lat) * 1e6:.0f} us", flush=True)
         for n in args.clients:
             rate = results[("appliance Infer", n)] / results[("bare asyncua Echo", n)]
             p99 = p99s[("appliance Infer", n)] / p99s[("bare asyncua Echo", n)]
