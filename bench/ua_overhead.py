@@ -307,6 +307,19 @@ def cpu_split(pid: int) -> tuple[float, float]:
 PROFILE_RATE = 500  # py-spy samples per second
 
 
+def voluntary_switches(pid: int) -> int:
+    """How often the process's threads blocked so far (voluntary context switches: epoll waits, a thread waiting for
+    the GIL or a lock). Unlike CPU time, other load on the machine does not inflate it."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):  # a thread that ended meanwhile
+            pass
+    return total
+
+
 def profile_seconds(seconds: float) -> int:
     return max(1, int(seconds) - 1)
 
@@ -438,9 +451,11 @@ def main() -> int:
                 pids = [bare.pid] if port == bare_port else [app.pid, *worker_pids(app.pid).values()]
                 cpu0 = [cpu_seconds(pid) for pid in pids]
                 split0 = cpu_split(pids[0])
+                switches0 = voluntary_switches(pids[0])
                 rate, lat, client_cpu = asyncio.run(drive(make, n, args.seconds))
                 cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0)]
                 user, system = (b - a for a, b in zip(split0, cpu_split(pids[0])))
+                switches = (voluntary_switches(pids[0]) - switches0) / len(lat)
                 if spy is not None:
                     profile_report(spy, args.profile / f"{label}.txt",
                                    rate * profile_seconds(args.seconds))
@@ -449,7 +464,8 @@ def main() -> int:
                 cpus[(name, n)] = cpu[0] / len(lat) * 1e6
                 workers = f" + worker {sum(cpu[1:]) / len(lat) * 1e6:.0f} us" if len(cpu) > 1 else ""
                 print(f"{name:20s} {n:3d} clients: {summary(rate, lat)}   server CPU per call "
-                      f"{cpus[(name, n)]:.0f} us (user {user / len(lat) * 1e6:.0f}, system {system / len(lat) * 1e6:.0f})"
+                      f"{cpus[(name, n)]:.0f} us (user {user / len(lat) * 1e6:.0f}, system {system / len(lat) * 1e6:.0f}, "
+                      f"{switches:.1f} waits)"
                       f"{workers}, clients' {client_cpu / len(lat) * 1e6:.0f} us", flush=True)
         for n in args.clients:
             rate = results[("appliance Infer", n)] / results[("bare asyncua Echo", n)]
