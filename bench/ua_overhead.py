@@ -463,10 +463,10 @@ def main() -> int:
                 p99s[(name, n)] = float(np.percentile(lat, 99))
                 cpus[(name, n)] = cpu[0] / len(lat) * 1e6
                 workers = f" + worker {sum(cpu[1:]) / len(lat) * 1e6:.0f} us" if len(cpu) > 1 else ""
+                per_call = 1e6 / len(lat)
                 print(f"{name:20s} {n:3d} clients: {summary(rate, lat)}   server CPU per call "
-                      f"{cpus[(name, n)]:.0f} us (user {user / len(lat) * 1e6:.0f}, system {system / len(lat) * 1e6:.0f}, "
-                      f"{switches:.1f} waits)"
-                      f"{workers}, clients' {client_cpu / len(lat) * 1e6:.0f} us", flush=True)
+                      f"{cpus[(name, n)]:.0f} us (user {user * per_call:.0f}, system {system * per_call:.0f}, "
+                      f"{switches:.1f} waits){workers}, clients' {client_cpu * per_call:.0f} us", flush=True)
         for n in args.clients:
             rate = results[("appliance Infer", n)] / results[("bare asyncua Echo", n)]
             p99 = p99s[("appliance Infer", n)] / p99s[("bare asyncua Echo", n)]
