@@ -11,9 +11,8 @@ blocking waits per call (voluntary context switches: epoll, the GIL, locks), for
 and the clients' (this process's, while the calls ran). Other load on the machine inflates CPU time (caches, a
 thread holding the GIL while it waits for a CPU), so the server's CPU per call is also taken over each 0.5 s of the
 run and the quietest windows' figure (their 20th percentile) printed beside it: compare those on a busy machine.
-`--profile DIR`
-records the serve process with py-spy (GIL-holding samples only: the Python work per call) and prints the top
-functions. `--cpu-latency-us 0` runs everything with no CPU halting when idle (PM QoS, root): what the wake-ups of
+`--profile DIR` records both servers with py-spy (GIL-holding samples only: the Python work per call) and prints
+the top functions and files, each in microseconds per call. `--cpu-latency-us 0` runs everything with no CPU halting when idle (PM QoS, root): what the wake-ups of
 idle CPUs cost each server, from one run to the next.
 
 Then, with 1 client, the paths for PLCs that must not block, each beside a synchronous `Infer` in the same run:
