@@ -123,9 +123,19 @@ def _fields(*, action: str, session: str = "", client: str = "", user: str = "",
             "audit_entry_id": audit_entry_id, "session": session, "client": client, "user": user, "role": role,
             "model": model, "version": version, "input_digest": input_digest, "output_digest": output_digest,
             "status": status, "detail": detail}
-    fields = {k: v if v.__class__ is str and v.isascii() else _storable(str(v)) for k, v in text.items()}
+    try:  # the usual record: ASCII text throughout, taken as it is (one test for all of it, not one per field)
+        plain = "".join(text.values()).isascii()
+    except TypeError:  # a DigestOf, hashed now, or another value that is not text
+        plain = False
+    fields = text if plain else {k: v if v.__class__ is str and v.isascii() else _storable(str(v))
+                                 for k, v in text.items()}
     fields["latency_ms"] = latency if math.isfinite(latency) else -1.0
     return fields
+
+
+def _actions(records: list[dict]) -> str:
+    """The actions of records that could not be written, for the error's log line."""
+    return ", ".join(sorted({str(r.get("action", "")) for r in records if "lost" not in r}))
 
 
 RETRY_S = 0.25  # while records wait for the file (a full disk), the write is retried this often, and with each record
@@ -286,11 +296,10 @@ class AuditLog:
         owner could not hand over: an audit_lost record in their place) in order, with one write for the audit
         writer's batch. True when they (and every record held before them) reached the file; else they are held
         (see the class) and each counts as a write failure."""
-        actions = ", ".join(sorted({str(r.get("action", "")) for r in records if "lost" not in r}))
         try:
             cleaned = [r if "lost" in r else _fields(**r) for r in records]
         except Exception:  # noqa: BLE001 - a bug here must not reach the audit writer thread: logged, counted
-            log.exception("cannot write audit record (%s)", actions)
+            log.exception("cannot write audit record (%s)", _actions(records))
             self._count(len(records))
             return False
         now = _utc_now()
@@ -307,7 +316,7 @@ class AuditLog:
                         self._hold_locked(fields)
                 error = self._drain_locked()
         if closed:
-            self._fail(f"cannot write audit record ({actions}): audit log closed")
+            self._fail(f"cannot write audit record ({_actions(records)}): audit log closed")
             self._count(len(records) - 1)
             return False
         if error is not None:
