@@ -22,7 +22,7 @@ from core.errors import INVALID, OUT_OF_RANGE, TYPE_MISMATCH, ApplianceError, In
 from .asyncua_internals import ApplianceSession
 from .audit_writer import AuditWriter
 from core.correlation import correlation_id, new_correlation_id
-from .session import after_answer, caller_identity, current_audit_entry_id, current_session
+from .session import caller_identity, current_audit_entry_id, current_session
 from .status import ARGUMENT_STATUS_FOR_KIND, status_for
 
 log = logging.getLogger(__name__)
@@ -239,13 +239,9 @@ class MethodHandlers:
             finally:
                 self.in_flight -= 1
                 ctx.finished = time.perf_counter()
-                # Counted and audited once the answer is on its way: by the processor right after it wrote the
-                # answer (a Call of a client), else in the loop's next turn; the caller does not wait for it.
-                answer = after_answer.get()
-                if answer is None or answer.closed:
-                    self.account_soon(ctx, status)
-                else:
-                    answer.append((self._account_safely, ctx, status))
+                # Counted and audited once the answer is on its way: asyncua writes the response in this same step
+                # of the task, before the loop runs callbacks; the caller does not wait for the bookkeeping.
+                self.account_soon(ctx, status)
                 correlation_id.reset(cid)
         return callback
 
@@ -268,13 +264,10 @@ class MethodHandlers:
     def _account_answered(self) -> None:
         answered, self._to_account = self._to_account, []
         for ctx, status in answered:
-            self._account_safely(ctx, status)
-
-    def _account_safely(self, ctx: CallContext, status: str) -> None:
-        try:
-            self.account(ctx, status)
-        except Exception:  # noqa: BLE001 - one call's bookkeeping bug must not lose the others' or the answer; logged
-            log.exception("accounting %s failed", ctx.method)
+            try:
+                self.account(ctx, status)
+            except Exception:  # noqa: BLE001 - one call's bookkeeping bug must not lose the others'; logged
+                log.exception("accounting %s failed", ctx.method)
 
     def account(self, ctx: CallContext, status: str) -> None:
         """Count, time and audit one call (or a mailbox request refused before it ran)."""

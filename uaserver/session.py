@@ -21,18 +21,6 @@ current_session: contextvars.ContextVar["ApplianceSession | None"] = contextvars
     "current_session", default=None)
 
 
-class AfterAnswer(list):
-    """What to do once the answer of the Call being served is written (its calls' counting and audit): the processor
-    runs it right after the write, in the same step, instead of one more turn of the event loop. Closed once run: a
-    task that a call started (a job) inherits the context, and what it adds later is no longer this answer's."""
-
-    closed = False
-
-
-# Set by the processor in each Call's own task (asyncua_internals/processor.py); None outside one.
-after_answer: contextvars.ContextVar[AfterAnswer | None] = contextvars.ContextVar("after_answer", default=None)
-
-
 # The client's RequestHeader.AuditEntryId of the Call being served (sanitised; "" when absent or dropped).
 current_audit_entry_id: contextvars.ContextVar[str] = contextvars.ContextVar("current_audit_entry_id", default="")
 def clean_audit_entry_id(value) -> str:

@@ -15,7 +15,7 @@ from asyncua.ua.ua_binary import struct_from_binary
 from certs.x509io import thumbprint
 
 from ..identity import LoginVerdict, login_verdict
-from ..session import AfterAnswer, after_answer, clean_audit_entry_id, current_audit_entry_id, current_session
+from ..session import clean_audit_entry_id, current_audit_entry_id, current_session
 from .channel import PEER_ERRORS, SIGNATURE_ERRORS, ChannelGuard, error_message, leaf_certificate, transport_status
 from .decoding import cached_nodeid_from_binary, call_parameters_from_binary, request_header_from_binary, \
     response_to_binary
@@ -333,16 +333,6 @@ class HardenedProcessor(UaProcessor):
         return True
 
     async def _run_call(self, session: ApplianceSession, requesthdr, seqhdr, params) -> None:
-        answered = AfterAnswer()
-        after_answer.set(answered)  # in this task's own context: the method handlers leave their bookkeeping here
-        try:
-            await self._answer_call(session, requesthdr, seqhdr, params)
-        finally:  # answered, abandoned or failed: the calls' counting and audit, once the answer (if any) is written
-            answered.closed = True
-            for bookkeeping, *args in answered:
-                bookkeeping(*args)
-
-    async def _answer_call(self, session: ApplianceSession, requesthdr, seqhdr, params) -> None:
         try:
             results = await session.call(params.MethodsToCall)
             response = ua.CallResponse()
