@@ -34,11 +34,16 @@ class _RequestsCounter:
 
     def __init__(self, registry):
         self._values: dict[tuple, float] = {}
+        self._series: dict[tuple, _Series] = {}  # one view per label set, made once (every call counts one)
         self._lock = threading.Lock()
         registry.register(self)
 
     def labels(self, model: str, method: str, status: str, variant: str = "") -> _Series:
-        return _Series(self._values, (model, method, status, variant), self._lock)
+        key = (model, method, status, variant)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = _Series(self._values, key, self._lock)
+        return series
 
     def describe(self):
         return [Metric(self.name, self.documentation, "counter")]
@@ -62,6 +67,7 @@ class Metrics:
         self.request_duration = Histogram(
             "appliance_request_duration_seconds", "Time from a method call's arrival to its answer",
             ["model", "method"], buckets=LATENCY_BUCKETS, registry=r)
+        self._durations: dict[tuple[str, str], object] = {}  # request_duration's children (call_duration)
         self.queue_wait = Histogram(
             "appliance_queue_wait_seconds", "Time a request waited in the queue before its batch ran",
             ["model"], buckets=LATENCY_BUCKETS, registry=r)
@@ -150,6 +156,14 @@ class Metrics:
             self.gpu_ecc_errors = Gauge("appliance_gpu_ecc_errors", "Uncorrected ECC errors since boot", ["gpu"],
                                         registry=r)
             self.gpu_power = Gauge("appliance_gpu_power_watts", "GPU power draw", ["gpu"], registry=r)
+
+    def call_duration(self, model: str, method: str):
+        """appliance_request_duration_seconds{model,method}: its child looked up once per label pair (every call
+        observes one; no series of it is ever removed)."""
+        child = self._durations.get((model, method))
+        if child is None:
+            child = self._durations[(model, method)] = self.request_duration.labels(model, method)
+        return child
 
     def count_request(self, model: str, method: str, status: str, variant: str = "") -> None:
         """appliance_requests_total; with a `variant` label where the model has A/B variants (the contract)."""

@@ -6,10 +6,13 @@ method on a bare asyncua server with the same security policy (Basic256Sha256, S
 one. Prints the ratios appliance/bare: calls per second at 1 client (goal >= 0.7) and at 16 (goal >= 0.6), and the
 p99 latency at 16 (goal <= 2).
 
-Each run also gives the server process's CPU time per call (from /proc, robust to other load on the machine),
-for the appliance its model worker's, and the clients' (this process's, while the calls ran). `--profile DIR`
-records the serve process with py-spy (GIL-holding samples only: the Python work per call) and prints the top
-functions. `--cpu-latency-us 0` runs everything with no CPU halting when idle (PM QoS, root): what the wake-ups of
+Each run also gives the server process's CPU time per call (from /proc), split into user and system time, its
+blocking waits per call (voluntary context switches: epoll, the GIL, locks), for the appliance its model worker's,
+and the clients' (this process's, while the calls ran). Other load on the machine inflates CPU time (caches, a
+thread holding the GIL while it waits for a CPU), so the server's CPU per call is also taken over each 0.5 s of the
+run and the quietest windows' figure (their 20th percentile) printed beside it: compare those on a busy machine.
+`--profile DIR` records both servers with py-spy (GIL-holding samples only: the Python work per call) and prints
+the top functions and files, each in microseconds per call. `--cpu-latency-us 0` runs everything with no CPU halting when idle (PM QoS, root): what the wake-ups of
 idle CPUs cost each server, from one run to the next.
 
 Then, with 1 client, the paths for PLCs that must not block, each beside a synchronous `Infer` in the same run:
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import shutil
 import socket
@@ -48,11 +52,18 @@ from models.te_classifier import INPUT_SHAPE, load_te_test_windows  # noqa: E402
 from ports import free_ports, wait_port  # noqa: E402
 
 
-async def drive(make_call, clients: int, seconds: float) -> tuple[float, list[float], float]:
-    """Calls per second, each call's latency, and this process's CPU seconds while the calls ran (the clients' own
-    cost per call, connecting and warming up left out)."""
+WINDOW_S = 0.5  # the server's CPU per call is also taken over windows this long while the calls run
+QUIET_PERCENTILE = 20  # ... and the windows' 20th percentile reported: the least disturbed by other load
+
+
+async def drive(make_call, clients: int, seconds: float, server_pid: int | None = None) \
+        -> tuple[float, list[float], float, list[float]]:
+    """Calls per second, each call's latency, this process's CPU seconds while the calls ran (the clients' own
+    cost per call, connecting and warming up left out), and with server_pid the server's CPU microseconds per call
+    in each WINDOW_S of the run (its threads' time on a CPU, from /proc/PID/task/*/schedstat: nanoseconds)."""
     latencies: list[float] = []
-    stop = time.perf_counter() + seconds
+    windows: list[float] = []
+    stop = math.inf  # set once the connections are made and warm
 
     async def worker(call):
         while time.perf_counter() < stop:
@@ -60,15 +71,37 @@ async def drive(make_call, clients: int, seconds: float) -> tuple[float, list[fl
             await call()
             latencies.append(time.perf_counter() - t0)
 
+    async def sample():
+        calls0, cpu0 = len(latencies), on_cpu_seconds(server_pid)
+        while time.perf_counter() + WINDOW_S < stop:
+            await asyncio.sleep(WINDOW_S)
+            calls1, cpu1 = len(latencies), on_cpu_seconds(server_pid)
+            if calls1 > calls0:
+                windows.append((cpu1 - cpu0) / (calls1 - calls0) * 1e6)
+            calls0, cpu0 = calls1, cpu1
+
     calls = [await make_call() for _ in range(clients)]
     for call in calls:  # warm up each connection
         await call()
     t0, cpu0 = time.perf_counter(), time.process_time()
-    await asyncio.gather(*[worker(c) for c in calls])
+    stop = t0 + seconds
+    await asyncio.gather(*[worker(c) for c in calls], *([sample()] if server_pid else []))
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     for c in calls:
         await c.close()
-    return len(latencies) / elapsed, latencies, cpu
+    return len(latencies) / elapsed, latencies, cpu, windows
+
+
+def on_cpu_seconds(pid: int) -> float:
+    """Seconds the process's threads have spent on a CPU (the scheduler's own count, in nanoseconds)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            pass
+    return total / 1e9
 
 
 class ApplianceCaller:
@@ -195,7 +228,7 @@ def async_paths(endpoint: str, cert, key, sample, seconds: float, publishing: li
     rows = []
 
     def run(label, make):
-        rate, lat, _ = asyncio.run(drive(make, 1, seconds))
+        rate, lat, _, _ = asyncio.run(drive(make, 1, seconds))
         rows.append((label, lat))
         print(f"{label:34s} {summary(rate, lat)}", flush=True)
         return lat
@@ -292,27 +325,58 @@ def measure_recovery(app: subprocess.Popen, cert, key, sample, port: int, times:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds the process has used (its threads included)."""
+    return sum(cpu_split(pid))
+
+
+def cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds the process has used (its threads included): system time is the kernel's work
+    for it (socket reads and writes, epoll waits, wake-ups), user time its own code."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def profile_start(pid: int, folder: Path, clients: int, seconds: float) -> subprocess.Popen:
-    """py-spy sampling the serve process (its Python threads) for the length of one run, after the warm-up."""
+PROFILE_RATE = 500  # py-spy samples per second
+
+
+def voluntary_switches(pid: int) -> int:
+    """How often the process's threads blocked so far (voluntary context switches: epoll waits, a thread waiting for
+    the GIL or a lock). Unlike CPU time, other load on the machine does not inflate it."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except (OSError, StopIteration):  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def profile_seconds(seconds: float) -> int:
+    return max(1, int(seconds) - 1)
+
+
+def profile_start(pid: int, folder: Path, name: str, seconds: float) -> subprocess.Popen:
+    """py-spy sampling a server process (its Python threads) for the length of one run, after the warm-up."""
     folder.mkdir(parents=True, exist_ok=True)
     spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if spy is None:
         raise SystemExit("--profile needs py-spy (pip install py-spy into this environment)")
-    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds) - 1)),
-                             "--rate", "500", "--gil", "--format", "raw", "--output", str(folder / f"serve-{clients}.txt"),
-                             "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(profile_seconds(seconds)),
+                             "--rate", str(PROFILE_RATE), "--gil", "--format", "raw", "--output",
+                             str(folder / f"{name}.txt"), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
-    """Print the functions with the most samples of their own (self) and in total, from py-spy's collapsed stacks."""
+def profile_report(spy: subprocess.Popen, path: Path, calls: float, top: int = 25) -> None:
+    """Print the functions with the most samples of their own (self) and in total, and the files with the most of
+    their own, from py-spy's collapsed stacks; each as a share of the samples and as microseconds per call (a sample
+    stands for 1/PROFILE_RATE s of the GIL held; `calls`: how many calls the profiled seconds served)."""
     spy.wait(60)
     own: dict[str, int] = {}
     total: dict[str, int] = {}
+    files: dict[str, int] = {}
     samples = 0
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -324,11 +388,16 @@ def profile_report(spy: subprocess.Popen, path: Path, top: int = 25) -> None:
         own[frames[-1]] = own.get(frames[-1], 0) + n
         for frame in set(frames):
             total[frame] = total.get(frame, 0) + n
-    print(f"serve profile ({path}): {samples} samples")
-    for title, table in (("self", own), ("total", total)):
+        leaf = stack.rsplit(";", 1)[-1]
+        where = leaf[leaf.find("(") + 1:].rsplit(":", 1)[0] if "(" in leaf else leaf
+        thread = "[thread] " if "Thread._bootstrap" in stack else ""
+        files[thread + where] = files.get(thread + where, 0) + n
+    us = 1e6 / PROFILE_RATE / max(calls, 1)
+    print(f"profile ({path}): {samples} samples, {samples * us:.0f} us of the GIL held per call")
+    for title, table in (("self", own), ("total", total), ("file (self)", files)):
         print(f"  top by {title}:")
         for frame, n in sorted(table.items(), key=lambda kv: -kv[1])[:top]:
-            print(f"    {100 * n / samples:5.1f} %  {frame}")
+            print(f"    {100 * n / samples:5.1f} % {n * us:6.1f} us  {frame}")
 
 
 def hold_cpu_latency(microseconds: int) -> None:
@@ -401,7 +470,8 @@ def main() -> int:
         wait_port(app_port, app)
         wait_port(bare_port, bare)
         wait_ready(cfg["metrics"]["listen"])
-        results, p99s, cpus = {}, {}, {}
+        results, p99s, cpus, quiet = {}, {}, {}, {}
+        pids_of = {app_port: app.pid, bare_port: bare.pid}
         for n in args.clients:
             for name, cls, port in (("bare asyncua Echo", BareCaller, bare_port),
                                     ("appliance Infer", ApplianceCaller, app_port)):
@@ -409,27 +479,38 @@ def main() -> int:
 
                 async def make(cls=cls, endpoint=endpoint):
                     return await cls(endpoint, cert, key, sample).open()
-                spy = profile_start(app.pid, args.profile, n, args.seconds) if args.profile and port == app_port \
-                    else None
+                label = f"serve-{n}" if port == app_port else f"bare-{n}"
+                spy = profile_start(pids_of[port], args.profile, label, args.seconds) if args.profile else None
                 pids = [bare.pid] if port == bare_port else [app.pid, *worker_pids(app.pid).values()]
                 cpu0 = [cpu_seconds(pid) for pid in pids]
-                rate, lat, client_cpu = asyncio.run(drive(make, n, args.seconds))
+                split0 = cpu_split(pids[0])
+                switches0 = voluntary_switches(pids[0])
+                rate, lat, client_cpu, windows = asyncio.run(drive(make, n, args.seconds, pids[0]))
                 cpu = [cpu_seconds(pid) - c for pid, c in zip(pids, cpu0)]
+                user, system = (b - a for a, b in zip(split0, cpu_split(pids[0])))
+                switches = (voluntary_switches(pids[0]) - switches0) / len(lat)
                 if spy is not None:
-                    profile_report(spy, args.profile / f"serve-{n}.txt")
+                    profile_report(spy, args.profile / f"{label}.txt",
+                                   rate * profile_seconds(args.seconds))
                 results[(name, n)] = rate
                 p99s[(name, n)] = float(np.percentile(lat, 99))
                 cpus[(name, n)] = cpu[0] / len(lat) * 1e6
+                quiet[(name, n)] = float(np.percentile(windows, QUIET_PERCENTILE)) if windows else float("nan")
                 workers = f" + worker {sum(cpu[1:]) / len(lat) * 1e6:.0f} us" if len(cpu) > 1 else ""
+                per_call = 1e6 / len(lat)
                 print(f"{name:20s} {n:3d} clients: {summary(rate, lat)}   server CPU per call "
-                      f"{cpus[(name, n)]:.0f} us{workers}, clients' {client_cpu / len(lat) * 1e6:.0f} us", flush=True)
+                      f"{cpus[(name, n)]:.0f} us (user {user * per_call:.0f}, system {system * per_call:.0f}, "
+                      f"{switches:.1f} waits){workers}, clients' {client_cpu * per_call:.0f} us; server CPU per call "
+                      f"in the quietest windows (p{QUIET_PERCENTILE} of {len(windows)} x {WINDOW_S} s) "
+                      f"{quiet[(name, n)]:.0f} us", flush=True)
         for n in args.clients:
             rate = results[("appliance Infer", n)] / results[("bare asyncua Echo", n)]
             p99 = p99s[("appliance Infer", n)] / p99s[("bare asyncua Echo", n)]
             goal = "goal >= 0.7" if n == 1 else "goal >= 0.6"
             print(f"{n:3d} clients: appliance/bare calls/s {rate:.2f} ({goal}); p99 appliance/bare {p99:.2f}"
                   + ("  (goal <= 2)" if n > 1 else "")
-                  + f"; serve CPU per call / bare's {cpus[('appliance Infer', n)] / cpus[('bare asyncua Echo', n)]:.2f}")
+                  + f"; serve CPU per call / bare's {cpus[('appliance Infer', n)] / cpus[('bare asyncua Echo', n)]:.2f}"
+                  f" (quietest windows {quiet[('appliance Infer', n)] / quiet[('bare asyncua Echo', n)]:.2f})")
         if args.publishing_ms:
             async_paths(f"opc.tcp://127.0.0.1:{app_port}", cert, key, sample, args.seconds, args.publishing_ms)
         if args.recovery:

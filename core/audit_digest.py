@@ -24,8 +24,8 @@ def digest(data: bytes | str | list[float] | np.ndarray) -> str:
 
 
 class DigestOf:
-    """digest(data), computed when the record is written (str() of it): on the audit writer's thread, not on the
-    event loop that answers the call. `data` must not change after: an array from the network or the engine."""
+    """digest(data), computed when str() of it is asked for: when the call is accounted, after its answer went out,
+    not while the caller waits. `data` must not change after: an array from the network or the engine."""
     __slots__ = ("data",)
 
     def __init__(self, data: bytes | str | list[float] | np.ndarray):

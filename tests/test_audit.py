@@ -364,6 +364,23 @@ def test_a_line_is_the_canonical_json_of_its_record_whatever_the_text(tmp_path):
     assert verify(path) == (True, [])
 
 
+def test_a_line_is_canonical_whatever_the_latency_and_the_control_characters(tmp_path):
+    """The record's JSON is written by msgspec where it writes what json.dumps writes, by hand beyond (json writes
+    1e+16, msgspec 1e16): each line must be the canonical encoding, its hash verified, either way."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(path)
+    controls = "".join(chr(c) for c in range(0x20)) + "\x7f\u2028\u2029\ufeff"
+    latencies = [0.0, 0.001, 0.812, 123456.789, 1e15, 1e16, 3.5e20, float("inf")]
+    for ms in latencies:
+        assert log.record(action="Infer", status="Good", latency_ms=ms, detail=controls, user=f"user:{ms}")
+    log.close()
+    lines = lines_of(path)
+    assert [json.loads(line)["latency_ms"] for line in lines] == latencies[:-1] + [-1.0]
+    for line in lines:
+        assert json.dumps(json.loads(line), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() == line
+    assert verify(path) == (True, [])
+
+
 def test_cmd_audit_verify(tmp_path, capsys):
     path = tmp_path / "audit.jsonl"
     assert cmd_audit_verify(path) == 2

@@ -27,6 +27,8 @@ from collections import deque
 from datetime import datetime, timezone
 from pathlib import Path
 
+import msgspec
+
 from core.audit_digest import DigestOf
 from .records import FIELDS, GENESIS, chain_files, rotated, sha256_hex
 
@@ -41,16 +43,23 @@ class AuditLogClosed(RuntimeError):
 
 
 # A record's keys in sorted order, "hash" left out (_with_hash puts it in): the canonical JSON of a record is written
-# by filling them in, not by building, sorting and walking a dict (profiled: 9 of a record's 25 us).
+# by filling them in, not by building, sorting and walking a dict (profiled: 9 of a record's 25 us). msgspec's
+# encoder with sorted keys writes the same bytes as json.dumps(sort_keys=True, ensure_ascii=False, compact) for
+# strings and ints (every code point checked) and for the floats a latency can be (it writes 1e16 where json writes
+# 1e+16: beyond _MSGSPEC_FLOATS the record is written by hand), in a quarter of the time (0.9 us against 3.6).
 _SORTED_KEYS = ("action", "audit_entry_id", "client", "correlation_id", "detail", "event", "input_digest", "latency_ms",
                 "model", "output_digest", "prev", "role", "seq", "session", "status", "time", "user", "version")
 _NUMBERS = frozenset({"latency_ms", "seq"})
 _json_string = json.encoder.encode_basestring  # what json.dumps(ensure_ascii=False) writes a str with
+_sorted_json = msgspec.json.Encoder(order="sorted").encode
+_MSGSPEC_FLOATS = 1e15  # |latency_ms| below this: msgspec and json write it alike (both the shortest repr)
 
 
 def _record_json(rec: dict) -> bytes:
     """canonical(rec) for a record of _SORTED_KEYS (strings, but for seq and latency_ms): tests/test_audit.py
     checks each line against json.dumps."""
+    if len(rec) == len(_SORTED_KEYS) and -_MSGSPEC_FLOATS < rec["latency_ms"] < _MSGSPEC_FLOATS:
+        return _sorted_json(rec)
     return ("{" + ",".join([f'"{k}":{repr(rec[k]) if k in _NUMBERS else _json_string(rec[k])}'
                             for k in _SORTED_KEYS]) + "}").encode()
 
@@ -114,9 +123,19 @@ def _fields(*, action: str, session: str = "", client: str = "", user: str = "",
             "audit_entry_id": audit_entry_id, "session": session, "client": client, "user": user, "role": role,
             "model": model, "version": version, "input_digest": input_digest, "output_digest": output_digest,
             "status": status, "detail": detail}
-    fields = {k: v if v.__class__ is str and v.isascii() else _storable(str(v)) for k, v in text.items()}
+    try:  # the usual record: ASCII text throughout, taken as it is (one test for all of it, not one per field)
+        plain = "".join(text.values()).isascii()
+    except TypeError:  # a DigestOf, hashed now, or another value that is not text
+        plain = False
+    fields = text if plain else {k: v if v.__class__ is str and v.isascii() else _storable(str(v))
+                                 for k, v in text.items()}
     fields["latency_ms"] = latency if math.isfinite(latency) else -1.0
     return fields
+
+
+def _actions(records: list[dict]) -> str:
+    """The actions of records that could not be written, for the error's log line."""
+    return ", ".join(sorted({str(r.get("action", "")) for r in records if "lost" not in r}))
 
 
 RETRY_S = 0.25  # while records wait for the file (a full disk), the write is retried this often, and with each record
@@ -277,11 +296,10 @@ class AuditLog:
         owner could not hand over: an audit_lost record in their place) in order, with one write for the audit
         writer's batch. True when they (and every record held before them) reached the file; else they are held
         (see the class) and each counts as a write failure."""
-        actions = ", ".join(sorted({str(r.get("action", "")) for r in records if "lost" not in r}))
         try:
             cleaned = [r if "lost" in r else _fields(**r) for r in records]
         except Exception:  # noqa: BLE001 - a bug here must not reach the audit writer thread: logged, counted
-            log.exception("cannot write audit record (%s)", actions)
+            log.exception("cannot write audit record (%s)", _actions(records))
             self._count(len(records))
             return False
         now = _utc_now()
@@ -298,7 +316,7 @@ class AuditLog:
                         self._hold_locked(fields)
                 error = self._drain_locked()
         if closed:
-            self._fail(f"cannot write audit record ({actions}): audit log closed")
+            self._fail(f"cannot write audit record ({_actions(records)}): audit log closed")
             self._count(len(records) - 1)
             return False
         if error is not None:
