@@ -3,8 +3,8 @@
 Calls per second and p50/p99 latency of `Infer` on the demo fault classifier through the appliance, and of an Echo
 method on a bare asyncua server with the same security policy (Basic256Sha256, SignAndEncrypt), in the same run, with
 1 and 16 concurrent clients (one outstanding call each). Each server runs in its own process; the clients share this
-one. Prints the ratios appliance/bare: calls per second at 1 client (goal >= 0.7) and at 16 (goal >= 0.6), and the
-p99 latency at 16 (goal <= 2).
+one. Prints the ratios appliance/bare: calls per second at 1 client (goal >= 0.6) and at 16 (goal >= 0.65), the
+p99 latency at 16 (goal <= 2) and serve's CPU per call (goal <= 1.6).
 
 Each run also gives the server process's CPU time per call (from /proc), split into user and system time, its
 blocking waits per call (voluntary context switches: epoll, the GIL, locks), for the appliance its model worker's,
@@ -506,10 +506,10 @@ def main() -> int:
         for n in args.clients:
             rate = results[("appliance Infer", n)] / results[("bare asyncua Echo", n)]
             p99 = p99s[("appliance Infer", n)] / p99s[("bare asyncua Echo", n)]
-            goal = "goal >= 0.7" if n == 1 else "goal >= 0.6"
+            goal = "goal >= 0.6" if n == 1 else "goal >= 0.65"  # the serving path's goals (serve CPU: <= 1.6x)
             print(f"{n:3d} clients: appliance/bare calls/s {rate:.2f} ({goal}); p99 appliance/bare {p99:.2f}"
                   + ("  (goal <= 2)" if n > 1 else "")
-                  + f"; serve CPU per call / bare's {cpus[('appliance Infer', n)] / cpus[('bare asyncua Echo', n)]:.2f}"
+                  + f"; serve CPU per call / bare's (goal <= 1.6) {cpus[('appliance Infer', n)] / cpus[('bare asyncua Echo', n)]:.2f}"
                   f" (quietest windows {quiet[('appliance Infer', n)] / quiet[('bare asyncua Echo', n)]:.2f})")
         if args.publishing_ms:
             async_paths(f"opc.tcp://127.0.0.1:{app_port}", cert, key, sample, args.seconds, args.publishing_ms)
