@@ -10,7 +10,6 @@ where it must be, on the demo model and on tiny ones.
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from appliance.engine.llm.slots import SlotManager
 from core.errors import InvalidArgument
 from models.llama import KVCache, LlamaModel
 
+from chi_square import chi_square_critical
 from test_llm_oracle import _smollm2_gguf
 
 ANSWER_SCHEMA = json.dumps({"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}},
@@ -119,12 +119,6 @@ def test_a_schema_the_engine_cannot_compile_is_an_invalid_argument(demo):
 
 
 # ---- the sampler draws from the renormalized masked distribution -----------------------------------------------
-
-def chi_square_critical(df: int, z: float = 3.719) -> float:
-    """The chi-square quantile at the normal quantile z (Wilson-Hilferty; z 3.719: p = 1e-4, a test that fails
-    by chance once in 10,000 runs)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
 
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory):

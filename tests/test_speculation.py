@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from appliance.engine.llm.speculation import LookupDrafter, SpeculationSettings
+from chi_square import assert_same_distribution, chi_square_critical
 
 LOOKUP = SpeculationSettings("lookup", draft_min=1, draft_max=8, min_ngram=2)
 EAGER = SpeculationSettings("lookup", draft_min=1, draft_max=8, min_ngram=1)  # more drafts, more rejected
@@ -143,11 +144,6 @@ def test_greedy_tokens_are_those_of_plain_decoding_on_every_architecture(archite
 
 # ---- sampling keeps the target distribution --------------------------------------------------------------------
 
-def chi_square_critical(df: int, z: float = 3.719) -> float:
-    """Wilson-Hilferty's chi-square quantile at normal quantile z (3.719: fails by chance once in 10,000 runs)."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
-
-
 @pytest.mark.parametrize("draft,top_p", [(0, 1.0), (3, 1.0), (5, 0.8), (7, 0.8)])
 def test_a_verified_position_draws_from_the_target_distribution(draft, top_p):
     """The draft is the likeliest token, a middling one, or one outside the nucleus: whichever, the token the
@@ -199,12 +195,7 @@ def test_sampled_replies_with_speculation_follow_the_plain_distribution(architec
     plain, _ = draws(None)
     spec, runner = draws(SpeculationSettings("lookup", draft_min=1, draft_max=2, min_ngram=1))
     assert runner.verify_rows > 0
-    keys = [k for k in set(plain) | set(spec) if plain.get(k, 0) + spec.get(k, 0) >= 10]
-    other = sum(v for k, v in plain.items() if k not in keys), sum(v for k, v in spec.items() if k not in keys)
-    a = [plain.get(k, 0) for k in keys] + [other[0]]
-    b = [spec.get(k, 0) for k in keys] + [other[1]]
-    chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(a, b) if x + y > 0)  # equal sample sizes
-    assert chi2 < chi_square_critical(max(1, len(a) - 1)), (chi2, a, b)
+    assert_same_distribution(plain, spec)
 
 
 # ---- a grammar's sequence stays in its grammar ------------------------------------------------------------------

@@ -45,7 +45,8 @@ from appliance.engine.llm.slots import SlotManager  # noqa: E402
 from appliance.engine.llm.token_turns import TokenTurns  # noqa: E402
 from loader.weights import load_weights  # noqa: E402
 from models.llama import KVCache, LlamaModel  # noqa: E402
-from test_speculation import architectures, chi_square_critical, copying_prompts  # noqa: E402,F401 (a fixture)
+from chi_square import assert_same_distribution  # noqa: E402
+from test_speculation import architectures, copying_prompts  # noqa: E402,F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +183,7 @@ def test_sampled_replies_with_a_draft_model_follow_the_plain_distribution(archit
     plain, _ = draws(None)
     spec, runner = draws(stranger)
     assert runner.verify_rows > 0
-    keys = [k for k in set(plain) | set(spec) if plain.get(k, 0) + spec.get(k, 0) >= 10]
-    other = sum(v for k, v in plain.items() if k not in keys), sum(v for k, v in spec.items() if k not in keys)
-    a = [plain.get(k, 0) for k in keys] + [other[0]]
-    b = [spec.get(k, 0) for k in keys] + [other[1]]
-    chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(a, b) if x + y > 0)  # equal sample sizes
-    assert chi2 < chi_square_critical(max(1, len(a) - 1)), (chi2, a, b)
+    assert_same_distribution(plain, spec)
 
 
 # ---- the YAML keys and check-config ------------------------------------------------------------------------------
