@@ -36,6 +36,33 @@ def test_the_draft_model_length_follows_the_lookup_policy():
     assert d.wanted(20) == 0 and d.wanted(20) == 4  # a miss pauses drafting for a step, then halves
 
 
+def test_the_best_draft_length_is_what_pays_at_the_measured_cost():
+    from appliance.engine.llm.speculation import best_draft_length
+    assert best_draft_length(0.98, 0.05, 1, 1, 8) == 8  # a cheap draft that is nearly always right: all of it
+    assert best_draft_length(0.47, 0.8, 1, 1, 8) == 0  # the measured SmolLM2 Q4_0 / Q8_0 pair on free answers
+    assert best_draft_length(1.0, 1.0, 1, 1, 8) == 0  # a draft as dear as the target gains nothing even if right
+    assert 0 < best_draft_length(0.9, 0.3, 1, 1, 8) < 8  # the last tokens are too unlikely to be worth their cost
+    # with four rows in the step a draft's forwards hold up three other rows' tokens too
+    assert best_draft_length(0.9, 0.3, 1, 1, 8) > 0 and best_draft_length(0.9, 0.3, 4, 1, 8) == 0
+
+
+def test_the_cost_gate_holds_a_draft_model_to_what_pays():
+    from appliance.engine.llm.speculation import GATE_PAUSE
+    d = ModelDrafter(DRAFT)
+    assert d.wanted_at_cost(8, None, 1) == 4  # the cost not measured yet: the acceptance policy alone
+    d = ModelDrafter(DRAFT)
+    assert d.wanted_at_cost(8, 0.05, 1) == 1  # a sequence's first draft is a short probe
+    d.record(1, 1)
+    assert d.wanted_at_cost(8, 0.05, 1) == 8  # cheap and accepted: the whole room the length allows
+    d.record(8, 8)
+    assert d.wanted_at_cost(20, 1.0, 1) == 0  # as dear as a step: nothing, and a pause
+    assert [d.wanted_at_cost(20, 0.05, 1) for _ in range(GATE_PAUSE)] == [0] * GATE_PAUSE
+    assert d.wanted_at_cost(20, 1.0, 1) == 1  # then one short probe, whatever the gate says
+    assert d.wanted_at_cost(20, 1.0, 1) == 0
+    ungated = ModelDrafter(SpeculationSettings("draft", draft_min=1, draft_max=8, cost_gate=False))
+    assert ungated.wanted_at_cost(8, 5.0, 1) == 4
+
+
 pytest.importorskip("transformers")
 
 from appliance.engine.llm.runner import ModelRunner  # noqa: E402

@@ -21,6 +21,7 @@ from appliance.engine.llm.scheduler import DecodeRow, StepPlan
 from appliance.engine.llm.slots import SlotManager
 
 CATCH_UP_TOKENS = 256  # a slot's tokens fed to the draft model in one step at most (as the target's prefill_chunk)
+TOKEN_FORWARD_MAX = 16  # a forward that feeds at most this many tokens a row is a drafting one, not a catch-up
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -47,6 +48,8 @@ class DraftModel:
         self.held: list[list[int]] = [[] for _ in range(cache.n_slots)]  # per slot: the tokens its KV holds
         self.forwards = 0  # draft model forwards run and the seconds they took (benchmarks: the draft's cost)
         self.seconds = 0.0
+        self.token_forwards = 0  # of them, those that fed a token or a few a row (not a prompt's catch-up), and
+        self.token_seconds = 0.0  # their seconds: what a drafted token costs (the engine's cost gate)
 
     @torch.no_grad()
     def fill(self, plan: StepPlan, slots: SlotManager) -> None:
@@ -89,8 +92,12 @@ class DraftModel:
             ids[i, :len(f)] = torch.tensor(f, dtype=torch.long)
         logits = self.model.forward(self.cache, ids, torch.tensor(slots), torch.tensor(starts),
                                     torch.tensor([len(f) for f in feeds]))
+        took = time.perf_counter() - started
         self.forwards += 1
-        self.seconds += time.perf_counter() - started
+        self.seconds += took
+        if ids.shape[1] <= TOKEN_FORWARD_MAX:
+            self.token_forwards += 1
+            self.token_seconds += took
         return logits
 
     def forget_all(self) -> None:

@@ -183,8 +183,13 @@ class EngineLoop:
     def _step(self, plan: StepPlan) -> None:
         try:
             if self._draft is not None:  # speculation: draft: the draft model proposes the rows' drafts first
+                forwards, seconds = self._draft.token_forwards, self._draft.token_seconds
                 self._draft.fill(plan, self._slots)
+                forwards, seconds = self._draft.token_forwards - forwards, self._draft.token_seconds - seconds
+                started = time.perf_counter()
             sampled = self._runner.run(plan)
+            if self._draft is not None and forwards and plan.decode:  # what a drafted token costs, as measured
+                self._scheduler.observe_draft_cost(seconds / forwards, time.perf_counter() - started)
             finished = self._scheduler.commit(plan, sampled)
         except Exception:  # the step's sequences fail, their slots roll back to before their turn; others go on
             log.exception("model %s: engine step failed", self.name)

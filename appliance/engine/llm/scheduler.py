@@ -18,6 +18,8 @@ from core.errors import INVALID, OUT_OF_RANGE, ApplianceError, DeadlineExceeded,
 from appliance.engine.llm.prefix_index import Key, PrefixIndex
 from appliance.engine.llm.sequence import FinishReason, Sequence, SeqState
 from appliance.engine.llm.speculation import LookupDrafter, ModelDrafter, SpeculationSettings
+
+DRAFT_COST_WARMUP = 4  # drafting steps whose measured cost is left out (kernel set-up on first shapes)
 from appliance.engine.llm.slots import Acquired, Slot, SlotManager, SlotMove
 
 
@@ -101,6 +103,18 @@ class Scheduler:
         self.paused = False  # admit nobody (a weight swap waits for the running sequences to finish)
         self.prefixes = prefixes if prefixes is not None else PrefixIndex(0)
         self.speculation = speculation if speculation is not None and speculation.enabled else None
+        self.draft_cost: float | None = None  # a draft model's forward over a step, as the engine measured them
+        self._draft_observations = 0
+
+    def observe_draft_cost(self, forward_s: float, step_s: float) -> None:
+        """A step's time and its draft forwards' (per forward), measured by the engine: their ratio, smoothed, is
+        what a drafted token costs (speculation.best_draft_length). The first few are left out: a shape's first
+        forward sets up its kernels and costs many times a later one."""
+        self._draft_observations += 1
+        if step_s <= 0 or self._draft_observations <= DRAFT_COST_WARMUP:
+            return
+        cost = forward_s / step_s
+        self.draft_cost = cost if self.draft_cost is None else 0.8 * self.draft_cost + 0.2 * cost
 
     # -- intake ----------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -169,7 +183,7 @@ class Scheduler:
         if room <= 0:
             return
         if isinstance(seq.drafter, ModelDrafter):
-            row.draft_wanted = seq.drafter.wanted(room)
+            row.draft_wanted = seq.drafter.wanted_at_cost(room, self.draft_cost, len(self.running))
             self._draft_budget -= row.draft_wanted
         else:
             row.draft = seq.drafter.propose(slot.tokens, room)

@@ -29,6 +29,8 @@ class SpeculationSettings:
     draft_max: int = 8
     min_ngram: int = 3  # shorter matches propose too much that is wrong (measured on free answers)
     max_ngram: int = 4
+    cost_gate: bool = True  # draft: a draft only where its measured cost pays (best_draft_length); tests of the
+    # verification alone turn it off, so that a draft as dear as the target still drafts
 
     @property
     def enabled(self) -> bool:
@@ -71,8 +73,65 @@ class DraftLength:
             self.cooldown = self._miss_pause
 
 
+GATE_PAUSE = 64  # steps a sequence drafts nothing after the cost gate found that no draft pays; then one short
+# draft probes again (its forward and its acceptance measured anew): at most ~1.5 % of the steps' time where a draft
+# forward costs a whole step
+PRIOR_ACCEPTED, PRIOR_MISSES = 9, 1  # before a verified draft: 0.9 a token (a draft model is chosen to agree)
+
+
+def best_draft_length(acceptance: float, cost: float, rows: int, shortest: int, longest: int) -> int:
+    """The draft length that gives a step the most tokens per unit of time, 0 where none beats plain decoding.
+
+    A k-token draft of one row costs k draft forwards in front of a step of `rows` rows (cost: one draft forward's
+    time over one step's) and yields, expected, 1 + a + ... + a^k tokens for that row where plain decoding yields 1
+    (a: the chance that a drafted token is accepted, each in turn). Plain: `rows` tokens per step time; drafted:
+    rows - 1 + E(k) per (1 + k * cost) of it. Counting the whole forward against each row is the dear side: rows
+    drafting in one step share their forwards."""
+    best, best_ratio = 0, 1.0
+    for k in range(max(1, shortest), longest + 1):
+        expected = k + 1.0 if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+        ratio = (rows - 1 + expected) / (rows * (1.0 + k * cost))
+        if ratio > best_ratio:
+            best, best_ratio = k, ratio
+    return best
+
+
 class ModelDrafter(DraftLength):
-    """A sequence drafted by the draft model: the engine asks draft_model.DraftModel for `wanted` tokens."""
+    """A sequence drafted by the draft model: the engine asks draft_model.DraftModel for `wanted` tokens.
+
+    A draft model costs forwards of its own, unlike a lookup: where the engine has measured that cost, the length
+    is also held to what pays (best_draft_length, from the acceptance this sequence's drafts have had), and a
+    sequence whose drafts cannot pay drafts nothing for GATE_PAUSE steps, then drafts one short probe before the
+    gate looks again (as its first draft is)."""
+
+    def __init__(self, settings: SpeculationSettings):
+        super().__init__(settings)
+        self.misses = 0  # drafts cut short by a refused token
+        self._probe = True  # the next draft is a short one whatever the gate says: a sequence's first and the one
+        # after a gate pause (each measures the draft's cost and this sequence's acceptance anew)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        super().record(drafted, accepted)
+        if accepted < drafted:
+            self.misses += 1
+
+    @property
+    def acceptance(self) -> float:
+        """A drafted token's chance to be accepted (geometric: accepted tokens over accepted tokens and misses)."""
+        return (self.accepted + PRIOR_ACCEPTED) / (self.accepted + PRIOR_ACCEPTED + self.misses + PRIOR_MISSES)
+
+    def wanted_at_cost(self, room: int, cost: float | None, rows: int) -> int:
+        """wanted(room), held to what pays at `cost` (a draft forward's time over a step's; None: not measured)."""
+        want = self.wanted(room)
+        if not want or cost is None or not self.settings.cost_gate:
+            return want
+        if self._probe:
+            self._probe = False
+            return min(want, max(1, self.settings.draft_min))
+        best = best_draft_length(self.acceptance, cost, rows, self.settings.draft_min, want)
+        if best == 0:
+            self.cooldown, self._probe = GATE_PAUSE, True
+        return best
 
 
 class LookupDrafter(DraftLength):
