@@ -2,7 +2,7 @@
 without, against llama.cpp's default and llama.cpp with its prompt-lookup decoding, in one run.
 
     python bench/speculative.py [--model GGUF] [--draft-model GGUF] [--new-tokens 96] [--repeats 2] [--threads N]
-                                [--workloads extraction,free] [--no-llama-cpp]
+                                [--workloads extraction,free] [--no-llama-cpp] [--isa avx2|avxvnni|native]
 
 Workloads (greedy chat turns on the demo model unless --model says otherwise):
   extraction  alarm texts with fields to copy out (tag, limit, value, unit) into a fixed line format;
@@ -34,6 +34,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# first: --isa's environment is set before torch loads (as bench/ttft.py: generate.py reads --isa from argv)
+from generate import isa_banner  # noqa: E402
 
 from appliance.engine.llm.service import GenerativeModelService  # noqa: E402
 from appliance.engine.llm.settings import GenerativeSettings  # noqa: E402
@@ -157,6 +161,7 @@ async def main_async(args) -> None:
     modes = ("off", "lookup", "draft") if args.draft_model else ("off", "lookup")
     if args.draft_model:
         print(f"draft model: {Path(args.draft_model).name} drafting for {model.name}")
+    print(isa_banner(args.isa))
     print(f"model: {model.name}; {args.new_tokens} new tokens at most per answer; threads {args.threads or 'all'}; "
           f"best of {args.repeats}, on and off interleaved")
     figures: dict[tuple[str, str], float] = {}
@@ -235,6 +240,8 @@ def main() -> None:
     ap.add_argument("--compile", default="off", choices=("off", "on", "auto"))
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "appliance-bench"))
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--isa", default="native", help="emulate a CPU whose best is this ISA (as bench/generate.py: "
+                    "ours and torch; llama.cpp stays its native build)")
     args = ap.parse_args()
     asyncio.run(main_async(args))
 
