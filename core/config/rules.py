@@ -160,15 +160,23 @@ def path_rule() -> Scalar:
     return dataclasses.replace(text("a path"), convert=resolve_path)
 
 
-def endpoint_check(v: Any, expect: str) -> str | None:
+def opc_tcp_url(v: Any):
+    """v split as an opc.tcp URL with a host and a port in 1-65535 (urllib's SplitResult), or None."""
     if not isinstance(v, str):
-        return f"expected {expect}, got {shown(v)}"
+        return None
     try:
         url = urlsplit(v)
         port = url.port
     except ValueError:
-        return f"expected {expect}, got {shown(v)}"
+        return None
     if url.scheme != "opc.tcp" or not url.hostname or port is None or not 1 <= port <= 65535:
+        return None
+    return url
+
+
+def endpoint_check(v: Any, expect: str) -> str | None:
+    url = opc_tcp_url(v)
+    if url is None:
         return f"expected {expect}, got {shown(v)}"
     if url.path not in ("", "/") or url.query or url.fragment or url.username:
         return f"expected {expect} without a path, query or user, got {shown(v)}"

@@ -18,12 +18,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from yaml.nodes import Node, ScalarNode, SequenceNode
 
 from core.node_ref import NodeRef, NodeRefError, parse_browse_path, parse_node_id
-from .rules import ListOf, Scalar, boolean, choice, integer, is_host, number, optional, required, setting, text
+from .rules import (ListOf, Scalar, boolean, choice, integer, is_host, number, opc_tcp_url, optional, required, setting,
+                    text)
 from .yaml_walk import INVALID, Context, as_mapping, key_path, mapping_items, named_items, parse_fields, shown
 
 SOURCE_POLICIES = ("Basic256Sha256", "Aes128_Sha256_RsaOaep", "Aes256_Sha256_RsaPss", "None")
@@ -34,15 +34,8 @@ _USER = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 
 def _source_endpoint_check(v: Any, expect: str) -> str | None:
     """opc.tcp://HOST:PORT[/path]: a server's endpoint may have a path (open62541, asyncua: /freeopcua/server/)."""
-    if not isinstance(v, str):
-        return f"expected {expect}, got {shown(v)}"
-    try:
-        url = urlsplit(v)
-        port = url.port
-    except ValueError:
-        return f"expected {expect}, got {shown(v)}"
-    if url.scheme != "opc.tcp" or not url.hostname or port is None or not 1 <= port <= 65535 \
-            or not is_host(url.hostname) or url.username or url.query or url.fragment:
+    url = opc_tcp_url(v)
+    if url is None or not is_host(url.hostname) or url.username or url.query or url.fragment:
         return f"expected {expect}, got {shown(v)}"
     return None
 
